@@ -1,0 +1,184 @@
+"""Host tier: the offloaded KV of one layer in (pinned) host memory, plus its per-entry metadata."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+
+class HostMemoryError(MemoryError):
+    """The host tier could not grow: host memory (or pinned memory) is exhausted."""
+
+
+class HostTier:
+    """Offloaded KV of one layer, growable by whole blocks with amortized O(1) appends.
+
+    Storage (capacity `cap` rows, the first `rows` live; rows are always a whole number of blocks):
+        keys, values: [B, Hkv, cap, D]   model dtype, pinned when the hot tier is on CUDA
+        valid:        [B, cap] bool      False for padding rows (left padding of ragged batches)
+        key_min/max:  [B, Hkv, cap // block_size, D]  per-block per-dim key digest (quest)
+        maw:          [B, Hq, cap] float32            moving average of attention weights (hgca)
+
+    Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
+    and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        num_q_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int,
+        pin: bool,
+        keep_digest: bool,
+        keep_maw: bool,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.batch, self.num_kv_heads, self.num_q_heads = batch, num_kv_heads, num_q_heads
+        self.head_dim, self.dtype, self.block_size = head_dim, dtype, block_size
+        self.pin, self.keep_digest, self.keep_maw = pin, keep_digest, keep_maw
+        self.stream = stream
+        self.rows = 0
+        self.capacity = 0
+        self.keys = self.values = self.valid = None
+        self.key_min = self.key_max = self.maw = None
+        self.last_event: torch.cuda.Event | None = None
+        self._pending_sources: list[torch.Tensor] = []
+
+    # ---- storage -------------------------------------------------------------------------------------------
+    def _empty(self, shape, dtype) -> torch.Tensor:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        except RuntimeError as err:  # pinned allocations fail with RuntimeError, not MemoryError
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise HostMemoryError(
+                f"cannot allocate {nbytes / 2**30:.2f} GiB of {'pinned ' if self.pin else ''}host memory for "
+                f"the Tandem host tier ({err}); reduce the batch size or context length"
+            ) from err
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` live rows; grows geometrically so appends stay amortized O(1)."""
+        if rows <= self.capacity:
+            return
+        self.wait()  # the old buffers may still be the target of an async copy
+        bs = self.block_size
+        new_cap = max(rows, int(self.capacity * 1.5), 64 * bs)
+        new_cap = -(-new_cap // bs) * bs
+        b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
+        try:
+            grown = {
+                "keys": self._empty((b, hkv, new_cap, d), self.dtype),
+                "values": self._empty((b, hkv, new_cap, d), self.dtype),
+                "valid": self._empty((b, new_cap), torch.bool),
+            }
+            if self.keep_digest:
+                grown["key_min"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
+                grown["key_max"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
+            if self.keep_maw:
+                grown["maw"] = self._empty((b, hq, new_cap), torch.float32)
+        except MemoryError as err:
+            if isinstance(err, HostMemoryError):
+                raise
+            raise HostMemoryError(f"host memory exhausted growing the Tandem host tier to {new_cap} rows") from err
+        used_blocks = self.rows // bs
+        for name, new in grown.items():
+            old = getattr(self, name)
+            if old is not None and self.rows:
+                used = used_blocks if name in ("key_min", "key_max") else self.rows
+                row_dim = 1 if new.dim() == 2 else 2
+                new.narrow(row_dim, 0, used).copy_(old.narrow(row_dim, 0, used))
+            setattr(self, name, new)
+        self.capacity = new_cap
+
+    # ---- appends -------------------------------------------------------------------------------------------
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        maw: torch.Tensor | None = None,
+    ) -> int:
+        """Append whole blocks of rows; returns the first new row index.
+
+        keys/values: [B, Hkv, n, D] with n a multiple of block_size (any device); valid: [B, n] bool;
+        maw: [B, Hq, n] float32 or None.
+        """
+        n = keys.shape[2]
+        bs = self.block_size
+        assert n % bs == 0, "the host tier takes whole blocks"
+        first = self.rows
+        self.reserve(first + n)
+        digest = None
+        if self.keep_digest:
+            digest = _block_digest(keys, valid, bs)  # computed where the keys are (GPU when evicting)
+        sources = [keys, values, valid] + ([maw] if self.keep_maw else []) + (list(digest) if digest else [])
+        on_cuda = keys.is_cuda and self.stream is not None
+        ctx = torch.cuda.stream(self.stream) if on_cuda else nullcontext()
+        if on_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(keys.device))
+        with ctx:
+            nb = on_cuda
+            self.keys[:, :, first : first + n].copy_(keys, non_blocking=nb)
+            self.values[:, :, first : first + n].copy_(values, non_blocking=nb)
+            self.valid[:, first : first + n].copy_(valid, non_blocking=nb)
+            if self.keep_maw:
+                src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
+                self.maw[:, :, first : first + n].copy_(src, non_blocking=nb)
+            if digest is not None:
+                b0, b1 = first // bs, (first + n) // bs
+                self.key_min[:, :, b0:b1].copy_(digest[0], non_blocking=nb)
+                self.key_max[:, :, b0:b1].copy_(digest[1], non_blocking=nb)
+        if on_cuda:
+            for src in sources:
+                if src is not None and src.is_cuda:
+                    src.record_stream(self.stream)  # keep the source alive until the copy is done
+            self.last_event = torch.cuda.Event()
+            self.last_event.record(self.stream)
+        self.rows = first + n
+        return first
+
+    def wait(self) -> None:
+        """Block the calling CPU thread until every pending copy into host memory has landed."""
+        if self.last_event is not None:
+            self.last_event.synchronize()
+            self.last_event = None
+
+    # ---- views ---------------------------------------------------------------------------------------------
+    def live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, valid) of the live rows, as views."""
+        n = self.rows
+        return self.keys[:, :, :n], self.values[:, :, :n], self.valid[:, :n]
+
+    def digest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = self.rows // self.block_size
+        return self.key_min[:, :, :nb], self.key_max[:, :, :nb]
+
+    def valid_rows(self) -> torch.Tensor:
+        """[B] number of non-padding live rows per request."""
+        if self.rows == 0:
+            return torch.zeros(self.batch, dtype=torch.long)
+        return self.valid[:, : self.rows].sum(dim=1)
+
+    def nbytes(self) -> int:
+        """Bytes held in host memory by this tier (allocated capacity, all buffers)."""
+        total = 0
+        for name in ("keys", "values", "valid", "key_min", "key_max", "maw"):
+            t = getattr(self, name)
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _block_digest(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """Per-block per-dim min/max of keys over non-padding rows: [B, Hkv, n/bs, D] each."""
+    b, hkv, n, d = keys.shape
+    mask = valid[:, None, :, None]
+    kmin = keys.masked_fill(~mask, float("inf")).view(b, hkv, n // block_size, block_size, d).amin(dim=3)
+    kmax = keys.masked_fill(~mask, float("-inf")).view(b, hkv, n // block_size, block_size, d).amax(dim=3)
+    return kmin, kmax
+
+

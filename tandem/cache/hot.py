@@ -1,0 +1,105 @@
+"""Hot tier: sinks + the recent window of one layer on the compute device, in a preallocated ring of blocks."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HotTier:
+    """Fixed-size device storage: `sink_slots` slots for the first tokens, then `ring_blocks` blocks of
+    `block_size` slots used as a FIFO ring for the recent window. Nothing is reallocated after creation.
+
+    Storage:
+        keys, values: [B, Hkv, slots, D]
+        valid:        [B, slots] bool     True where a slot holds a real (non-padding) token
+        maw:          [B, Hq, slots] float32   moving average of attention weights (hgca only)
+
+    The physical slot order is not the token order (the ring wraps); attention over the hot tier is
+    order-free, and `ordered_ring()` gives the token order when blocks leave for the host tier.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        num_q_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sink_slots: int,
+        ring_blocks: int,
+        block_size: int,
+        keep_maw: bool,
+    ) -> None:
+        self.sink_slots, self.ring_blocks, self.block_size = sink_slots, ring_blocks, block_size
+        slots = sink_slots + ring_blocks * block_size
+        # zeros, not empty: unused slots are masked, but must never hold NaN/Inf that a matmul could spread
+        self.keys = torch.zeros(batch, num_kv_heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+        self.maw = torch.zeros(batch, num_q_heads, slots, device=device) if keep_maw else None
+        self.sink_used = 0
+        self.order: list[int] = []  # ring blocks holding tokens, oldest first
+        self.tail_fill = 0  # tokens in the newest block
+        self.free: list[int] = list(range(ring_blocks))
+        self._reuse_after: dict[int, torch.cuda.Event] = {}  # block -> event of its copy to the host
+
+    @property
+    def ring_tokens(self) -> int:
+        return (len(self.order) - 1) * self.block_size + self.tail_fill if self.order else 0
+
+    def block_start(self, block: int) -> int:
+        return self.sink_slots + block * self.block_size
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Store tokens [B, Hkv, n, D] in consecutive slots from `slot`."""
+        n = keys.shape[2]
+        self.keys[:, :, slot : slot + n].copy_(keys)
+        self.values[:, :, slot : slot + n].copy_(values)
+        self.valid[:, slot : slot + n].copy_(valid)
+        if self.maw is not None:
+            self.maw[:, :, slot : slot + n].zero_()
+
+    def take_free_block(self) -> int:
+        block = self.free.pop(0)
+        event = self._reuse_after.pop(block, None)
+        if event is not None:
+            # the GPU (not the CPU) waits until the block's copy to the host has read it
+            torch.cuda.current_stream(self.keys.device).wait_event(event)
+        start = self.block_start(block)
+        self.valid[:, start : start + self.block_size] = False  # stale entries now live in the host tier
+        return block
+
+    def release(self, blocks: list[int], event: torch.cuda.Event | None) -> None:
+        for block in blocks:
+            if event is not None:
+                self._reuse_after[block] = event
+            self.free.append(block)
+
+    def ordered_ring(self):
+        """(keys, values, valid, maw) of the ring's tokens in token order, as new tensors."""
+        parts = []
+        for i, block in enumerate(self.order):
+            start = self.block_start(block)
+            n = self.tail_fill if i == len(self.order) - 1 else self.block_size
+            parts.append(slice(start, start + n))
+        if not parts:
+            return None
+        keys = torch.cat([self.keys[:, :, s] for s in parts], dim=2)
+        values = torch.cat([self.values[:, :, s] for s in parts], dim=2)
+        valid = torch.cat([self.valid[:, s] for s in parts], dim=1)
+        maw = torch.cat([self.maw[:, :, s] for s in parts], dim=2) if self.maw is not None else None
+        return keys, values, valid, maw
+
+    def block_view(self, block: int):
+        s = slice(self.block_start(block), self.block_start(block) + self.block_size)
+        maw = self.maw[:, :, s] if self.maw is not None else None
+        return self.keys[:, :, s], self.values[:, :, s], self.valid[:, s], maw
+
+    def valid_counts(self) -> torch.Tensor:
+        """[B] number of real tokens in the hot tier per request."""
+        return self.valid.sum(dim=1)
+
+    def nbytes(self) -> int:
+        tensors = [self.keys, self.values, self.valid] + ([self.maw] if self.maw is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)

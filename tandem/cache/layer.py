@@ -1,0 +1,134 @@
+"""One layer's tiered KV cache: hot tier on the compute device, host tier in host memory, eviction between them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..policies import make_policy
+from .host import HostTier
+from .hot import HotTier
+
+
+class LayerKV:
+    """Tiered KV of one attention layer.
+
+    Token flow: the first `sink_tokens` slots (widened by the longest left padding of the first prompt, so every
+    request keeps that many real sink tokens) stay on the device for good; later tokens enter a ring of
+    `ceil(window / block_size) + 1` blocks; when the ring is full its oldest block moves to the host tier.
+    A long append sends the tokens that would only pass through the ring straight to the host tier.
+    """
+
+    def __init__(self, config, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 side_streams: dict | None = None) -> None:
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.policy = make_policy(config)
+        self.hot: HotTier | None = None
+        self.host: HostTier | None = None
+        self.seq_len = 0  # slots stored (padding included), as the model counts positions
+        self._side_streams = side_streams if side_streams is not None else {}
+        # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
+        self.rows_attended = 0
+        self.rows_available = 0
+        self.decode_steps = 0
+
+    @property
+    def initialized(self) -> bool:
+        return self.hot is not None
+
+    def initialize(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Allocate both tiers from the first append: keys [B, Hkv, m, D], valid [B, m]."""
+        batch, num_kv_heads, prompt_len, head_dim = keys.shape
+        cfg = self.config
+        if num_kv_heads != self.num_kv_heads or head_dim != self.head_dim:
+            raise ValueError(
+                f"layer {self.layer_idx}: keys have {num_kv_heads} heads of dim {head_dim}, the cache was built "
+                f"for {self.num_kv_heads} heads of dim {self.head_dim}"
+            )
+        max_pad = int((~valid).sum(dim=1).max()) if prompt_len else 0
+        window = cfg.window_for_prompt(prompt_len - max_pad)
+        ring_blocks = math.ceil(window / cfg.block_size) + 1
+        needs_maw = self.policy.needs_maw
+        self.hot = HotTier(
+            batch, num_kv_heads, self.num_q_heads, head_dim, keys.dtype, keys.device,
+            sink_slots=cfg.sink_tokens + max_pad, ring_blocks=ring_blocks, block_size=cfg.block_size,
+            keep_maw=needs_maw,
+        )
+        stream = None
+        if keys.is_cuda:
+            stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
+        self.host = HostTier(
+            batch, num_kv_heads, self.num_q_heads, head_dim, keys.dtype, cfg.block_size,
+            pin=keys.is_cuda, keep_digest=self.policy.needs_digest, keep_maw=needs_maw, stream=stream,
+        )
+
+    # ---- appends -------------------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Store new tokens [B, Hkv, m, D] (valid [B, m]) after everything already cached."""
+        if not self.initialized:
+            self.initialize(keys, valid)
+        hot = self.hot
+        m = keys.shape[2]
+        self.seq_len += m
+        pos = 0
+        if hot.sink_used < hot.sink_slots:
+            pos = min(m, hot.sink_slots - hot.sink_used)
+            hot.write(hot.sink_used, keys[:, :, :pos], values[:, :, :pos], valid[:, :pos])
+            hot.sink_used += pos
+        if pos == m:
+            return
+        bs = hot.block_size
+        ring_tokens = hot.ring_tokens
+        incoming = m - pos
+        evict_tokens = max(0, math.ceil((ring_tokens + incoming) / bs) - hot.ring_blocks) * bs
+        if evict_tokens and evict_tokens >= ring_tokens:
+            # the whole ring and the first new tokens leave: one host append, then refill the ring from block 0
+            direct = evict_tokens - ring_tokens
+            sl = slice(pos, pos + direct)
+            evicted = [keys[:, :, sl], values[:, :, sl], valid[:, sl], None]
+            if hot.maw is not None:  # new tokens have no attention history yet
+                evicted[3] = torch.zeros(keys.shape[0], self.num_q_heads, direct, device=keys.device)
+            if ring_tokens:
+                ring = hot.ordered_ring()
+                evicted = [r if r is None else torch.cat([r, e], dim=-1 if r.dim() == 2 else 2)
+                           for r, e in zip(ring, evicted)]
+            self._evict(*evicted)
+            hot.release(hot.order, self.host.last_event)
+            hot.order, hot.tail_fill = [], 0
+            pos += direct
+        else:
+            for _ in range(evict_tokens // bs):  # evict whole oldest blocks
+                block = hot.order.pop(0)
+                self._evict(*hot.block_view(block))
+                hot.release([block], self.host.last_event)
+        self._fill_ring(keys[:, :, pos:], values[:, :, pos:], valid[:, pos:])
+
+    def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        hot = self.hot
+        bs = hot.block_size
+        done, total = 0, keys.shape[2]
+        while done < total:
+            if not hot.order or hot.tail_fill == bs:
+                hot.order.append(hot.take_free_block())
+                hot.tail_fill = 0
+            n = min(bs - hot.tail_fill, total - done)
+            slot = hot.block_start(hot.order[-1]) + hot.tail_fill
+            hot.write(slot, keys[:, :, done : done + n], values[:, :, done : done + n], valid[:, done : done + n])
+            hot.tail_fill += n
+            done += n
+
+    def _evict(self, keys, values, valid, maw) -> None:
+        hot_counts = self.hot.valid_counts()
+        first = self.host.append(keys, values, valid, maw)
+        self.policy.on_evict(self, first, maw, valid, hot_counts)
+
+    # ---- sizes ---------------------------------------------------------------------------------------------
+    def hot_nbytes(self) -> int:
+        return self.hot.nbytes() if self.hot is not None else 0
+
+    def host_nbytes(self) -> int:
+        return self.host.nbytes() if self.host is not None else 0
+

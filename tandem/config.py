@@ -1,0 +1,114 @@
+"""`TandemConfig`: every knob of the cache and of hybrid attention, validated in one place."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+POLICIES = ("full", "streaming", "hgca", "quest")
+
+
+def default_cpu_threads() -> int:
+    """All cores but one: that one launches GPU work (DESIGN.md, 'Where the work runs')."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def _fail(name: str, value, allowed: str) -> None:
+    raise ValueError(f"TandemConfig.{name}={value!r} is out of range: allowed {allowed}")
+
+
+@dataclass
+class TandemConfig:
+    """Configuration of a Tandem cache.
+
+    Attributes:
+        policy: which offloaded (host) entries each head attends during decode: `full` (all), `streaming`
+            (none: sinks + window only), `hgca` (moving-average attention weight above `beta / n`, per head),
+            `quest` (top `budget` fraction of blocks by the min/max key bound, per KV head).
+        sink_tokens: first tokens of every sequence kept on the compute device for good.
+        window_tokens: recent tokens kept on the compute device. An int is a token count; a float in (0, 1)
+            is a fraction of the first prompt's length (at least one block).
+        block_size: tokens per block: the unit of eviction and of the `quest` key digests.
+        budget: for `quest`, the fraction of offloaded entries a KV head may attend, in (0, 1].
+        beta: for `hgca`, the salience threshold factor (entries with MAW > beta / n are attended).
+        maw_alpha: for `hgca`, weight of the newest step in the moving average of attention weights.
+        observation_tokens: for `hgca`, how many final prompt tokens score the prompt's entries after a
+            prefill or append (their mean attention weight starts each entry's MAW).
+        prefill_chunk: query tokens per chunk of a prefill/append, so no full attention matrix is built.
+        cpu_threads: threads for CPU attention (default: all cores but one).
+        device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
+
+    Example:
+        >>> cfg = TandemConfig(policy="quest", budget=0.05, window_tokens=512)
+        >>> cfg.block_size
+        16
+    """
+
+    policy: str = "hgca"
+    sink_tokens: int = 64
+    window_tokens: int | float = 256
+    block_size: int = 16
+    budget: float = 0.05
+    beta: float = 1.0
+    maw_alpha: float = 0.1
+    observation_tokens: int = 32
+    prefill_chunk: int = 2048
+    cpu_threads: int | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            _fail("policy", self.policy, "one of " + ", ".join(POLICIES))
+        self._check_int("sink_tokens", 0, 1 << 20)
+        if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, (int, float)):
+            _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        if isinstance(self.window_tokens, float):
+            if not 0.0 < self.window_tokens < 1.0:
+                _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        elif self.window_tokens < 1:
+            _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        self._check_int("block_size", 1, 4096)
+        self._check_float("budget", 0.0, 1.0, "(0, 1]", low_open=True)
+        self._check_float("beta", 0.0, math.inf, "(0, inf)", low_open=True)
+        self._check_float("maw_alpha", 0.0, 1.0, "(0, 1]", low_open=True)
+        self._check_int("observation_tokens", 1, 1 << 16)
+        self._check_int("prefill_chunk", 1, 1 << 24)
+        if self.cpu_threads is None:
+            self.cpu_threads = default_cpu_threads()
+        self._check_int("cpu_threads", 1, 4096)
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            _fail("device", self.device, '"auto", "cpu", "cuda" or "cuda:N"')
+
+    def _check_int(self, name: str, low: int, high: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            _fail(name, value, f"an integer in [{low}, {high}]")
+
+    def _check_float(self, name: str, low: float, high: float, text: str, low_open: bool) -> None:
+        value = getattr(self, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high
+        ok = ok and (value > low if low_open else value >= low)
+        if not ok:
+            _fail(name, value, text)
+        setattr(self, name, float(value))
+
+    def window_for_prompt(self, prompt_tokens: int) -> int:
+        """Window size in tokens once the first prompt's length is known."""
+        if isinstance(self.window_tokens, float):
+            return max(self.block_size, math.ceil(self.window_tokens * prompt_tokens))
+        return self.window_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

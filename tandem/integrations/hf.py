@@ -1,0 +1,252 @@
+"""Hugging Face transformers drop-in: a `Cache` subclass and a registered attention function.
+
+Only public extension points are used: `Cache` / `CacheLayerMixin` subclasses, `AttentionInterface.register`
+and `AttentionMaskInterface.register`. The layer's `update` hands its tiered cache to the attention function
+by tagging the key tensor it returns, because a model passes what `update` returned straight to the attention
+function (transformers 5.17 passes no other per-call state to `update`). Both sides check the hand-off.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..attention import TaskPool, attend
+from ..cache import LayerKV
+from ..config import TandemConfig
+
+ATTENTION_NAME = "tandem"
+_HANDOFF = "_tandem_layer"
+
+
+class TandemLayer(CacheLayerMixin):
+    """One decoder layer's slot in `TandemCache`; the KV itself lives in `self.kv` (a `LayerKV`)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, kv: LayerKV, pool: TaskPool, max_positions: int | None) -> None:
+        super().__init__()
+        self.kv = kv
+        self.pool = pool
+        self.max_positions = max_positions
+        self.pending = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.pending:
+            raise RuntimeError(
+                f"TandemCache layer {self.kv.layer_idx} was updated twice without the '{ATTENTION_NAME}' attention "
+                "function running in between: create the cache with TandemCache.for_model(model, config), which "
+                f"sets model attention to '{ATTENTION_NAME}', and do not change it afterwards"
+            )
+        total = self.kv.seq_len + key_states.shape[2]
+        if self.max_positions is not None and total > self.max_positions:
+            raise ValueError(
+                f"context of {total} tokens exceeds the model's maximum of {self.max_positions} positions "
+                "(config.max_position_embeddings); shorten the prompt or max_new_tokens"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = True
+        setattr(key_states, _HANDOFF, self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.kv.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        kv = self.kv
+        self.kv = LayerKV(kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams)
+        self.pending = False
+
+    def offload(self) -> None:  # the host tier already is the offload; nothing to move
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"TandemCache does not support {what} (use greedy or sampling decoding)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop (assisted / speculative decoding)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("num_return_sequences > 1; repeat the prompt in the batch instead")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("batch selection")
+
+
+class TandemCache(Cache):
+    """KV cache split between the compute device (sinks + recent window) and host memory (everything older),
+    with hybrid GPU/CPU attention.
+
+    Example:
+        >>> from tandem import TandemCache, TandemConfig, load_model
+        >>> model, tok = load_model()
+        >>> cache = TandemCache.for_model(model, TandemConfig(policy="hgca"))
+        >>> ids = tok("The capital of France is", return_tensors="pt").input_ids
+        >>> out = model.generate(ids, max_new_tokens=8, do_sample=False, **generate_cache_kwargs(model, cache))
+    """
+
+    def __init__(
+        self,
+        config: TandemConfig,
+        num_layers: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_positions: int | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = TaskPool(config.cpu_threads)
+        streams: dict = {}
+        layers = [
+            TandemLayer(LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams), self.pool, max_positions)
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
+        """Build a cache for `model` and switch the model's attention to Tandem's (public API only)."""
+        config = config if config is not None else TandemConfig()
+        text_config = model.config.get_text_config(decoder=True)
+        check_supported(text_config)
+        _check_device(model, config)
+        register()
+        if model.config._attn_implementation != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+        num_q_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+        return cls(
+            config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim,
+            getattr(text_config, "max_position_embeddings", None),
+        )
+
+    def tandem_layers(self) -> list[LayerKV]:
+        return [layer.kv for layer in self.layers]
+
+    def stats(self) -> dict:
+        """Sizes of both tiers and how much of the host tier decode attended."""
+        kvs = self.tandem_layers()
+        attended = sum(kv.rows_attended for kv in kvs)
+        available = sum(kv.rows_available for kv in kvs)
+        return {
+            "policy": self.config.policy,
+            "tokens": kvs[0].seq_len if kvs else 0,
+            "host_rows": kvs[0].host.rows if kvs and kvs[0].host is not None else 0,
+            "hot_bytes": sum(kv.hot_nbytes() for kv in kvs),
+            "host_bytes": sum(kv.host_nbytes() for kv in kvs),
+            "mean_fraction_attended": attended / available if available else None,
+        }
+
+
+def check_supported(text_config) -> None:
+    """Raise ValueError unless every layer is a full (global) causal self-attention layer."""
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise ValueError("unsupported model: encoder-decoder models are not supported (decoder-only models only)")
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(text_config, "sliding_window", None)
+        use_sliding = getattr(text_config, "use_sliding_window", True)
+        layer_types = ["sliding_attention" if sliding and use_sliding else "full_attention"]
+    bad = sorted({t for t in layer_types if t != "full_attention"})
+    if bad:
+        raise ValueError(
+            f"unsupported attention type {', '.join(repr(t) for t in bad)} in model type "
+            f"'{getattr(text_config, 'model_type', '?')}': Tandem supports models whose layers are all "
+            "'full_attention' (e.g. Llama, Qwen2, Mistral without sliding window)"
+        )
+
+
+def _check_device(model, config: TandemConfig) -> None:
+    device = next(model.parameters()).device
+    if config.device == "auto":
+        return
+    wanted = torch.device(config.device)
+    if wanted.type != device.type or (wanted.index is not None and wanted.index != device.index):
+        raise ValueError(
+            f"TandemConfig.device={config.device!r} but the model is on {device}; move the model there or use "
+            "device='auto' (the hot tier follows the model)"
+        )
+
+
+def generate_cache_kwargs(model, cache: Cache) -> dict:
+    """`{"cache": cache}` on transformers versions that renamed the argument, else `{"past_key_values": cache}`."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+# ---- attention + mask functions ------------------------------------------------------------------------------
+def tandem_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered as attention implementation 'tandem'. Returns ([B, Lq, Hq, D], None)."""
+    layer = key.__dict__.pop(_HANDOFF, None)
+    if layer is None:  # a non-Tandem cache (or none): exact SDPA, so the same model still runs with DynamicCache
+        return _sdpa_fallback(query, key, value, attention_mask, scaling)
+    layer.pending = False
+    batch, _, q_len, _ = query.shape
+    if attention_mask is None:
+        valid = torch.ones(batch, q_len, dtype=torch.bool, device=query.device)
+    elif attention_mask.dim() == 2:
+        valid = attention_mask[:, -q_len:].to(device=query.device, dtype=torch.bool)
+    else:
+        raise ValueError(
+            f"TandemCache takes a 2-D padding attention_mask [batch, tokens]; got shape {tuple(attention_mask.shape)}"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(layer.kv, query, key, value, valid, scale, layer.pool)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def tandem_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                attention_mask=None, **kwargs):
+    """Registered mask builder for 'tandem': hands the 2-D padding mask through (None when there is none)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    return attention_mask[:, -kv_length:]
+
+
+def _sdpa_fallback(query, key, value, attention_mask, scaling):
+    """Exact causal SDPA with the 2-D padding mask, for models set to 'tandem' but run with another cache."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask
+    else:
+        if attention_mask is None:
+            pad = torch.ones(query.shape[0], kv_len, dtype=torch.bool, device=query.device)
+        else:
+            pad = attention_mask[:, -kv_len:].to(dtype=torch.bool, device=query.device)
+        qpos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        kpos = torch.arange(kv_len, device=query.device)[None, :]
+        mask = (((kpos <= qpos)[None] & pad[:, None, :]) | (kpos == qpos)[None])[:, None]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register Tandem's attention and mask functions under the name 'tandem' (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, tandem_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, tandem_mask)

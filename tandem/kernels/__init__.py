@@ -1,0 +1,1 @@
+"""Kernels: plain-torch references (`reference`), launchers (`ops`), compiled CPU kernels (`cpu`)."""

@@ -1,0 +1,118 @@
+"""Kernel launchers: validate inputs (naming the bad argument), then pick the implementation.
+
+Orchestration code calls these, never a raw kernel. CPU work goes to the compiled kernels of
+`tandem.kernels.cpu` when they are available, otherwise to the plain-torch `reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+try:  # the compiled CPU kernels are optional: without a compiler the reference runs
+    from . import cpu as _native
+except ImportError:  # pragma: no cover - only when the subpackage is absent
+    _native = None
+
+
+def native_cpu_available() -> bool:
+    return _native is not None and callable(getattr(_native, "is_available", None)) and _native.is_available()
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check(t.dim() == 4, f"{name} must be 4-D [B, heads, tokens, head_dim], got shape {tuple(t.shape)}")
+        _check(t.dtype in FLOAT_DTYPES, f"{name}.dtype must be float32, float16 or bfloat16, got {t.dtype}")
+    _check(k.shape == v.shape, f"{k_name} and {v_name} must have the same shape: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _check(k.dtype == v.dtype, f"{k_name} and {v_name} must have the same dtype: {k.dtype} vs {v.dtype}")
+    _check(q.shape[0] == k.shape[0], f"batch of q ({q.shape[0]}) and {k_name} ({k.shape[0]}) differ")
+    _check(q.shape[3] == k.shape[3], f"head_dim of q ({q.shape[3]}) and {k_name} ({k.shape[3]}) differ")
+    _check(
+        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+        f"q heads ({q.shape[1]}) must be a multiple of {k_name} heads ({k.shape[1]})",
+    )
+    _check(k.device == v.device, f"{k_name} is on {k.device} but {v_name} is on {v.device}")
+
+
+def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = False):
+    """Dense attention with LSE on the tensors' device. See `reference.attention_lse`."""
+    _check_qkv(q, k, v, "k", "v")
+    _check(q.device == k.device, f"q is on {q.device} but k is on {k.device}")
+    if key_mask is not None:
+        _check(key_mask.dtype == torch.bool, f"key_mask must be bool, got {key_mask.dtype}")
+        _check(
+            key_mask.shape in ((k.shape[0], k.shape[2]), (k.shape[0], q.shape[2], k.shape[2])),
+            f"key_mask must be [B, T] or [B, Lq, T] = {(k.shape[0], k.shape[2])}, got {tuple(key_mask.shape)}",
+        )
+    return reference.attention_lse(q, k, v, scale, key_mask, return_weights)
+
+
+def merge_lse(out_a, lse_a, out_b, lse_b):
+    """Exact LSE merge of two partial attentions. See `reference.merge_lse`."""
+    _check(out_a.shape == out_b.shape, f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} differ")
+    _check(lse_a.shape == lse_b.shape == out_a.shape[:-1], "lse_a / lse_b must be out's shape without head_dim")
+    return reference.merge_lse(out_a, lse_a, out_b, lse_b)
+
+
+def sparse_attention_lse(
+    q, k_store, v_store, indices, lengths, scale: float, key_mask=None, block_size=None, num_threads=None
+):
+    """Attention over selected rows (or blocks) of a host KV store. See `reference.sparse_attention_lse`."""
+    _check_qkv(q, k_store, v_store, "k_store", "v_store")
+    batch, num_kv_heads = k_store.shape[:2]
+    _check(
+        indices.dim() == 3 and tuple(indices.shape[:2]) == (batch, num_kv_heads),
+        f"indices must be [B, Hkv, S] = [{batch}, {num_kv_heads}, S], got {tuple(indices.shape)}",
+    )
+    _check(indices.dtype == torch.long, f"indices must be int64, got {indices.dtype}")
+    _check(
+        tuple(lengths.shape) == (batch, num_kv_heads), f"lengths must be [B, Hkv], got {tuple(lengths.shape)}"
+    )
+    if key_mask is not None:
+        _check(
+            tuple(key_mask.shape) == (batch, k_store.shape[2]) and key_mask.dtype == torch.bool,
+            f"key_mask must be bool [B, cap] = {(batch, k_store.shape[2])}, got {tuple(key_mask.shape)}",
+        )
+    if block_size is not None:
+        _check(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+    if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
+        return _native.sparse_attention_lse(
+            q, k_store, v_store, indices, lengths, scale, key_mask=key_mask, block_size=block_size,
+            num_threads=num_threads,
+        )
+    return reference.sparse_attention_lse(q, k_store, v_store, indices, lengths, scale, key_mask, block_size)
+
+
+def block_scores(q, key_min, key_max, num_threads=None):
+    """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
+    _check(key_min.shape == key_max.shape, "key_min and key_max must have the same shape")
+    _check(key_min.dim() == 4, f"key_min must be [B, Hkv, nblk, D], got {tuple(key_min.shape)}")
+    if native_cpu_available() and not q.is_cuda and not key_min.is_cuda:
+        return _native.block_scores(q, key_min, key_max, num_threads=num_threads)
+    return reference.block_scores(q, key_min, key_max)
+
+
+def topk_blocks(scores, k: int, num_threads=None):
+    """Top-k block ids per (request, KV head), ascending. See `reference.topk_blocks`."""
+    _check(k >= 0, f"k must be >= 0, got {k}")
+    if native_cpu_available() and not scores.is_cuda:
+        return _native.topk_blocks(scores, k, num_threads=num_threads)
+    return reference.topk_blocks(scores, k)
+
+
+def threshold_select(maw, threshold, num_kv_heads: int, num_rows: int, num_threads=None):
+    """HGCA salient rows per KV head. See `reference.threshold_select`."""
+    _check(maw.dim() == 3, f"maw must be [B, Hq, N], got {tuple(maw.shape)}")
+    _check(maw.shape[1] % num_kv_heads == 0, f"maw heads ({maw.shape[1]}) must be a multiple of {num_kv_heads}")
+    if native_cpu_available() and not maw.is_cuda:
+        return _native.threshold_select(maw, threshold, num_kv_heads, num_rows, num_threads=num_threads)
+    return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)

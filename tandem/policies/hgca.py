@@ -1,0 +1,71 @@
+"""HGCA: per head, host entries whose moving average of attention weights (MAW) exceeds beta / n (hgca.txt 3.2).
+
+The selection is kept as per-(request, KV head) row lists, extended when blocks are evicted (threshold over the
+hot tier's entry count, Algorithm 1 line 23) and rebuilt from the appended prompt's attention after every
+prefill or append (re-evaluation, line 20). A KV head attends the union of its query heads' salient rows, so one
+pass over its rows serves the whole GQA group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import ops
+from .base import NONE, Policy, Selection
+
+
+class HGCAPolicy(Policy):
+    name = "hgca"
+    needs_maw = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.indices: torch.Tensor | None = None  # [B, Hkv, width] int64, host memory
+        self.lengths: torch.Tensor | None = None  # [B, Hkv] int64
+
+    def select(self, layer, q) -> Selection:
+        if self.lengths is None or int(self.lengths.max()) == 0:
+            return NONE
+        width = int(self.lengths.max())
+        return Selection("rows", self.indices[..., :width], self.lengths)
+
+    def on_evict(self, layer, first_row: int, maw, valid, hot_counts) -> None:
+        # maw: [B, Hq, n] and valid: [B, n] of the evicted rows; hot_counts: [B] real entries in the hot tier
+        batch, num_q_heads, n = maw.shape
+        num_kv_heads = layer.num_kv_heads
+        threshold = self.config.beta / hot_counts.clamp(min=1).to(maw.dtype)
+        keep = (maw > threshold[:, None, None]) & valid[:, None, :]
+        keep = keep.view(batch, num_kv_heads, num_q_heads // num_kv_heads, n).any(dim=2).cpu()  # [B, Hkv, n]
+        self._extend(keep, first_row)
+
+    def on_append(self, layer, host_weights) -> None:
+        host = layer.host
+        if host.rows == 0 or host_weights is None:
+            return
+        host.maw[:, :, : host.rows].copy_(host_weights)
+        threshold = self.config.beta / host.valid_rows().clamp(min=1).to(torch.float32)  # [B]
+        threshold = threshold[:, None].expand(-1, layer.num_q_heads)
+        masked = host_weights.masked_fill(~host.valid[:, None, : host.rows], 0.0)
+        self.indices, self.lengths = ops.threshold_select(
+            masked, threshold, layer.num_kv_heads, host.rows, num_threads=self.config.cpu_threads
+        )
+
+    def _extend(self, keep: torch.Tensor, first_row: int) -> None:
+        batch, num_kv_heads, n = keep.shape
+        if self.lengths is None:
+            self.lengths = torch.zeros(batch, num_kv_heads, dtype=torch.long)
+            self.indices = torch.zeros(batch, num_kv_heads, 1, dtype=torch.long)
+        counts = keep.sum(dim=-1)
+        need = int((self.lengths + counts).max()) + 1  # the last column is a scratch slot for dropped rows
+        if need > self.indices.shape[-1]:
+            width = max(need, self.indices.shape[-1] * 3 // 2)
+            grown = torch.zeros(batch, num_kv_heads, width, dtype=torch.long)
+            grown[..., : self.indices.shape[-1]] = self.indices
+            self.indices = grown
+        scratch = self.indices.shape[-1] - 1
+        # destination of each kept row: after the current list, in row order
+        slot = self.lengths[..., None] + torch.cumsum(keep.long(), dim=-1) - 1
+        dest = torch.where(keep, slot, torch.full_like(slot, scratch))
+        rows = torch.arange(first_row, first_row + n).expand(batch, num_kv_heads, n)
+        self.indices.scatter_(-1, dest, rows)
+        self.lengths += counts

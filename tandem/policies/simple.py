@@ -1,0 +1,23 @@
+"""The two reference policies: attend every offloaded entry, or none."""
+
+from __future__ import annotations
+
+from .base import ALL, NONE, Policy, Selection
+
+
+class FullPolicy(Policy):
+    """Every host entry is attended: hybrid attention equals dense attention (the correctness reference)."""
+
+    name = "full"
+
+    def select(self, layer, q) -> Selection:
+        return ALL
+
+
+class StreamingPolicy(Policy):
+    """No host entry is attended: sinks + recent window only (StreamingLLM)."""
+
+    name = "streaming"
+
+    def select(self, layer, q) -> Selection:
+        return NONE
