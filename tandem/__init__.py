@@ -2,16 +2,21 @@
 GPU and CPU, and the two partial results merged exactly by log-sum-exp."""
 
 from .config import TandemConfig
-from .models import load_model
 
 __version__ = "0.1.0"
 
+_LAZY = {  # keep `import tandem` light: torch and transformers load only when used
+    "TandemCache": "integrations.hf",
+    "generate_cache_kwargs": "integrations.hf",
+    "load_model": "models",
+}
 
-def __getattr__(name):  # keep `import tandem` light: transformers loads only when the cache is used
-    if name in ("TandemCache", "generate_cache_kwargs"):
-        from .integrations import hf
 
-        return getattr(hf, name)
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 

@@ -1,0 +1,52 @@
+"""`tandem` command line: argument parsing at the edge, library calls inside, clear errors (no tracebacks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import generate
+
+
+class CliError(Exception):
+    """A user-facing error: printed as `tandem: error: ...`, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Long-context LLM decoding with the KV cache split between GPU and host memory.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    gen = sub.add_parser("generate", help="generate text with a Tandem cache", description=generate.DESCRIPTION)
+    generate.add_arguments(gen)
+    gen.set_defaults(run=generate.run)
+    try:
+        from ..simulator import cli as simulate
+    except ImportError:
+        simulate = None
+    if simulate is not None and hasattr(simulate, "add_arguments"):
+        sim = sub.add_parser(
+            "simulate", help="system model of PNM-KV / PnG-KV platforms (throughput, energy, cost)"
+        )
+        simulate.add_arguments(sim)
+        sim.set_defaults(run=simulate.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, MemoryError, NotImplementedError) as err:
+        print(f"tandem: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

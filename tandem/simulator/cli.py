@@ -1,0 +1,182 @@
+"""``tandem simulate``: size GPU + CXL-PNM systems, reproduce pnm-kv.txt Figures 10-14, predict a host.
+
+The main CLI calls ``add_arguments(parser)`` and ``run(args)``; ``python -m tandem.simulator.cli`` runs
+standalone. Library code raises ValueError; ``run`` prints it on stderr and returns 2.
+
+Examples:
+    python -m tandem.simulator.cli --model llama-3.1-70b --context 512k --gpus 2 --pnm 8 --scheme pnkv
+    python -m tandem.simulator.cli --model llama-3.1-8b --context 128k --gpus 1 --pnm 8 --compare
+    python -m tandem.simulator.cli --sweep --out benchmarks/results/simulate_sweep
+    python -m tandem.simulator.cli --host --context 128k --batch 1 --host-bandwidth-gbs 65 --pcie-gbs 55
+    python -m tandem.simulator.cli --from-bench bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, replace
+
+from tandem.simulator.calibrate import (
+    LENT_H100_HOST,
+    HostMeasurements,
+    format_host_prediction,
+    load_bench,
+    predict_host,
+    prediction_table,
+)
+from tandem.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
+from tandem.simulator.hardware import GPUS, MODELS
+from tandem.simulator.model import format_result, simulate
+from tandem.simulator.sweep import DEFAULT_OUT, write_sweep
+
+# CLI flag -> HostMeasurements field
+HOST_FLAGS = {
+    "host_bandwidth_gbs": "host_read_gbs",
+    "pcie_gbs": "pcie_gbs",
+    "hbm_gbs": "hbm_gbs",
+    "host_cores": "host_cores",
+    "host_memory_gib": "host_memory_gib",
+    "cpu_gflops_per_core": "cpu_gflops_per_core",
+    "layer_sync_us": "layer_sync_us",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every flag of ``tandem simulate`` to ``parser``."""
+    system = parser.add_argument_group("system (pnm-kv.txt platform)")
+    system.add_argument("--model", default="llama-3.1-8b", help=f"one of: {', '.join(MODELS)}")
+    system.add_argument("--context", default=None, help="tokens per request: 128k, 512k, 1m or an integer")
+    system.add_argument("--gpus", type=int, default=1, help="GPUs (FC layers tensor-parallel over them)")
+    system.add_argument("--pnm", type=int, default=8, help="CXL-PNM devices (CXL-Mem expanders for baseline)")
+    system.add_argument(
+        "--scheme", default="pnkv", help=f"one of: {', '.join(f'{k} ({v})' for k, v in SCHEMES.items())}"
+    )
+    system.add_argument("--compare", action="store_true", help="print all three schemes for this system")
+    system.add_argument("--gpu", default="a100", help=f"GPU type: {', '.join(GPUS)}")
+    system.add_argument("--mapping", default="dp", help=f"attention onto PNMs: {', '.join(MAPPINGS)}")
+    system.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    load = parser.add_argument_group("workload (assumptions; defaults in docs/simulator.md)")
+    load.add_argument("--budget", type=float, default=None, help="T_Budget / context (default 0.25)")
+    load.add_argument("--page-size", type=int, default=16, help="tokens per page digest")
+    load.add_argument("--recall-rate", type=float, default=None, help="baseline recall per step / context")
+    load.add_argument("--steady-churn", type=float, default=None, help="PnG-KV steady set replaced per step")
+    load.add_argument(
+        "--steady-ratio", type=float, default=None, help="GPU share of T_Budget (default #G/(#G+#P))"
+    )
+    load.add_argument(
+        "--batch", type=int, default=None, help="cap on the batch (host mode: the batch, default 1)"
+    )
+
+    sweep = parser.add_argument_group("sweep (Figures 10-14)")
+    sweep.add_argument("--sweep", action="store_true", help="write markdown, JSON and PNG figures")
+    sweep.add_argument("--out", default=str(DEFAULT_OUT), help="output folder for --sweep")
+    sweep.add_argument("--no-plots", action="store_true", help="skip PNGs in --sweep")
+
+    host = parser.add_argument_group("host calibration (memory tier = host DRAM + CPU cores)")
+    host.add_argument("--host", action="store_true", help="predict Tandem's TPOT on a GPU host")
+    host.add_argument(
+        "--from-bench", default=None, metavar="FILE", help="bench JSON (keys in docs/simulator.md)"
+    )
+    host.add_argument("--host-bandwidth-gbs", type=float, default=None, help="host memory read GB/s")
+    host.add_argument("--host-cores", type=int, default=None, help="CPU cores for attention")
+    host.add_argument("--pcie-gbs", type=float, default=None, help="pinned host->GPU GB/s")
+    host.add_argument("--hbm-gbs", type=float, default=None, help="GPU HBM streaming GB/s")
+    host.add_argument("--host-memory-gib", type=float, default=None, help="host RAM GiB")
+    host.add_argument("--cpu-gflops-per-core", type=float, default=None, help="bf16 GFLOP/s per core")
+    host.add_argument("--layer-sync-us", type=float, default=None, help="per-layer CPU hand-off cost, us")
+    host.add_argument(
+        "--sparsity", type=float, default=0.05, help="fraction of offloaded tokens the CPU attends"
+    )
+    host.add_argument("--hot-tokens", type=int, default=4096, help="sinks + window kept on the GPU")
+
+
+def _workload_kwargs(args: argparse.Namespace) -> dict:
+    given = {
+        "budget_fraction": args.budget,
+        "page_size": args.page_size,
+        "recall_rate": args.recall_rate,
+        "steady_churn": args.steady_churn,
+        "steady_ratio": args.steady_ratio,
+        "max_batch": args.batch,
+        "mapping": args.mapping,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _host_measurements(args: argparse.Namespace) -> HostMeasurements:
+    host = load_bench(args.from_bench) if args.from_bench else LENT_H100_HOST
+    overrides = {
+        field: getattr(args, flag) for flag, field in HOST_FLAGS.items() if getattr(args, flag) is not None
+    }
+    known = {f.name for f in fields(HostMeasurements)}
+    return replace(host, **{k: v for k, v in overrides.items() if k in known})
+
+
+def _host_mode(args: argparse.Namespace) -> bool:
+    return bool(args.host or args.from_bench or any(getattr(args, flag) is not None for flag in HOST_FLAGS))
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    host = _host_measurements(args)
+    if args.context is None:
+        print(f"Tandem decode TPOT predicted for {host.device} ({args.model}, {args.sparsity:.0%} sparsity)")
+        print(prediction_table(host, args.model))
+        return 0
+    pred = predict_host(
+        host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens
+    )
+    if args.json:
+        print(
+            json.dumps({**pred.result.to_dict(), "fits": pred.fits, "requested_batch": pred.requested_batch})
+        )
+    else:
+        print(format_host_prediction(pred))
+    return 0
+
+
+def _run_system(args: argparse.Namespace) -> int:
+    context = args.context or "128k"
+    schemes = list(SCHEMES) if args.compare else [check_scheme(args.scheme)]
+    results = []
+    for scheme in schemes:
+        pnm = args.pnm if scheme != "baseline" or not args.compare else 0
+        cfg = SystemConfig.build(
+            args.model, context, args.gpus, pnm, scheme, gpu=args.gpu, **_workload_kwargs(args)
+        )
+        results.append(simulate(cfg))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results] if args.compare else results[0].to_dict(), indent=1))
+    else:
+        print("\n\n".join(format_result(r) for r in results))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``tandem simulate``; return 0 on success, 2 on bad input (message on stderr)."""
+    try:
+        if args.sweep:
+            try:
+                paths = write_sweep(args.out, plots=not args.no_plots)
+            except OSError as err:
+                raise ValueError(f"--out: cannot write {args.out} ({err})") from err
+            print("wrote " + ", ".join(str(p) for p in paths))
+            return 0
+        if _host_mode(args):
+            return _run_host(args)
+        return _run_system(args)
+    except ValueError as err:
+        print(f"tandem simulate: error: {err}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem simulate", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Host-tier calibration: bench file, validation, Tandem TPOT predictions on the lent H100 host."""
+
+import json
+
+import pytest
+
+from tandem.simulator.calibrate import (
+    LENT_H100_HOST,
+    HostMeasurements,
+    load_bench,
+    predict_host,
+    prediction_table,
+)
+
+
+@pytest.fixture
+def bench_file(tmp_path):
+    path = tmp_path / "bench.json"
+    data = {
+        "device": "test host",
+        "host_read_gbs": 50.0,
+        "hbm_gbs": 3000.0,
+        "pcie_gbs": 50.0,
+        "host_cores": 8,
+    }
+    path.write_text(json.dumps({**data, "unrelated_key": 1}))
+    return path
+
+
+def test_load_bench(bench_file):
+    host = load_bench(bench_file)
+    assert host == HostMeasurements(
+        host_read_gbs=50, pcie_gbs=50, hbm_gbs=3000, device="test host", host_cores=8
+    )
+
+
+def test_load_bench_errors(tmp_path):
+    with pytest.raises(ValueError, match="--from-bench: file not found"):
+        load_bench(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_bench(bad)
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"host_read_gbs": 10}))
+    with pytest.raises(ValueError, match="lacks pcie_gbs, hbm_gbs"):
+        load_bench(partial)
+
+
+def test_host_measurements_validate():
+    with pytest.raises(ValueError, match="--host-read-gbs"):
+        HostMeasurements(host_read_gbs=0, pcie_gbs=1, hbm_gbs=1)
+    with pytest.raises(ValueError, match="--host-cores"):
+        HostMeasurements(host_read_gbs=1, pcie_gbs=1, hbm_gbs=1, host_cores=0)
+
+
+def test_batch1_is_bandwidth_arithmetic():
+    # Batch 1, 128K: the CPU reads all page digests (1/16 of KV) plus 5% of the offloaded KV per step.
+    host = HostMeasurements(host_read_gbs=50, pcie_gbs=50, hbm_gbs=2000, layer_sync_us=0)
+    step = predict_host(host, "llama-3.1-8b", "128k", 1).result.step
+    kv, ctx = 131072, 131072
+    sparse_tokens = -(-int(0.05 * (ctx - 4096)) // 16) * 16
+    cpu_bytes = ctx * kv / 16 + sparse_tokens * kv
+    assert step.phases["attention"] == pytest.approx(cpu_bytes / 50e9)
+    assert step.phases["fc"] == pytest.approx((8_030_261_248 - 128256 * 4096) * 2 / 2000e9)
+
+
+def test_predictions_grow_with_context_and_shrink_with_bandwidth():
+    tpot = [predict_host(LENT_H100_HOST, "llama-3.1-8b", c, 1).result.tpot_s for c in ("32k", "64k", "128k")]
+    assert tpot[0] < tpot[1] < tpot[2]
+    fast = HostMeasurements(host_read_gbs=130, pcie_gbs=55, hbm_gbs=2900)
+    assert predict_host(fast, "llama-3.1-8b", "128k", 1).result.tpot_s < tpot[2]
+
+
+def test_host_ram_limits_batch():
+    pred = predict_host(LENT_H100_HOST, "llama-3.1-8b", "128k", 16)
+    assert not pred.fits and pred.max_batch == 6  # 108.8 GiB usable / 17 GiB per request
+    assert predict_host(LENT_H100_HOST, "llama-3.1-8b", "32k", 16).fits
+
+
+def test_prediction_table_rows():
+    table = prediction_table()
+    assert table.count("\n") == 7
+    assert "no (max batch 6)" in table
