@@ -37,6 +37,9 @@ class TandemConfig:
         budget: for `quest`, the fraction of offloaded entries a KV head may attend, in (0, 1].
         beta: for `hgca`, the salience threshold factor (entries with MAW > beta / n are attended).
         maw_alpha: for `hgca`, weight of the newest step in the moving average of attention weights.
+        span: for `hgca`, each salient entry also keeps the `span - 1` entries after it (1 = the paper's rule).
+            Decoding copies forward from what it attends (a number, a name), and those successors get little
+            attention before they are needed; measured on the default model in docs/architecture.md.
         observation_tokens: for `hgca`, how many final prompt tokens score the prompt's entries after a
             prefill or append (their mean attention weight starts each entry's MAW).
         prefill_chunk: query tokens per chunk of a prefill/append, so no full attention matrix is built.
@@ -56,6 +59,7 @@ class TandemConfig:
     budget: float = 0.05
     beta: float = 1.0
     maw_alpha: float = 0.1
+    span: int = 8
     observation_tokens: int = 32
     prefill_chunk: int = 2048
     cpu_threads: int | None = None
@@ -76,6 +80,7 @@ class TandemConfig:
         self._check_float("budget", 0.0, 1.0, "(0, 1]", low_open=True)
         self._check_float("beta", 0.0, math.inf, "(0, inf)", low_open=True)
         self._check_float("maw_alpha", 0.0, 1.0, "(0, 1]", low_open=True)
+        self._check_int("span", 1, 4096)
         self._check_int("observation_tokens", 1, 1 << 16)
         self._check_int("prefill_chunk", 1, 1 << 24)
         if self.cpu_threads is None:

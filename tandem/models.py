@@ -46,11 +46,15 @@ def load_model(path: str | os.PathLike | None = None, device: str | None = None,
         )
     if target.is_file():
         if target.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory")
+            raise ValueError(
+                f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory"
+            )
         location, extra = str(target.parent), {"gguf_file": target.name}
     else:
         if not (target / "config.json").is_file():
-            raise ValueError(f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model")
+            raise ValueError(
+                f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model"
+            )
         location, extra = str(target), {}
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kwargs = dict(extra, local_files_only=True)

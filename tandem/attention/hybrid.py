@@ -41,7 +41,9 @@ def _decode(layer, q, k_new, v_new, valid_new, scale, pool):
     layer.append(k_new, v_new, valid_new)
     hot, host, policy = layer.hot, layer.host, layer.policy
     if policy.needs_maw:
-        out_gpu, lse_gpu, weights = ops.attention_lse(q, hot.keys, hot.values, scale, hot.valid, return_weights=True)
+        out_gpu, lse_gpu, weights = ops.attention_lse(
+            q, hot.keys, hot.values, scale, hot.valid, return_weights=True
+        )
         alpha = layer.config.maw_alpha
         hot.maw.mul_(1.0 - alpha).add_(weights[:, :, 0], alpha=alpha)  # Algorithm 1, line 8
     else:
@@ -69,8 +71,15 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
     if selection.kind != "all" and ops.native_cpu_available():
         # the compiled kernel splits (request, head, chunk) work over its own threads
         return ops.sparse_attention_lse(
-            q_host, host.keys, host.values, selection.indices, selection.lengths, scale,
-            key_mask=host.valid, block_size=selection.block_size, num_threads=threads,
+            q_host,
+            host.keys,
+            host.values,
+            selection.indices,
+            selection.lengths,
+            scale,
+            key_mask=host.valid,
+            block_size=selection.block_size,
+            num_threads=threads,
         )
     group = num_q_heads // layer.num_kv_heads
     keys, values, valid = host.live()
@@ -78,15 +87,22 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
     def piece(b: int, h0: int, h1: int) -> None:
         qs = q_host[b : b + 1, h0 * group : h1 * group]
         if selection.kind == "all":
-            o, l = dense_lse_chunked(qs, keys[b : b + 1, h0:h1], values[b : b + 1, h0:h1], scale, valid[b : b + 1])
-        else:
-            o, l = ops.sparse_attention_lse(
-                qs, host.keys[b : b + 1, h0:h1], host.values[b : b + 1, h0:h1],
-                selection.indices[b : b + 1, h0:h1], selection.lengths[b : b + 1, h0:h1], scale,
-                key_mask=host.valid[b : b + 1], block_size=selection.block_size,
+            o_part, lse_part = dense_lse_chunked(
+                qs, keys[b : b + 1, h0:h1], values[b : b + 1, h0:h1], scale, valid[b : b + 1]
             )
-        out[b : b + 1, h0 * group : h1 * group] = o
-        lse[b : b + 1, h0 * group : h1 * group] = l
+        else:
+            o_part, lse_part = ops.sparse_attention_lse(
+                qs,
+                host.keys[b : b + 1, h0:h1],
+                host.values[b : b + 1, h0:h1],
+                selection.indices[b : b + 1, h0:h1],
+                selection.lengths[b : b + 1, h0:h1],
+                scale,
+                key_mask=host.valid[b : b + 1],
+                block_size=selection.block_size,
+            )
+        out[b : b + 1, h0 * group : h1 * group] = o_part
+        lse[b : b + 1, h0 * group : h1 * group] = lse_part
 
     pool.run(batch, layer.num_kv_heads, piece)
     return out, lse
@@ -115,8 +131,8 @@ def dense_lse_chunked(q, k, v, scale, key_mask, key_chunk: int = KEY_CHUNK):
             mask = key_mask(k0, k1)
         else:
             mask = key_mask[..., k0:k1] if key_mask is not None else None
-        o, l = ops.attention_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], scale, mask)
-        out, lse = (o, l) if out is None else ops.merge_lse(out, lse, o, l)
+        o_part, lse_part = ops.attention_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], scale, mask)
+        out, lse = (o_part, lse_part) if out is None else ops.merge_lse(out, lse, o_part, lse_part)
     if out is None:
         shape = q.shape
         return torch.zeros(shape, device=q.device), torch.full(shape[:-1], float("-inf"), device=q.device)
@@ -173,12 +189,12 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
         e = min(q_len, s + chunk)
         qc = q[:, :, s:e]
         out, lse = dense_lse_chunked(
-            qc, k_new[:, :, :e], v_new[:, :, :e], scale, lambda k0, k1: causal_mask(valid_new, s, e, k0, k1)
+            qc, k_new[:, :, :e], v_new[:, :, :e], scale, lambda k0, k1, s=s, e=e: causal_mask(valid_new, s, e, k0, k1)
         )
-        o, l = ops.attention_lse(qc, hot.keys, hot.values, scale, hot.valid)
-        out, lse = ops.merge_lse(out, lse, o, l)
-        o, l = host_attention(layer, q_host[:, :, s:e], ALL, scale, pool)
-        out, _ = ops.merge_lse(out, lse, o.to(q.device), l.to(q.device))
+        o_part, lse_part = ops.attention_lse(qc, hot.keys, hot.values, scale, hot.valid)
+        out, lse = ops.merge_lse(out, lse, o_part, lse_part)
+        o_part, lse_part = host_attention(layer, q_host[:, :, s:e], ALL, scale, pool)
+        out, _ = ops.merge_lse(out, lse, o_part.to(q.device), lse_part.to(q.device))
         outs.append(out)
     return torch.cat(outs, dim=2)
 
@@ -204,10 +220,10 @@ def observation_weights(q_obs, keys, valid, scale, key_chunk: int = KEY_CHUNK) -
     for k0 in range(0, total, key_chunk):
         k1 = min(total, k0 + key_chunk)
         ks = keys[:, :, k0:k1]
-        _, l, w = ops.attention_lse(q_obs, ks, ks, scale, valid[:, k0:k1], return_weights=True)
+        _, chunk_lse, w = ops.attention_lse(q_obs, ks, ks, scale, valid[:, k0:k1], return_weights=True)
         chunks.append(w)  # normalized within the chunk
-        lses.append(l)
+        lses.append(chunk_lse)
     lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, Hq, Lobs]
     lse_all = torch.where(torch.isfinite(lse_all), lse_all, torch.zeros_like(lse_all))
-    parts = [w * torch.exp(l - lse_all)[..., None] for w, l in zip(chunks, lses)]
+    parts = [w * torch.exp(c - lse_all)[..., None] for w, c in zip(chunks, lses)]
     return torch.cat(parts, dim=-1).mean(dim=2) if parts else torch.zeros(batch, num_q_heads, 0)

@@ -38,7 +38,11 @@ class TaskPool:
 
     def __init__(self, num_threads: int) -> None:
         self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tandem-cpu") if num_threads > 1 else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tandem-cpu")
+            if num_threads > 1
+            else None
+        )
 
     def run(self, batch: int, num_kv_heads: int, piece_fn) -> None:
         """Call piece_fn(b, h0, h1) for every piece of the plan, tasks in parallel."""

@@ -83,7 +83,9 @@ class HostTier:
         except MemoryError as err:
             if isinstance(err, HostMemoryError):
                 raise
-            raise HostMemoryError(f"host memory exhausted growing the Tandem host tier to {new_cap} rows") from err
+            raise HostMemoryError(
+                f"host memory exhausted growing the Tandem host tier to {new_cap} rows"
+            ) from err
         used_blocks = self.rows // bs
         for name, new in grown.items():
             old = getattr(self, name)
@@ -180,5 +182,3 @@ def _block_digest(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
     kmin = keys.masked_fill(~mask, float("inf")).view(b, hkv, n // block_size, block_size, d).amin(dim=3)
     kmax = keys.masked_fill(~mask, float("-inf")).view(b, hkv, n // block_size, block_size, d).amax(dim=3)
     return kmin, kmax
-
-

@@ -20,8 +20,15 @@ class LayerKV:
     A long append sends the tokens that would only pass through the ring straight to the host tier.
     """
 
-    def __init__(self, config, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 side_streams: dict | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        side_streams: dict | None = None,
+    ) -> None:
         self.config = config
         self.layer_idx = layer_idx
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -53,16 +60,31 @@ class LayerKV:
         ring_blocks = math.ceil(window / cfg.block_size) + 1
         needs_maw = self.policy.needs_maw
         self.hot = HotTier(
-            batch, num_kv_heads, self.num_q_heads, head_dim, keys.dtype, keys.device,
-            sink_slots=cfg.sink_tokens + max_pad, ring_blocks=ring_blocks, block_size=cfg.block_size,
+            batch,
+            num_kv_heads,
+            self.num_q_heads,
+            head_dim,
+            keys.dtype,
+            keys.device,
+            sink_slots=cfg.sink_tokens + max_pad,
+            ring_blocks=ring_blocks,
+            block_size=cfg.block_size,
             keep_maw=needs_maw,
         )
         stream = None
         if keys.is_cuda:
             stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
         self.host = HostTier(
-            batch, num_kv_heads, self.num_q_heads, head_dim, keys.dtype, cfg.block_size,
-            pin=keys.is_cuda, keep_digest=self.policy.needs_digest, keep_maw=needs_maw, stream=stream,
+            batch,
+            num_kv_heads,
+            self.num_q_heads,
+            head_dim,
+            keys.dtype,
+            cfg.block_size,
+            pin=keys.is_cuda,
+            keep_digest=self.policy.needs_digest,
+            keep_maw=needs_maw,
+            stream=stream,
         )
 
     # ---- appends -------------------------------------------------------------------------------------------
@@ -93,8 +115,10 @@ class LayerKV:
                 evicted[3] = torch.zeros(keys.shape[0], self.num_q_heads, direct, device=keys.device)
             if ring_tokens:
                 ring = hot.ordered_ring()
-                evicted = [r if r is None else torch.cat([r, e], dim=-1 if r.dim() == 2 else 2)
-                           for r, e in zip(ring, evicted)]
+                evicted = [
+                    r if r is None else torch.cat([r, e], dim=-1 if r.dim() == 2 else 2)
+                    for r, e in zip(ring, evicted)
+                ]
             self._evict(*evicted)
             hot.release(hot.order, self.host.last_event)
             hot.order, hot.tail_fill = [], 0
@@ -116,7 +140,9 @@ class LayerKV:
                 hot.tail_fill = 0
             n = min(bs - hot.tail_fill, total - done)
             slot = hot.block_start(hot.order[-1]) + hot.tail_fill
-            hot.write(slot, keys[:, :, done : done + n], values[:, :, done : done + n], valid[:, done : done + n])
+            hot.write(
+                slot, keys[:, :, done : done + n], values[:, :, done : done + n], valid[:, done : done + n]
+            )
             hot.tail_fill += n
             done += n
 
@@ -131,4 +157,3 @@ class LayerKV:
 
     def host_nbytes(self) -> int:
         return self.host.nbytes() if self.host is not None else 0
-

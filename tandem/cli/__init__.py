@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    gen = sub.add_parser("generate", help="generate text with a Tandem cache", description=generate.DESCRIPTION)
+    gen = sub.add_parser(
+        "generate", help="generate text with a Tandem cache", description=generate.DESCRIPTION
+    )
     generate.add_arguments(gen)
     gen.set_defaults(run=generate.run)
     try:

@@ -25,11 +25,17 @@ def _window(text: str) -> int | float:
         try:
             return float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid window {text!r}: an int (tokens) or a fraction in (0, 1)")
+            raise argparse.ArgumentTypeError(  # noqa: B904 - argparse prints only this message
+                f"invalid window {text!r}: an int (tokens) or a fraction in (0, 1)"
+            )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
@@ -39,16 +45,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --do-sample)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--policy", choices=POLICIES, default="hgca", help="host-tier selection policy (default hgca)")
+    p.add_argument(
+        "--policy", choices=POLICIES, default="hgca", help="host-tier selection policy (default hgca)"
+    )
     p.add_argument("--sink-tokens", type=int, default=64)
-    p.add_argument("--window-tokens", type=_window, default=256, help="recent tokens on the device: int, or a fraction of the prompt")
+    p.add_argument(
+        "--window-tokens",
+        type=_window,
+        default=256,
+        help="recent tokens on the device: int, or a fraction of the prompt",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--budget", type=float, default=0.05, help="quest: fraction of host entries attended")
     p.add_argument("--beta", type=float, default=1.0, help="hgca: salience threshold factor")
-    p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)")
+    p.add_argument(
+        "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--json", action="store_true", help="print one JSON object with `text` and `stats` instead of streaming")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with `text` and `stats` instead of streaming",
+    )
 
 
 def _read_prompt(args) -> str:
@@ -56,7 +75,9 @@ def _read_prompt(args) -> str:
         try:
             text = args.prompt_file.read_text(encoding="utf-8")
         except OSError as err:
-            raise ValueError(f"--prompt-file {str(args.prompt_file)!r} cannot be read: {err.strerror}") from err
+            raise ValueError(
+                f"--prompt-file {str(args.prompt_file)!r} cannot be read: {err.strerror}"
+            ) from err
     else:
         text = args.prompt
     if not text.strip():
@@ -103,8 +124,13 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
     config = TandemConfig(
-        policy=args.policy, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-        block_size=args.block_size, budget=args.budget, beta=args.beta, cpu_threads=args.cpu_threads,
+        policy=args.policy,
+        sink_tokens=args.sink_tokens,
+        window_tokens=args.window_tokens,
+        block_size=args.block_size,
+        budget=args.budget,
+        beta=args.beta,
+        cpu_threads=args.cpu_threads,
     )
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -112,7 +138,10 @@ def run(args) -> int:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -131,15 +160,30 @@ def run(args) -> int:
     if prompt_tokens >= PROGRESS_MIN_TOKENS:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cache.layers), desc=f"prefill {prompt_tokens} tokens", unit="layer", file=sys.stderr, leave=False)
+        bar = tqdm(
+            total=len(cache.layers),
+            desc=f"prefill {prompt_tokens} tokens",
+            unit="layer",
+            file=sys.stderr,
+            leave=False,
+        )
         cache.on_prefill_layer = lambda layer_idx: bar.update(1)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else dict(do_sample=False)
+    sampling = (
+        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+        if args.do_sample
+        else dict(do_sample=False)
+    )
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=streamer,
-            pad_token_id=tokenizer.pad_token_id, **sampling, **generate_cache_kwargs(model, cache),
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+            **generate_cache_kwargs(model, cache),
         )
     end = time.perf_counter()
     if bar is not None:
@@ -149,10 +193,14 @@ def run(args) -> int:
     first = streamer.first_token_time or end
     generated = int(new_tokens.numel())
     decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
-    stats = dict(cache.stats(), prompt_tokens=prompt_tokens, generated_tokens=generated,
-                 prefill_seconds=round(first - start, 3),
-                 decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
-                 device=str(device))
+    stats = dict(
+        cache.stats(),
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated,
+        prefill_seconds=round(first - start, 3),
+        decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
+        device=str(device),
+    )
     if args.json:
         print(json.dumps({"text": text, "stats": stats}))
     else:

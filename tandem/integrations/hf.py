@@ -30,10 +30,10 @@ class TandemLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, kv: LayerKV, pool: TaskPool, max_positions: int | None) -> None:
+    def __init__(self, kv: LayerKV, owner: TandemCache, max_positions: int | None) -> None:
         super().__init__()
         self.kv = kv
-        self.pool = pool
+        self.owner = owner
         self.max_positions = max_positions
         self.pending = False
 
@@ -71,7 +71,9 @@ class TandemLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         kv = self.kv
-        self.kv = LayerKV(kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams)
+        self.kv = LayerKV(
+            kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams
+        )
         self.pending = False
 
     def offload(self) -> None:  # the host tier already is the offload; nothing to move
@@ -121,10 +123,11 @@ class TandemCache(Cache):
         self.pool = TaskPool(config.cpu_threads)
         streams: dict = {}
         layers = [
-            TandemLayer(LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams), self.pool, max_positions)
+            TandemLayer(LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams), self, max_positions)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
+        self.on_prefill_layer = None  # optional callback(layer_idx) after each layer's prefill/append
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
@@ -140,7 +143,11 @@ class TandemCache(Cache):
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
         return cls(
-            config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim,
+            config,
+            text_config.num_hidden_layers,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
             getattr(text_config, "max_position_embeddings", None),
         )
 
@@ -165,7 +172,9 @@ class TandemCache(Cache):
 def check_supported(text_config) -> None:
     """Raise ValueError unless every layer is a full (global) causal self-attention layer."""
     if getattr(text_config, "is_encoder_decoder", False):
-        raise ValueError("unsupported model: encoder-decoder models are not supported (decoder-only models only)")
+        raise ValueError(
+            "unsupported model: encoder-decoder models are not supported (decoder-only models only)"
+        )
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is None:
         sliding = getattr(text_config, "sliding_window", None)
@@ -202,7 +211,9 @@ def generate_cache_kwargs(model, cache: Cache) -> dict:
 def tandem_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered as attention implementation 'tandem'. Returns ([B, Lq, Hq, D], None)."""
     layer = key.__dict__.pop(_HANDOFF, None)
-    if layer is None:  # a non-Tandem cache (or none): exact SDPA, so the same model still runs with DynamicCache
+    if (
+        layer is None
+    ):  # a non-Tandem cache (or none): exact SDPA, so the same model still runs with DynamicCache
         return _sdpa_fallback(query, key, value, attention_mask, scaling)
     layer.pending = False
     batch, _, q_len, _ = query.shape
@@ -215,12 +226,22 @@ def tandem_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"TandemCache takes a 2-D padding attention_mask [batch, tokens]; got shape {tuple(attention_mask.shape)}"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend(layer.kv, query, key, value, valid, scale, layer.pool)
+    out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
+    if q_len > 1 and layer.owner.on_prefill_layer is not None:
+        layer.owner.on_prefill_layer(layer.kv.layer_idx)
     return out.transpose(1, 2).contiguous(), None
 
 
-def tandem_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                attention_mask=None, **kwargs):
+def tandem_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    **kwargs,
+):
     """Registered mask builder for 'tandem': hands the 2-D padding mask through (None when there is none)."""
     if attention_mask is None or attention_mask.dim() != 2:
         return attention_mask

@@ -32,7 +32,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v
         _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check(t.dim() == 4, f"{name} must be 4-D [B, heads, tokens, head_dim], got shape {tuple(t.shape)}")
         _check(t.dtype in FLOAT_DTYPES, f"{name}.dtype must be float32, float16 or bfloat16, got {t.dtype}")
-    _check(k.shape == v.shape, f"{k_name} and {v_name} must have the same shape: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _check(
+        k.shape == v.shape,
+        f"{k_name} and {v_name} must have the same shape: {tuple(k.shape)} vs {tuple(v.shape)}",
+    )
     _check(k.dtype == v.dtype, f"{k_name} and {v_name} must have the same dtype: {k.dtype} vs {v.dtype}")
     _check(q.shape[0] == k.shape[0], f"batch of q ({q.shape[0]}) and {k_name} ({k.shape[0]}) differ")
     _check(q.shape[3] == k.shape[3], f"head_dim of q ({q.shape[3]}) and {k_name} ({k.shape[3]}) differ")
@@ -59,7 +62,9 @@ def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = F
 def merge_lse(out_a, lse_a, out_b, lse_b):
     """Exact LSE merge of two partial attentions. See `reference.merge_lse`."""
     _check(out_a.shape == out_b.shape, f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} differ")
-    _check(lse_a.shape == lse_b.shape == out_a.shape[:-1], "lse_a / lse_b must be out's shape without head_dim")
+    _check(
+        lse_a.shape == lse_b.shape == out_a.shape[:-1], "lse_a / lse_b must be out's shape without head_dim"
+    )
     return reference.merge_lse(out_a, lse_a, out_b, lse_b)
 
 
@@ -77,6 +82,7 @@ def sparse_attention_lse(
     _check(
         tuple(lengths.shape) == (batch, num_kv_heads), f"lengths must be [B, Hkv], got {tuple(lengths.shape)}"
     )
+    _check(lengths.dtype == torch.long, f"lengths must be int64, got {lengths.dtype}")
     if key_mask is not None:
         _check(
             tuple(key_mask.shape) == (batch, k_store.shape[2]) and key_mask.dtype == torch.bool,
@@ -84,9 +90,27 @@ def sparse_attention_lse(
         )
     if block_size is not None:
         _check(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+    rows = k_store.shape[2] // (block_size or 1)
+    if indices.numel():
+        low, high = int(indices.min()), int(indices.max())
+        _check(
+            low >= 0 and high < rows,
+            f"indices must lie in [0, {rows}) ({'blocks' if block_size else 'rows'} of k_store), got [{low}, {high}]",
+        )
+    _check(
+        lengths.numel() == 0 or (int(lengths.min()) >= 0 and int(lengths.max()) <= indices.shape[2]),
+        f"lengths must lie in [0, {indices.shape[2]}] (the width of indices)",
+    )
     if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
         return _native.sparse_attention_lse(
-            q, k_store, v_store, indices, lengths, scale, key_mask=key_mask, block_size=block_size,
+            q,
+            k_store,
+            v_store,
+            indices,
+            lengths,
+            scale,
+            key_mask=key_mask,
+            block_size=block_size,
             num_threads=num_threads,
         )
     return reference.sparse_attention_lse(q, k_store, v_store, indices, lengths, scale, key_mask, block_size)
@@ -94,8 +118,24 @@ def sparse_attention_lse(
 
 def block_scores(q, key_min, key_max, num_threads=None):
     """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
-    _check(key_min.shape == key_max.shape, "key_min and key_max must have the same shape")
     _check(key_min.dim() == 4, f"key_min must be [B, Hkv, nblk, D], got {tuple(key_min.shape)}")
+    _check(
+        key_max.shape == key_min.shape,
+        f"key_max must have key_min's shape {tuple(key_min.shape)}, got {tuple(key_max.shape)}",
+    )
+    _check(q.dim() == 4, f"q must be 4-D [B, Hq, Lq, D], got shape {tuple(q.shape)}")
+    _check(q.dtype in FLOAT_DTYPES, f"q.dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    _check(
+        q.shape[0] == key_min.shape[0], f"batch of q ({q.shape[0]}) and key_min ({key_min.shape[0]}) differ"
+    )
+    _check(
+        q.shape[3] == key_min.shape[3],
+        f"head_dim of q ({q.shape[3]}) and key_min ({key_min.shape[3]}) differ",
+    )
+    _check(
+        q.shape[1] % key_min.shape[1] == 0,
+        f"q heads ({q.shape[1]}) must be a multiple of key_min heads ({key_min.shape[1]})",
+    )
     if native_cpu_available() and not q.is_cuda and not key_min.is_cuda:
         return _native.block_scores(q, key_min, key_max, num_threads=num_threads)
     return reference.block_scores(q, key_min, key_max)
@@ -104,6 +144,8 @@ def block_scores(q, key_min, key_max, num_threads=None):
 def topk_blocks(scores, k: int, num_threads=None):
     """Top-k block ids per (request, KV head), ascending. See `reference.topk_blocks`."""
     _check(k >= 0, f"k must be >= 0, got {k}")
+    _check(scores.dim() == 3, f"scores must be [B, Hkv, nblk], got shape {tuple(scores.shape)}")
+    _check(scores.dtype in FLOAT_DTYPES, f"scores must be a float tensor, got {scores.dtype}")
     if native_cpu_available() and not scores.is_cuda:
         return _native.topk_blocks(scores, k, num_threads=num_threads)
     return reference.topk_blocks(scores, k)
@@ -112,7 +154,21 @@ def topk_blocks(scores, k: int, num_threads=None):
 def threshold_select(maw, threshold, num_kv_heads: int, num_rows: int, num_threads=None):
     """HGCA salient rows per KV head. See `reference.threshold_select`."""
     _check(maw.dim() == 3, f"maw must be [B, Hq, N], got {tuple(maw.shape)}")
-    _check(maw.shape[1] % num_kv_heads == 0, f"maw heads ({maw.shape[1]}) must be a multiple of {num_kv_heads}")
+    _check(maw.dtype in FLOAT_DTYPES, f"maw must be a float tensor, got {maw.dtype}")
+    _check(num_kv_heads >= 1, f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    _check(
+        maw.shape[1] % num_kv_heads == 0,
+        f"maw heads ({maw.shape[1]}) must be a multiple of num_kv_heads={num_kv_heads}",
+    )
+    _check(
+        0 <= num_rows <= maw.shape[2],
+        f"num_rows must lie in [0, {maw.shape[2]}] (rows of maw), got {num_rows}",
+    )
+    if isinstance(threshold, torch.Tensor) and threshold.dim() > 0:
+        _check(
+            tuple(threshold.shape[:2]) == tuple(maw.shape[:2]) and threshold.dim() in (2, 3),
+            f"threshold must be a scalar or [B, Hq] = {tuple(maw.shape[:2])}, got {tuple(threshold.shape)}",
+        )
     if native_cpu_available() and not maw.is_cuda:
         return _native.threshold_select(maw, threshold, num_kv_heads, num_rows, num_threads=num_threads)
     return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)

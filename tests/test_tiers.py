@@ -1,0 +1,293 @@
+"""The two KV tiers and the layer cache that moves tokens between them.
+
+Every token carries its identity in its key (keys[..., 0] = position, keys[..., 1] = request, keys[..., 2] =
+KV head; values[..., 0] = position + 0.5), so the tests can tell exactly where each token ended up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from tandem.cache.host import HostMemoryError, HostTier
+from tandem.cache.hot import HotTier
+from tandem.cache.layer import LayerKV
+from tandem.config import TandemConfig
+
+BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 8, 4
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    # these tensors are tiny: intra-op threads only add spin-wait overhead on a busy 2-core box
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_host(dtype=torch.float32, pin=False):
+    return HostTier(
+        BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, dtype, BLOCK, pin=pin, keep_digest=True, keep_maw=True
+    )
+
+
+def random_blocks(gen, num_blocks, dtype, with_maw=True):
+    n = num_blocks * BLOCK
+    keys = torch.randn(BATCH, NUM_KV_HEADS, n, HEAD_DIM, generator=gen).to(dtype)
+    values = torch.randn(BATCH, NUM_KV_HEADS, n, HEAD_DIM, generator=gen).to(dtype)
+    valid = torch.rand(BATCH, n, generator=gen) > 0.2
+    if torch.rand(1, generator=gen) < 0.15:
+        valid[1, :BLOCK] = False  # a block of padding only: its digest is empty
+    maw = torch.rand(BATCH, NUM_Q_HEADS, n, generator=gen) if with_maw else None
+    return keys, values, valid, maw
+
+
+def digest_by_loop(keys, valid):
+    """Per block and request: min/max over the block's valid rows (+inf/-inf when it has none)."""
+    batch, heads, rows, head_dim = keys.shape
+    key_min = torch.full((batch, heads, rows // BLOCK, head_dim), math.inf, dtype=keys.dtype)
+    key_max = torch.full_like(key_min, -math.inf)
+    for b in range(batch):
+        for j in range(rows // BLOCK):
+            sel = valid[b, j * BLOCK : (j + 1) * BLOCK]
+            if sel.any():
+                part = keys[b, :, j * BLOCK : (j + 1) * BLOCK][:, sel]
+                key_min[b, :, j], key_max[b, :, j] = part.amin(dim=1), part.amax(dim=1)
+    return key_min, key_max
+
+
+def host_bytes(capacity, element_size):
+    kv = 2 * BATCH * NUM_KV_HEADS * capacity * HEAD_DIM * element_size
+    digest = 2 * BATCH * NUM_KV_HEADS * (capacity // BLOCK) * HEAD_DIM * element_size
+    return kv + BATCH * capacity + digest + BATCH * NUM_Q_HEADS * capacity * 4
+
+
+# ---- host tier --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_tier_grows_geometrically_and_keeps_content(dtype):
+    gen = torch.Generator().manual_seed(0)
+    host = make_host(dtype)
+    assert host.nbytes() == 0 and host.valid_rows().tolist() == [0, 0]
+    chunks, growths = [], 0
+    for i in range(200):
+        old_capacity = host.capacity
+        chunk = random_blocks(gen, 1 + i % 3, dtype, with_maw=i % 5 != 0)
+        first = host.append(*chunk)
+        assert first == sum(c[0].shape[2] for c in chunks)
+        chunks.append(chunk)
+        assert host.rows % BLOCK == 0 and host.capacity % BLOCK == 0 and host.rows <= host.capacity
+        assert host.capacity <= max(64 * BLOCK, 1.5 * host.rows + BLOCK)  # never far more than needed
+        if host.capacity != old_capacity:
+            growths += 1
+            assert host.capacity >= 1.5 * old_capacity  # geometric: appends stay amortized O(1)
+            check_host_content(host, chunks)
+        assert host.nbytes() == host_bytes(host.capacity, torch.empty((), dtype=dtype).element_size())
+    assert host.rows == sum(1 + i % 3 for i in range(200)) * BLOCK
+    assert growths <= 1 + math.ceil(math.log(host.rows / (64 * BLOCK), 1.5))  # O(log n): here 4
+    check_host_content(host, chunks)
+
+
+def check_host_content(host, chunks):
+    keys, values, valid = host.live()
+    assert torch.equal(keys, torch.cat([c[0] for c in chunks], dim=2))
+    assert torch.equal(values, torch.cat([c[1] for c in chunks], dim=2))
+    assert torch.equal(valid, torch.cat([c[2] for c in chunks], dim=1))
+    maw = torch.cat(
+        [c[3] if c[3] is not None else torch.zeros(BATCH, NUM_Q_HEADS, c[0].shape[2]) for c in chunks], 2
+    )
+    assert torch.equal(host.maw[:, :, : host.rows], maw)  # appends without maw start at 0
+    assert torch.equal(host.valid_rows(), valid.sum(dim=1))
+    key_min, key_max = host.digest()
+    ref_min, ref_max = digest_by_loop(keys, valid)
+    assert torch.equal(key_min, ref_min) and torch.equal(key_max, ref_max)
+
+
+def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    host = make_host()
+    chunks = [random_blocks(gen, 64, torch.float32)]  # exactly the first capacity
+    host.append(*chunks[0])
+    assert (host.rows, host.capacity) == (256, 256)
+
+    def no_memory(self, shape, dtype):
+        raise MemoryError()
+
+    # reserve() turns a plain MemoryError from any of its allocations into HostMemoryError
+    monkeypatch.setattr(HostTier, "_empty", no_memory)
+    with pytest.raises(HostMemoryError, match=r"host memory exhausted .* 384 rows") as info:
+        host.append(*random_blocks(gen, 1, torch.float32))
+    assert isinstance(info.value, MemoryError) and type(info.value.__cause__) is MemoryError
+    assert (host.rows, host.capacity) == (256, 256)
+    check_host_content(host, chunks)
+    monkeypatch.undo()
+    chunks.append(random_blocks(gen, 1, torch.float32))
+    assert host.append(*chunks[-1]) == 256
+    check_host_content(host, chunks)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_host_tier_allocator_runtime_error_becomes_host_memory_error(monkeypatch, pin):
+    real_empty = torch.empty
+
+    def failing_empty(*args, **kwargs):
+        if "pin_memory" in kwargs:  # the tier's buffers, not the size probe of the error message
+            raise RuntimeError("out of memory (simulated)")
+        return real_empty(*args, **kwargs)
+
+    # pinned allocations fail with RuntimeError; _empty itself must translate it
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    host = make_host(pin=pin)
+    with pytest.raises(HostMemoryError) as info:
+        host.append(*random_blocks(torch.Generator().manual_seed(2), 1, torch.float32))
+    message = str(info.value)
+    assert "GiB" in message and "reduce the batch size or context length" in message
+    assert "simulated" in message and ("pinned host memory" in message) == pin
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert (host.rows, host.capacity, host.keys) == (0, 0, None)
+
+
+# ---- hot tier ---------------------------------------------------------------------------------------------
+
+
+def test_hot_tier_take_free_block_clears_only_that_block():
+    hot = HotTier(
+        BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"),
+        sink_slots=3, ring_blocks=3, block_size=BLOCK, keep_maw=True,
+    )  # fmt: skip
+    slots = 3 + 3 * BLOCK
+    assert hot.keys.shape == (BATCH, NUM_KV_HEADS, slots, HEAD_DIM) and hot.valid.shape == (BATCH, slots)
+    hot.valid[:] = True  # every slot holds a token, as after the ring filled up
+    assert hot.take_free_block() == 0
+    assert not hot.valid[:, 3 : 3 + BLOCK].any()
+    assert hot.valid[:, :3].all() and hot.valid[:, 3 + BLOCK :].all()
+    hot.valid[:] = True
+    hot.release([0], None)
+    assert [hot.take_free_block() for _ in range(2)] == [1, 2]  # FIFO: the released block comes last
+    assert not hot.valid[:, 3 + BLOCK :].any() and hot.valid[:, : 3 + BLOCK].all()
+    assert hot.take_free_block() == 0
+    assert not hot.valid[:, 3:].any() and hot.valid[:, :3].all()
+    assert hot.free == []
+
+
+# ---- layer cache ------------------------------------------------------------------------------------------
+
+SCHEDULES = {
+    # token counts of successive appends; the first prompt left-pads request 1 by 6 tokens
+    "bulk_then_single": [61] + [1] * 30 + [27] + [1] * 13 + [113] + [1] * 5,
+    "single_from_start": [1] * 70,
+    "short_prompt_then_bulk": [3, 1, 1, 50, 1, 9, 1, 61, 2],
+}
+
+
+class Feeder:
+    """Appends tokens whose keys encode (position, request, head); remembers the real ones."""
+
+    def __init__(self, pads):
+        self.pads = pads
+        self.total = 0
+        self.expected = Counter()
+        self.gen = torch.Generator().manual_seed(len(pads) + sum(pads))
+
+    def next(self, m):
+        pos = torch.arange(self.total, self.total + m, dtype=torch.float32)
+        keys = torch.randn(BATCH, NUM_KV_HEADS, m, HEAD_DIM, generator=self.gen)
+        keys[..., 0] = pos
+        keys[..., 1] = torch.arange(BATCH, dtype=torch.float32)[:, None, None]
+        keys[..., 2] = torch.arange(NUM_KV_HEADS, dtype=torch.float32)[None, :, None]
+        values = torch.randn(BATCH, NUM_KV_HEADS, m, HEAD_DIM, generator=self.gen)
+        values[..., 0] = pos + 0.5
+        valid = pos[None, :] >= torch.tensor(self.pads, dtype=torch.float32)[:, None]
+        for b in range(BATCH):
+            self.expected.update((b, int(p)) for p in pos[valid[b]])
+        self.total += m
+        return keys, values, valid
+
+
+def tokens_in(keys, values, valid):
+    """(request, position) of every valid slot of a tier, after checking its key/value identity fields."""
+    found = []
+    for b in range(BATCH):
+        slots = valid[b].nonzero().flatten()
+        k, v = keys[b][:, slots].float(), values[b][:, slots].float()  # [Hkv, n, D]
+        assert (k[..., 1] == b).all(), "token of another request"
+        assert torch.equal(
+            k[..., 2], torch.arange(NUM_KV_HEADS, dtype=torch.float32)[:, None].expand_as(k[..., 2])
+        )
+        assert (k[..., 0] == k[:1, :, 0]).all(), "heads of one slot hold different tokens"
+        assert torch.equal(v[..., 0], k[..., 0] + 0.5), "value does not belong to its key"
+        found += [(b, int(p)) for p in k[0, :, 0]]
+    return found
+
+
+def check_layer(layer, feeder, cfg, window, hot_buffers):
+    hot, host = layer.hot, layer.host
+    assert layer.seq_len == feeder.total
+    # the hot tier is the same fixed allocation as after the first append
+    assert [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)] == hot_buffers
+    assert len(hot.order) <= hot.ring_blocks and hot.sink_used <= hot.sink_slots
+    assert host.rows % cfg.block_size == 0
+    hot_tokens = tokens_in(hot.keys, hot.values, hot.valid)
+    host_tokens = tokens_in(*host.live()) if host.rows else []
+    assert Counter(hot_tokens) + Counter(host_tokens) == feeder.expected, "tokens lost or duplicated"
+    assert len(hot_tokens) + len(host_tokens) == feeder.expected.total()
+    hot_set = set(hot_tokens)
+    sink_keys = hot.keys[:, 0, : hot.sink_slots, 0]
+    for b, pad in enumerate(feeder.pads):
+        # the first sink_tokens real tokens of every request stay in the sink slots
+        sinks = range(pad, min(pad + cfg.sink_tokens, feeder.total))
+        assert all((b, p) in hot_set for p in sinks)
+        assert set(sinks) <= {int(p) for p in sink_keys[b][hot.valid[b, : hot.sink_slots]]}
+        # the recent window stays on the device too
+        recent = range(max(pad, feeder.total - window), feeder.total)
+        assert all((b, p) in hot_set for p in recent)
+    if layer.policy.needs_digest:
+        if host.rows:
+            key_min, key_max = host.digest()
+            ref_min, ref_max = digest_by_loop(*host.live()[0::2])
+            assert torch.equal(key_min, ref_min) and torch.equal(key_max, ref_max)
+    else:
+        assert host.key_min is None
+    if layer.policy.needs_maw:
+        assert hot.maw is not None and hot.maw.shape == (BATCH, NUM_Q_HEADS, hot.keys.shape[2])
+        if host.rows:
+            assert (
+                host.maw.shape[:2] == (BATCH, NUM_Q_HEADS)
+                and torch.isfinite(host.maw[:, :, : host.rows]).all()
+            )
+    else:
+        assert hot.maw is None and host.maw is None
+
+
+@pytest.mark.parametrize("window_tokens", [10, 0.25])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("policy", ["full", "streaming", "hgca", "quest"])
+def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
+    cfg = TandemConfig(
+        policy=policy,
+        device="cpu",
+        sink_tokens=4,
+        window_tokens=window_tokens,
+        block_size=BLOCK,
+        cpu_threads=1,
+    )
+    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    sizes = SCHEDULES[schedule]
+    pads = [0, min(6, sizes[0] - 1)]
+    feeder = Feeder(pads)
+    window = cfg.window_for_prompt(sizes[0] - max(pads))
+    hot_buffers = None
+    for m in sizes:
+        layer.append(*feeder.next(m))
+        if hot_buffers is None:
+            hot = layer.hot
+            assert hot.sink_slots == cfg.sink_tokens + max(pads)
+            assert hot.ring_blocks == math.ceil(window / BLOCK) + 1
+            hot_buffers = [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)]
+        check_layer(layer, feeder, cfg, window, hot_buffers)
+    assert layer.host.rows > 0  # the schedule did evict
