@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 
 def plan_head_tasks(batch: int, num_kv_heads: int, num_threads: int) -> list[list[tuple[int, int, int]]]:
     """Split the batch * num_kv_heads units into <= num_threads tasks of adjacent units.
@@ -52,7 +54,9 @@ class TaskPool:
                 for piece in task:
                     piece_fn(*piece)
             return
-        futures = [self._pool.submit(_run_task, task, piece_fn) for task in tasks]
+        # autograd and inference modes are thread-local: give the workers the caller's
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        futures = [self._pool.submit(_run_task, task, piece_fn, modes) for task in tasks]
         for f in futures:
             f.result()
 
@@ -61,6 +65,8 @@ class TaskPool:
             self._pool.shutdown(wait=False)
 
 
-def _run_task(task, piece_fn) -> None:
-    for piece in task:
-        piece_fn(*piece)
+def _run_task(task, piece_fn, modes) -> None:
+    inference, grad = modes
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        for piece in task:
+            piece_fn(*piece)
