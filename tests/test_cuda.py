@@ -10,7 +10,7 @@ from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
 
 
-def _llama_8b_shape(layers=2):
+def _llama_8b_shape(layers=2, dtype=torch.bfloat16):
     cfg = LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,
@@ -22,12 +22,13 @@ def _llama_8b_shape(layers=2):
         rope_theta=500000.0,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    return LlamaForCausalLM(cfg).to(device="cuda", dtype=dtype).eval()
 
 
 def test_llama_8b_shape_full_policy_matches_dynamic_cache_on_gpu():
-    # teacher-forced: both caches see the same tokens, so per-step logits compare directly (bf16 tolerance)
-    model = _llama_8b_shape()
+    # teacher-forced: both caches see the same tokens, so per-step logits compare directly. fp32 weights: in bf16
+    # the two paths round intermediate activations differently by a few ULP, which hides real errors
+    model = _llama_8b_shape(dtype=torch.float32)
     gen = torch.Generator("cuda").manual_seed(1)
     ids = torch.randint(0, 128256, (2, 3000), device="cuda", generator=gen)
     steps = torch.randint(0, 128256, (2, 40), device="cuda", generator=gen)
@@ -47,7 +48,7 @@ def test_llama_8b_shape_full_policy_matches_dynamic_cache_on_gpu():
     assert layer.hot.keys.is_cuda and layer.host.keys.is_pinned()
     assert layer.host.rows >= 3000 - 64 - 333 - 256 - 16
     for base, ours in zip(*logits):
-        torch.testing.assert_close(ours, base, atol=5e-2, rtol=2e-2)  # bf16 logits
+        torch.testing.assert_close(ours, base, atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("policy", ["hgca", "quest", "streaming"])
