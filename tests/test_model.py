@@ -84,7 +84,7 @@ def _needle_prompt(tok, prose, n_tokens, depth, number):
     "config",
     [
         TandemConfig(policy="quest", budget=0.1, window_tokens=256),
-        TandemConfig(policy="hgca", window_tokens=256),
+        TandemConfig(policy="hgca", beta=4.0, window_tokens=256),
     ],
     ids=["quest", "hgca"],
 )

@@ -189,7 +189,11 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
         e = min(q_len, s + chunk)
         qc = q[:, :, s:e]
         out, lse = dense_lse_chunked(
-            qc, k_new[:, :, :e], v_new[:, :, :e], scale, lambda k0, k1, s=s, e=e: causal_mask(valid_new, s, e, k0, k1)
+            qc,
+            k_new[:, :, :e],
+            v_new[:, :, :e],
+            scale,
+            lambda k0, k1, s=s, e=e: causal_mask(valid_new, s, e, k0, k1),
         )
         o_part, lse_part = ops.attention_lse(qc, hot.keys, hot.values, scale, hot.valid)
         out, lse = ops.merge_lse(out, lse, o_part, lse_part)

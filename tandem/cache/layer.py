@@ -126,7 +126,9 @@ class LayerKV:
         else:
             for _ in range(evict_tokens // bs):  # evict whole oldest blocks
                 block = hot.order.pop(0)
-                self._evict(*hot.block_view(block))
+                keys_b, values_b, valid_b, maw_b = hot.block_view(block)
+                # the decode step updates every hot MAW in place while the side stream may still copy this block
+                self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
                 hot.release([block], self.host.last_event)
         self._fill_ring(keys[:, :, pos:], values[:, :, pos:], valid[:, pos:])
 
@@ -147,9 +149,14 @@ class LayerKV:
             done += n
 
     def _evict(self, keys, values, valid, maw) -> None:
-        hot_counts = self.hot.valid_counts()
+        hot_counts = self.hot.valid_counts()  # [B] real hot entries: HGCA's n_gpu at eviction time
+        if hot_counts.is_cuda:
+            # the side-stream copy waits for this one, so `host.wait()` also makes these counts readable
+            hot_counts = torch.empty(hot_counts.shape, dtype=hot_counts.dtype, pin_memory=True).copy_(
+                hot_counts, non_blocking=True
+            )
         first = self.host.append(keys, values, valid, maw)
-        self.policy.on_evict(self, first, maw, valid, hot_counts)
+        self.policy.on_evict(self, first, keys.shape[2], hot_counts)
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     def hot_nbytes(self) -> int:

@@ -39,7 +39,8 @@ class Policy:
 
     Hooks, all called by the layer cache (`tandem.cache.layer.LayerKV`):
       select(layer, q)                 -> Selection for this decode step (q on the host, [B, Hq, 1, D])
-      on_evict(layer, first, maw, valid, hot_counts)  rows [first, first+n) just moved to the host tier
+      on_evict(layer, first, n, hot_counts)  rows [first, first+n) are on their way to the host tier; their
+                                       data (and the CPU tensor hot_counts [B]) are readable after host.wait()
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
     """
 
@@ -53,7 +54,7 @@ class Policy:
     def select(self, layer, q: torch.Tensor) -> Selection:
         raise NotImplementedError
 
-    def on_evict(self, layer, first_row: int, maw, valid, hot_counts) -> None:
+    def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
         return None
 
     def on_append(self, layer, host_weights) -> None:

@@ -26,25 +26,34 @@ class HGCAPolicy(Policy):
         super().__init__(config)
         self.indices: torch.Tensor | None = None  # [B, Hkv, width] int64, host memory
         self.lengths: torch.Tensor | None = None  # [B, Hkv] int64
+        self._evicted: list[tuple[int, int, torch.Tensor]] = []  # blocks not yet thresholded
 
     def select(self, layer, q) -> Selection:
+        self._threshold_evicted(layer)
         if self.lengths is None or int(self.lengths.max()) == 0:
             return NONE
         width = int(self.lengths.max())
         return Selection("rows", self.indices[..., :width], self.lengths)
 
-    def on_evict(self, layer, first_row: int, maw, valid, hot_counts) -> None:
-        # maw: [B, Hq, n] and valid: [B, n] of the evicted rows; hot_counts: [B] real entries in the hot tier
-        maw = self._widen(maw)
-        batch, num_q_heads, n = maw.shape
-        num_kv_heads = layer.num_kv_heads
-        threshold = self.config.beta / hot_counts.clamp(min=1).to(maw.dtype)
-        keep = (maw > threshold[:, None, None]) & valid[:, None, :]
-        keep = keep.view(batch, num_kv_heads, num_q_heads // num_kv_heads, n).any(dim=2).cpu()  # [B, Hkv, n]
-        self._extend(keep, first_row)
+    def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
+        # thresholded on the CPU at the next select (after host.wait()), so the GPU never waits for it
+        self._evicted.append((first_row, num_rows, hot_counts))
+
+    def _threshold_evicted(self, layer) -> None:
+        """Algorithm 1, line 23: evicted rows with MAW > beta / n_gpu join the selection."""
+        host = layer.host
+        for first, n, hot_counts in self._evicted:
+            maw = self._widen(host.maw[:, :, first : first + n])  # [B, Hq, n]
+            batch, num_q_heads, _ = maw.shape
+            threshold = self.config.beta / hot_counts.clamp(min=1).to(maw.dtype)
+            keep = (maw > threshold[:, None, None]) & host.valid[:, None, first : first + n]
+            keep = keep.view(batch, layer.num_kv_heads, num_q_heads // layer.num_kv_heads, n).any(dim=2)
+            self._extend(keep, first)
+        self._evicted.clear()
 
     def on_append(self, layer, host_weights) -> None:
         host = layer.host
+        self._evicted.clear()  # the rebuild below covers every host row
         if host.rows == 0 or host_weights is None:
             return
         host.maw[:, :, : host.rows].copy_(host_weights)
