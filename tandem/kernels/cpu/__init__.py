@@ -1,0 +1,53 @@
+"""Compiled CPU kernels: sparse attention with LSE, block scoring + top-k, HGCA threshold selection.
+
+Plain C++ with OpenMP, built with the system compiler on first use and cached (see `_library`), with
+run-time SIMD dispatch (AVX-512-BF16 -> AVX-512F -> AVX2/FMA -> portable). Every function matches its
+namesake in `tandem.kernels.reference` and falls back to it, with one warning, if no compiler is found.
+
+>>> from tandem.kernels import cpu
+>>> cpu.is_available(), cpu.isa()  # e.g. (True, 'avx512bf16')
+"""
+
+from __future__ import annotations
+
+from tandem.kernels.cpu import _library
+from tandem.kernels.cpu._library import default_num_threads
+from tandem.kernels.cpu.ops import (
+    block_scores,
+    read_sum,
+    score_topk,
+    sparse_attention_lse,
+    threshold_select,
+    topk_blocks,
+)
+
+
+def is_available() -> bool:
+    """True when the compiled kernels load (building them on first call if needed)."""
+    return _library.library() is not None
+
+
+def isa() -> str | None:
+    """The SIMD path in use ("scalar", "avx2", "avx512", "avx512bf16"), or None without the library."""
+    if not is_available():
+        return None
+    return _library.ISA_NAMES[_library.isa_code()]
+
+
+def supported_isas() -> tuple[str, ...]:
+    """Every SIMD path this CPU can run (each can be forced with TANDEM_CPU_ISA)."""
+    return _library.supported_isas() if is_available() else ()
+
+
+__all__ = [
+    "block_scores",
+    "default_num_threads",
+    "is_available",
+    "isa",
+    "read_sum",
+    "score_topk",
+    "sparse_attention_lse",
+    "supported_isas",
+    "threshold_select",
+    "topk_blocks",
+]

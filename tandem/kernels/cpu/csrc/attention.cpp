@@ -1,0 +1,118 @@
+// Sparse decode attention driver: splits all selected rows of all (request, KV head) segments into equal
+// chunks that threads take dynamically, then merges each segment's partial results by LSE
+// (FlashDecoding-style).
+//
+// The split is over the global row space, not over segments: chunk c holds rows [c * C, (c + 1) * C) of
+// the concatenation of all segments, so one request with 8 KV heads keeps every core busy and a batch
+// with ragged selections stays balanced. A few chunks per thread, taken dynamically, keep a thread that
+// the OS preempts (the GPU-launching thread, another process) from stalling the whole call. Chunk c's
+// piece of segment i lands in scratch slot c + i; that map is injective because pieces are ordered both
+// by chunk and by segment.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "tandem_cpu.h"
+
+namespace tandem {
+namespace {
+
+constexpr float kLn2 = 0.69314718055994530942f;
+// Fewer rows than this per chunk and the piece set-up and the merge cost more than they save.
+constexpr int64_t kMinRowsPerChunk = 64;
+constexpr int64_t kChunksPerThread = 4;
+
+// out[seg] / lse[seg] from the pieces in slots [slot0, slot1]; state layout per slot: m, l, acc.
+void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int64_t slot1, int64_t nq,
+                   int64_t head_dim, float* out, float* lse) {
+  for (int64_t j = 0; j < nq; ++j) {
+    float m_max = -INFINITY;
+    for (int64_t s = slot0; s <= slot1; ++s) m_max = std::fmax(m_max, scratch[s * slot_floats + j]);
+    float* o = out + j * head_dim;
+    if (m_max == -INFINITY) {  // nothing attended: the merge with the GPU side must ignore this side
+      std::fill(o, o + head_dim, 0.f);
+      lse[j] = -INFINITY;
+      continue;
+    }
+    float total = 0.f;
+    std::fill(o, o + head_dim, 0.f);
+    for (int64_t s = slot0; s <= slot1; ++s) {
+      const float* st = scratch + s * slot_floats;
+      const float w = std::exp2(st[j] - m_max);  // 0 for a piece with only masked rows
+      if (w == 0.f) continue;
+      total += w * st[nq + j];
+      const float* acc = st + 2 * nq + j * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += w * acc[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+    lse[j] = (m_max + std::log2(total)) * kLn2;
+  }
+}
+
+}  // namespace
+}  // namespace tandem
+
+extern "C" {
+
+// out: [B, Hkv, NQ, D] fp32, lse: [B, Hkv, NQ] fp32. Returns the number of out-of-range row ids met
+// (those rows are skipped), or -1 if `isa` / `dtype` is not available.
+int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* args, float* out, float* lse,
+                                int num_threads) {
+  using namespace tandem;
+  const KernelTable* table = table_for(isa);
+  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes) return -1;
+  AttendArgs a = *args;
+  const AttendFn attend = table->attend[dtype];
+  const int64_t nseg = a.batch * a.num_kv_heads;
+  const int64_t nq = a.nq, head_dim = a.head_dim;
+  std::vector<float> q_scaled(args->q, args->q + nseg * nq * head_dim);
+  for (float& x : q_scaled) x *= a.q_scale;
+  table->layout[dtype](q_scaled.data(), nseg * nq, head_dim, 0);
+  a.q = q_scaled.data();
+
+  std::vector<int64_t> offsets(nseg + 1, 0);  // expanded-row offsets of each segment
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t len = std::min(std::max<int64_t>(a.lengths[i], 0), a.width);
+    offsets[i + 1] = offsets[i] + len * a.block_size;
+  }
+  const int64_t total = offsets[nseg];
+  const int64_t slot_floats = nq * (head_dim + 2);
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, total / kMinRowsPerChunk)));
+  const int64_t per_thread = (total + nt - 1) / nt;
+  const int64_t chunk = std::max(kMinRowsPerChunk, (per_thread + kChunksPerThread - 1) / kChunksPerThread);
+  const int64_t nchunks = (total + chunk - 1) / chunk;
+  std::unique_ptr<float[]> scratch(new float[(nchunks + nseg) * slot_floats]);
+  int64_t bad_rows = 0;
+
+#pragma omp parallel num_threads(nt) reduction(+ : bad_rows)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const int64_t lo = c * chunk, hi = std::min(total, lo + chunk);
+      int64_t seg = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+      for (; seg < nseg && offsets[seg] < hi; ++seg) {
+        const int64_t s0 = std::max(lo, offsets[seg]) - offsets[seg];
+        const int64_t s1 = std::min(hi, offsets[seg + 1]) - offsets[seg];
+        if (s1 > s0) attend(a, seg, s0, s1, scratch.get() + (c + seg) * slot_floats, &bad_rows);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t seg = 0; seg < nseg; ++seg) {
+      float* o = out + seg * nq * head_dim;
+      float* l = lse + seg * nq;
+      if (offsets[seg + 1] == offsets[seg]) {
+        std::fill(o, o + nq * head_dim, 0.f);
+        std::fill(l, l + nq, -INFINITY);
+        continue;
+      }
+      const int64_t c0 = offsets[seg] / chunk, c1 = (offsets[seg + 1] - 1) / chunk;
+      merge_segment(scratch.get(), slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
+      table->layout[dtype](o, nq, head_dim, 1);
+    }
+  }
+  return bad_rows;
+}
+
+}  // extern "C"

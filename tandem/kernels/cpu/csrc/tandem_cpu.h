@@ -1,0 +1,134 @@
+// Shared declarations of Tandem's CPU kernels.
+//
+// The library is plain C++ (no torch headers) so that it compiles in seconds. Each ISA lives in its own
+// translation unit (isa_*.cpp) compiled for that ISA by a `#pragma GCC target`; the OpenMP drivers
+// (attention.cpp, select.cpp) are compiled for the baseline ISA and call the per-ISA workers through a
+// KernelTable picked at run time from the CPU's flags.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace tandem {
+
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNumDtypes = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumIsas = 4 };
+
+// Rows per online-softmax step: one AVX-512 vector of logits per query, and 16 rows of K+V (8 KiB for
+// bf16, d=128) is small enough to stay in L1 between the logits pass and the V pass.
+constexpr int kTile = 16;
+
+// Storage element tags, so that loaders overload on the pointer type.
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+// Arguments of sparse attention, shared by the driver and the workers. Mirrored by a ctypes Structure
+// in tandem/kernels/cpu/_library.py: keep the field order in sync.
+struct AttendArgs {
+  const float* q;           // [B, Hkv, NQ, D] fp32, NQ = group * Lq (the driver pre-scales a copy)
+  float q_scale;            // softmax scale * log2(e): the workers compute in base 2
+  const void* k;            // K store, element strides below; rows are contiguous
+  const void* v;            // V store
+  int64_t k_stride_b, k_stride_h, k_stride_row;
+  int64_t v_stride_b, v_stride_h, v_stride_row;
+  const int64_t* indices;   // [B, Hkv, width] row ids (block ids when block_size > 1)
+  const int64_t* lengths;   // [B, Hkv] valid entries of `indices`
+  const uint8_t* key_mask;  // [B, cap] 0 = never attend, or null
+  int64_t batch, num_kv_heads, nq, head_dim, width, cap, block_size;
+  int64_t prefetch_rows;    // rows resolved and prefetched ahead of the tile being computed
+  int64_t prefetch_hint;    // locality 0..3 as __builtin_prefetch (3 = into L1, 1 = L2/L3), -1 = none
+  int64_t prefetch_step;    // bytes between prefetched lines: 64, or 128 to leave the pair line to the
+                            // L2 spatial prefetcher (half the line-fill buffers per row)
+};
+
+// Arguments of block scoring. Mirrored in _library.py.
+struct ScoreArgs {
+  const float* q_pos;       // [B, Hkv, NQ, D] fp32, max(q, 0) (the driver builds both from q)
+  const float* q_neg;       // [B, Hkv, NQ, D] fp32, min(q, 0)
+  const void* key_min;      // [B, Hkv, nblk, D] per-block digests, element strides below
+  const void* key_max;
+  int64_t min_stride_b, min_stride_h, min_stride_blk;
+  int64_t max_stride_b, max_stride_h, max_stride_blk;
+  int64_t batch, num_kv_heads, nq, head_dim, num_blocks, factor;  // factor: logical / physical block size
+};
+
+// Attend the rows at expanded positions [lo, hi) of segment `seg` (= b * Hkv + h) and leave the
+// unnormalised partial result in `state`: m[NQ] (running max, log2 domain), l[NQ] (sum of exp2),
+// acc[NQ][D] (layout order). `bad_rows` counts row ids outside [0, cap).
+using AttendFn = void (*)(const AttendArgs&, int64_t seg, int64_t lo, int64_t hi, float* state,
+                          int64_t* bad_rows);
+// Score logical blocks [lb0, lb1) of segment `seg` into scores[lb0:lb1].
+using ScoreFn = void (*)(const ScoreArgs&, int64_t seg, int64_t lb0, int64_t lb1, float* scores);
+// Sum of n floats (used by the bandwidth probe so that it reads with the same vector width).
+using ReadFn = double (*)(const float* data, int64_t n);
+// Rows [rows, D] of fp32 from natural order into the worker's register layout for a storage dtype
+// (inverse = 1: back). The workers read q in that layout and leave acc in it.
+using LayoutFn = void (*)(float* data, int64_t rows, int64_t D, int inverse);
+
+struct KernelTable {
+  AttendFn attend[kNumDtypes];
+  ScoreFn score[kNumDtypes];
+  LayoutFn layout[kNumDtypes];
+  ReadFn read_sum;
+};
+
+// Defined by each isa_*.cpp; null where the ISA cannot be compiled (non-x86 hosts).
+const KernelTable* table_scalar();
+const KernelTable* table_avx2();
+const KernelTable* table_avx512();
+const KernelTable* table_avx512bf16();
+
+bool isa_supported(int isa);
+const KernelTable* table_for(int isa);  // null if the ISA is not supported on this CPU
+
+template <class T>
+struct is_bf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct is_bf16<bf16_t> {
+  static constexpr bool value = true;
+};
+
+inline float bf16_to_f32(bf16_t x) {
+  uint32_t bits = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float f16_to_f32(f16_t x) {
+  // portable IEEE half -> float, subnormals and inf/nan included
+  const uint32_t sign = uint32_t(x.bits & 0x8000) << 16;
+  uint32_t exp = (x.bits >> 10) & 0x1f;
+  uint32_t mant = x.bits & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // subnormal half: normalise the mantissa
+    exp = 113;
+    while ((mant & 0x400) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
+inline float to_f32(f16_t x) { return f16_to_f32(x); }
+
+}  // namespace tandem

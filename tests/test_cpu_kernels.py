@@ -1,0 +1,283 @@
+"""Compiled CPU kernels (tandem.kernels.cpu) against the plain-torch references, on every SIMD path
+this CPU supports, at the dtype-keyed tolerances of tests/tolerances.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tolerances import assert_close
+
+from tandem.kernels import cpu, reference
+from tandem.kernels.cpu import _library
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+needs_native = pytest.mark.skipif(not cpu.is_available(), reason="CPU kernels unavailable (no compiler?)")
+
+
+@pytest.fixture(params=_library.ISA_NAMES)
+def isa(request, monkeypatch):
+    """Run the test once per SIMD path, forced through TANDEM_CPU_ISA."""
+    if request.param not in cpu.supported_isas():
+        pytest.skip(f"{request.param} not supported on this CPU")
+    monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
+    return request.param
+
+
+def make_case(
+    batch, num_q_heads, num_kv_heads, q_len, head_dim, cap, width, dtype, *, block_size=None, seed=0
+):
+    """Random q, K/V store [B, Hkv, cap, D], sorted unique selections with ragged lengths (one empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, num_q_heads, q_len, head_dim, generator=gen)
+    k = torch.randn(batch, num_kv_heads, cap, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, num_kv_heads, cap, head_dim, generator=gen).to(dtype)
+    units = cap // block_size if block_size else cap
+    width = min(width, units)
+    picks = [torch.randperm(units, generator=gen)[:width].sort().values for _ in range(batch * num_kv_heads)]
+    indices = torch.stack(picks).view(batch, num_kv_heads, width)
+    lengths = torch.randint(0, width + 1, (batch, num_kv_heads), generator=gen)
+    lengths.view(-1)[-1] = width
+    if batch * num_kv_heads > 1:
+        lengths.view(-1)[0] = 0
+    return q, k, v, indices, lengths
+
+
+def check_attention(q, k, v, indices, lengths, dtype, **kwargs):
+    out, lse = cpu.sparse_attention_lse(q, k, v, indices, lengths, 0.125, **kwargs)
+    kwargs.pop("num_threads", None)
+    ref_out, ref_lse = reference.sparse_attention_lse(q, k, v, indices, lengths, 0.125, **kwargs)
+    assert out.dtype == lse.dtype == torch.float32
+    assert_close(lse, ref_lse, dtype, "lse")
+    assert_close(out, ref_out, dtype, "out")
+    return out, lse
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("rows", [27, 61, 113])
+def test_sparse_attention_matches_reference(isa, dtype, group, rows):
+    case = make_case(2, 2 * group, 2, 1, 64, cap=rows + 9, width=rows, dtype=dtype, seed=rows)
+    check_attention(*case, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_block_indices_match_reference(isa, dtype, block_size):
+    case = make_case(2, 8, 2, 1, 128, cap=7 * block_size + 5, width=5, dtype=dtype, block_size=block_size)
+    check_attention(*case, dtype, block_size=block_size)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_token_queries_and_key_mask(isa, dtype):
+    q, k, v, indices, lengths = make_case(2, 8, 2, 3, 72, cap=113, width=61, dtype=dtype)  # D=72: tails
+    key_mask = torch.rand(2, 113, generator=torch.Generator().manual_seed(1)) > 0.3
+    key_mask[0, :] = False  # a request whose selected rows are all padding: lse = -inf
+    _, lse = check_attention(q, k, v, indices, lengths, dtype, key_mask=key_mask)
+    assert torch.isinf(lse[0]).all()
+
+
+@needs_native
+def test_empty_selection_gives_zeros_and_neg_inf(isa):
+    q, k, v, indices, _ = make_case(2, 8, 2, 1, 64, cap=27, width=27, dtype=torch.bfloat16)
+    for idx, lengths in (
+        (indices, torch.zeros(2, 2, dtype=torch.long)),
+        (indices[..., :0], torch.zeros(2, 2).long()),
+    ):
+        out, lse = cpu.sparse_attention_lse(q, k, v, idx, lengths, 0.125)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.isneginf(lse).all()
+
+
+@needs_native
+@pytest.mark.parametrize("num_threads", [1, 2, 7])
+def test_rows_split_across_threads(isa, num_threads):
+    # one long segment: pieces of it land on several threads and are merged by LSE
+    case = make_case(1, 8, 1, 1, 128, cap=2000, width=1500, dtype=torch.bfloat16)
+    check_attention(*case, torch.bfloat16, num_threads=num_threads)
+    ragged = make_case(3, 12, 3, 1, 64, cap=600, width=400, dtype=torch.float16, seed=3)
+    check_attention(*ragged, torch.float16, num_threads=num_threads)
+
+
+@needs_native
+def test_strided_store_view():
+    q, k, v, indices, lengths = make_case(2, 8, 4, 1, 64, cap=120, width=61, dtype=torch.bfloat16)
+    # a head slice and a row slice of larger stores: rows stay contiguous, strides do the rest
+    k_view, v_view = k[:, 1:3, :113], v[:, 1:3, :113]
+    idx = indices[:, 1:3].clamp(max=112)
+    check_attention(q[:, 2:6], k_view, v_view, idx, lengths[:, 1:3], torch.bfloat16)
+
+
+@needs_native
+def test_bad_input_names_the_argument():
+    q, k, v, indices, lengths = make_case(1, 4, 1, 1, 64, cap=27, width=27, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_store: dtype"):
+        cpu.sparse_attention_lse(q, k.to(torch.int16), v, indices, lengths, 0.1)
+    with pytest.raises(ValueError, match="v_store"):
+        cpu.sparse_attention_lse(q, k, v.float(), indices, lengths, 0.1)
+    with pytest.raises(ValueError, match="indices"):
+        cpu.sparse_attention_lse(q, k, v, indices + 27, lengths, 0.1)
+    with pytest.raises(ValueError, match="q: 4 query heads"):
+        cpu.sparse_attention_lse(
+            q, k.expand(1, 3, 27, 64).contiguous(), v.expand(1, 3, 27, 64), indices, lengths, 0.1
+        )
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        cpu.sparse_attention_lse(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, indices, lengths, 0.1)
+
+
+def make_digests(batch, num_kv_heads, num_blocks, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    center = torch.randn(batch, num_kv_heads, num_blocks, head_dim, generator=gen)
+    spread = torch.rand(batch, num_kv_heads, num_blocks, head_dim, generator=gen)
+    return (center - spread).to(dtype), (center + spread).to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_block_scores_match_reference(isa, dtype, group):
+    q = torch.randn(2, 2 * group, 2, 72)  # Lq = 2, D = 72 (not a multiple of the vector width)
+    key_min, key_max = make_digests(2, 2, 61, 72, dtype)
+    assert_close(cpu.block_scores(q, key_min, key_max), reference.block_scores(q, key_min, key_max), dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("factor", [1, 2, 4, 8])
+def test_score_topk_matches_reference(isa, factor):
+    q = torch.randn(2, 8, 1, 128)
+    key_min, key_max = make_digests(2, 2, 113, 128, torch.bfloat16, seed=factor)
+    ids, lengths = cpu.score_topk(q, key_min, key_max, 5, factor)
+    ref_ids, ref_lengths = reference.topk_blocks(
+        reference.block_scores(q, *reference.coarsen_digest(key_min, key_max, factor)), 5
+    )
+    assert torch.equal(ids, ref_ids) and torch.equal(lengths, ref_lengths)
+
+
+@needs_native
+def test_empty_digest_scores_neg_inf():
+    # documented in reference.block_scores; its code gives +inf (q*+inf beats q*-inf), reported upstream
+    q = torch.randn(1, 4, 1, 64)
+    key_min, key_max = make_digests(1, 1, 27, 64, torch.float32)
+    key_min[0, 0, 3], key_max[0, 0, 3] = float("inf"), float("-inf")
+    scores = cpu.block_scores(q, key_min, key_max)
+    assert scores[0, 0, 3] == float("-inf") and torch.isfinite(scores[0, 0, :3]).all()
+    ids, lengths = cpu.score_topk(q, key_min, key_max, 27)
+    assert lengths.item() == 26 and 3 not in ids[0, 0, :26].tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("k", [0, 1, 7, 61, 100])
+def test_topk_blocks_matches_reference(k):
+    scores = torch.randn(2, 3, 61)
+    scores[0, 0, ::3] = float("-inf")  # 21 unselectable blocks
+    scores[1, 2] = float("-inf")
+    ids, lengths = cpu.topk_blocks(scores, k)
+    ref_ids, ref_lengths = reference.topk_blocks(scores, k)
+    assert ids.shape == ref_ids.shape and torch.equal(lengths, ref_lengths)
+    for b in range(2):
+        for h in range(3):
+            n = lengths[b, h]
+            assert torch.equal(ids[b, h, :n], ref_ids[b, h, :n])
+
+
+@needs_native
+@pytest.mark.parametrize("threshold_kind", ["scalar", "per_head", "per_head_1"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_threshold_select_matches_reference(threshold_kind, group):
+    gen = torch.Generator().manual_seed(group)
+    maw = torch.rand(2, 2 * group, 5000, generator=gen) ** 4
+    threshold = {
+        "scalar": 0.5,
+        "per_head": torch.rand(2, 2 * group, generator=gen),
+        "per_head_1": torch.rand(2, 2 * group, 1, generator=gen),
+    }[threshold_kind]
+    ids, lengths = cpu.threshold_select(maw, threshold, 2, 4999, num_threads=2)
+    ref_ids, ref_lengths = reference.threshold_select(maw, threshold, 2, 4999)
+    assert ids.shape == ref_ids.shape and torch.equal(lengths, ref_lengths)
+    for b in range(2):
+        for h in range(2):
+            n = lengths[b, h]
+            assert torch.equal(ids[b, h, :n], ref_ids[b, h, :n])
+            assert not ids[b, h, n:].any()  # padded with 0
+    # the selection feeds sparse attention directly
+    k = torch.randn(2, 2, 5000, 64)
+    check_attention(torch.randn(2, 2 * group, 1, 64), k, k, ids, lengths, torch.float32)
+
+
+@needs_native
+def test_threshold_select_nothing_kept():
+    ids, lengths = cpu.threshold_select(torch.zeros(1, 4, 27), 1.0, 2, 27)
+    assert ids.shape == (1, 2, 0) and not lengths.any()
+
+
+@needs_native
+def test_read_sum():
+    data = torch.rand(1_000_003)
+    assert cpu.read_sum(data, num_threads=2) == pytest.approx(float(data.double().sum()), rel=1e-5)
+
+
+def run_script(script: str, **env: str) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = {**os.environ, "PYTHONPATH": root, **env}
+    full_env.pop("TANDEM_CPU_ISA", None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+FALLBACK_SCRIPT = """
+    import warnings, torch
+    from tandem.kernels import cpu, reference
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 1, 27, 64)
+    idx, lengths = torch.arange(27).view(1, 1, 27), torch.tensor([[27]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = cpu.sparse_attention_lse(q, k, k, idx, lengths, 0.1)
+        cpu.sparse_attention_lse(q, k, k, idx, lengths, 0.1)
+        cpu.block_scores(q, k, k)
+    ref_out, ref_lse = reference.sparse_attention_lse(q, k, k, idx, lengths, 0.1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert not cpu.is_available()
+    print("warnings:", len(caught), caught[0].message if caught else "")
+"""
+
+
+def test_fallback_warns_once_and_runs_reference():
+    result = run_script(FALLBACK_SCRIPT, TANDEM_CPU_KERNELS="off")
+    assert result.returncode == 0, result.stderr
+    assert "warnings: 1 " in result.stdout and "TANDEM_CPU_KERNELS" in result.stdout
+
+
+THREADS_SCRIPT = """
+    import os, torch
+    from tandem.kernels import cpu, reference
+    from tandem.kernels.cpu import _library
+    assert _library.default_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+    q, k = torch.randn(1, 32, 1, 128), torch.randn(1, 8, 3000, 128).bfloat16()
+    idx = torch.rand(1, 8, 3000).argsort(-1)[..., :1500].sort(-1).values
+    lengths = torch.full((1, 8), 1500)
+    out, lse = cpu.sparse_attention_lse(q, k, k, idx, lengths, 0.1)
+    ref_out, ref_lse = reference.sparse_attention_lse(q, k, k, idx, lengths, 0.1)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    print("ok", cpu.isa())
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("omp_threads", ["1", "2"])
+def test_omp_num_threads_sets_default(omp_threads):
+    result = run_script(THREADS_SCRIPT, OMP_NUM_THREADS=omp_threads)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok")
