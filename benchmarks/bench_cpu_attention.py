@@ -11,6 +11,8 @@ benchmarks/results/cpu_attention_<machine>.{json,md}. This is a program, not a t
     python benchmarks/bench_cpu_attention.py                                 # the full grid
     python benchmarks/bench_cpu_attention.py --contexts 32k --batches 1      # a small machine
     python benchmarks/bench_cpu_attention.py --sweep                         # prefetch / ISA sweep only
+
+Run from the repository root; where tandem is not installed, with PYTHONPATH=. set.
 """
 
 from __future__ import annotations

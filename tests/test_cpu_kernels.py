@@ -85,6 +85,14 @@ def test_multi_token_queries_and_key_mask(isa, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize(("group", "q_len"), [(1, 1), (1, 3), (2, 3), (4, 1), (8, 2)])
+def test_query_blocks_at_head_dim_128(isa, group, q_len):
+    # query counts (group * Lq) that leave every remainder of the 8/4/2/1 register blocks
+    case = make_case(2, 2 * group, 2, q_len, 128, cap=140, width=61, dtype=torch.bfloat16, seed=group)
+    check_attention(*case, torch.bfloat16)
+
+
+@needs_native
 def test_empty_selection_gives_zeros_and_neg_inf(isa):
     q, k, v, indices, _ = make_case(2, 8, 2, 1, 64, cap=27, width=27, dtype=torch.bfloat16)
     for idx, lengths in (

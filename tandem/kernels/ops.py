@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu as _native
 from . import reference
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-try:  # the compiled CPU kernels are optional: without a compiler the reference runs
-    from . import cpu as _native
-except ImportError:  # pragma: no cover - only when the subpackage is absent
-    _native = None
-
 
 def native_cpu_available() -> bool:
-    return _native is not None and callable(getattr(_native, "is_available", None)) and _native.is_available()
+    """True when the compiled CPU kernels built and loaded (without a compiler the reference runs)."""
+    return _native.is_available()
 
 
 def _check(cond: bool, message: str) -> None:
