@@ -34,7 +34,8 @@ class TandemConfig:
         window_tokens: recent tokens kept on the compute device. An int is a token count; a float in (0, 1)
             is a fraction of the first prompt's length (at least one block).
         block_size: tokens per block: the unit of eviction and of the `quest` key digests.
-        budget: for `quest`, the fraction of offloaded entries a KV head may attend, in (0, 1].
+        budget: for `quest`, the fraction of offloaded entries a KV head attends, in (0, 1], rounded up to whole
+            blocks (so at a few dozen host blocks it reads more than `budget`; stats report the real fraction).
         beta: for `hgca`, the salience threshold factor (entries with MAW > beta / n are attended).
         maw_alpha: for `hgca`, weight of the newest step in the moving average of attention weights.
         span: for `hgca`, each salient entry also keeps the `span - 1` entries after it (1 = the paper's rule).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..evaluation import cli as evaluate
+from ..simulator import cli as simulate
 from . import generate
 
 
@@ -24,16 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_arguments(gen)
     gen.set_defaults(run=generate.run)
-    try:
-        from ..simulator import cli as simulate
-    except ImportError:
-        simulate = None
-    if simulate is not None and hasattr(simulate, "add_arguments"):
-        sim = sub.add_parser(
-            "simulate", help="system model of PNM-KV / PnG-KV platforms (throughput, energy, cost)"
-        )
-        simulate.add_arguments(sim)
-        sim.set_defaults(run=simulate.run)
+    sim = sub.add_parser(
+        "simulate", help="system model of PNM-KV / PnG-KV platforms (throughput, energy, cost)"
+    )
+    simulate.add_arguments(sim)
+    sim.set_defaults(run=simulate.run)
+    ev = sub.add_parser(
+        "eval", help="quality of each policy against full attention", description=evaluate.DESCRIPTION
+    )
+    evaluate.add_arguments(ev)
+    ev.set_defaults(run=evaluate.run)
     return parser
 
 

@@ -1,0 +1,16 @@
+"""Names the command line validates against, importable without torch (so `tandem --help` stays fast)."""
+
+GENERATION_TASKS = ("niah", "multikey", "multivalue", "vt", "cwe")
+DOCUMENT_TASKS = ("ppl", "error")
+TASKS = GENERATION_TASKS + DOCUMENT_TASKS
+# TandemConfig knobs a `--set policy.key=v1,v2` sweep may change (the rest are fixed by the harness or machine)
+SETTABLE = (
+    "sink_tokens",
+    "window_tokens",
+    "block_size",
+    "budget",
+    "beta",
+    "maw_alpha",
+    "span",
+    "observation_tokens",
+)

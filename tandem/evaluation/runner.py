@@ -1,0 +1,367 @@
+"""Runs policies x tasks x lengths x samples on one model and gathers per-run records and per-cell summaries.
+
+Generation tasks: greedy decoding of each prompt through a fresh Tandem cache per policy variant; with
+`check_hf`, also through transformers' `DynamicCache` so `full` can be checked token for token.
+Document tasks (`ppl`, `error`): one teacher-forced pass per document and variant: prefill all but the last
+`ppl_tokens` tokens, then feed those one at a time through the cache, so the sparse path predicts each token;
+on `error_steps` evenly spaced steps the probe compares every layer's output with exact attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..config import POLICIES, TandemConfig
+from ..integrations.hf import TandemCache, generate_cache_kwargs
+from .haystack import Haystack
+from .metrics import AttentionProbe, perplexity
+from .names import DOCUMENT_TASKS, GENERATION_TASKS, SETTABLE, TASKS
+from .tasks import TaskBuilder, score_answer
+
+
+@dataclass
+class Variant:
+    """One policy with its settings; `label` names it in results ("quest" or "quest[budget=0.02]")."""
+
+    label: str
+    config: TandemConfig
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def policy(self) -> str:
+        return self.config.policy
+
+
+@dataclass
+class EvalPlan:
+    """What to run. Build it with `make_plan`, which validates every field and names the offending argument."""
+
+    variants: list[Variant]
+    tasks: list[str]
+    lengths: list[int]
+    samples: int = 3
+    seed: int = 0
+    ppl_tokens: int = 128
+    error_steps: int = 8
+    check_hf: bool = False
+
+    @property
+    def baseline(self) -> str | None:
+        """Label of the variant that Δ is measured against: the first `full` one."""
+        return next((v.label for v in self.variants if v.policy == "full"), None)
+
+
+# ---- parsing and validation ---------------------------------------------------------------------------------
+def parse_names(spec: str | Sequence[str], allowed: Sequence[str], argument: str) -> list[str]:
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(
+            f"{argument}: unknown {', '.join(map(repr, bad)) or 'empty list'}; allowed: {', '.join(allowed)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def parse_lengths(spec: str | Sequence[str | int]) -> list[int]:
+    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    lengths = []
+    for item in items:
+        text = str(item).strip().lower()
+        try:
+            value = float(text[:-1]) * 1024 if text.endswith("k") else float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value != int(value) or value < 256:
+            raise ValueError(
+                f"--lengths: {str(item)!r} is not a context length: use token counts >= 256 such as 1000 or 1k, "
+                "2k, 4k (k = 1024)"
+            )
+        lengths.append(int(value))
+    if not lengths:
+        raise ValueError("--lengths: empty; use e.g. 1k,2k,4k")
+    return sorted(set(lengths))
+
+
+def _parse_value(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+
+
+def make_variants(
+    policies: Sequence[str], sets: Sequence[str] = (), cpu_threads: int | None = None
+) -> list[Variant]:
+    """One variant per policy, or per combination of `--set` values where a policy is swept.
+
+    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy); key in SETTABLE.
+    """
+    sweeps: dict[str, dict[str, list]] = {p: {} for p in policies}
+    for item in sets:
+        name, eq, values = item.partition("=")
+        target, dot, key = name.strip().rpartition(".")
+        if not eq or not key or not values.strip():
+            raise ValueError(f"--set {item!r}: expected policy.key=v1,v2 (e.g. quest.budget=0.02,0.05)")
+        if key not in SETTABLE:
+            raise ValueError(f"--set {item!r}: unknown key {key!r}; allowed: {', '.join(SETTABLE)}")
+        if dot and target not in POLICIES:
+            raise ValueError(f"--set {item!r}: unknown policy {target!r}; allowed: {', '.join(POLICIES)}")
+        if dot and target not in policies:
+            raise ValueError(
+                f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
+            )
+        try:
+            parsed = [_parse_value(v.strip()) for v in values.split(",")]
+        except ValueError as err:
+            raise ValueError(f"--set {item!r}: {err}") from None
+        for policy in [target] if dot else policies:
+            sweeps[policy][key] = parsed
+    variants = []
+    for policy in policies:
+        keys = list(sweeps[policy])
+        for combo in itertools.product(*(sweeps[policy][k] for k in keys)):
+            overrides = dict(zip(keys, combo))
+            try:
+                config = TandemConfig(policy=policy, cpu_threads=cpu_threads, **overrides)
+            except ValueError as err:
+                raise ValueError(f"--set {_label(policy, overrides)}: {err}") from None
+            label = _label(policy, overrides)
+            variants.append(Variant(label, config, overrides))
+    return variants
+
+
+def _label(policy: str, overrides: dict) -> str:
+    return policy + (f"[{','.join(f'{k}={v}' for k, v in overrides.items())}]" if overrides else "")
+
+
+def make_plan(
+    policies="full,streaming,hgca,quest",
+    tasks="niah,multikey,multivalue,vt,cwe,ppl,error",
+    lengths="1k,2k,4k",
+    samples: int = 3,
+    sets: Sequence[str] = (),
+    seed: int = 0,
+    ppl_tokens: int = 128,
+    error_steps: int = 8,
+    check_hf: bool = False,
+    cpu_threads: int | None = None,
+) -> EvalPlan:
+    """Validate everything that does not need the model; raises ValueError naming the argument."""
+    policy_names = parse_names(policies, POLICIES, "--policies")
+    task_names = parse_names(tasks, TASKS, "--tasks")
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= 10_000:
+        raise ValueError(f"--samples={samples!r} is out of range: allowed an integer >= 1")
+    if not 2 <= ppl_tokens <= 1 << 20:
+        raise ValueError(f"--ppl-tokens={ppl_tokens} is out of range: allowed an integer >= 2")
+    if not 1 <= error_steps <= ppl_tokens - 1:
+        raise ValueError(f"--error-steps={error_steps} is out of range: allowed 1 .. --ppl-tokens - 1")
+    plan = EvalPlan(
+        make_variants(policy_names, sets, cpu_threads),
+        task_names,
+        parse_lengths(lengths),
+        samples,
+        seed,
+        ppl_tokens,
+        error_steps,
+        check_hf,
+    )
+    if any(t in DOCUMENT_TASKS for t in task_names) and ppl_tokens >= min(plan.lengths) // 2:
+        raise ValueError(
+            f"--ppl-tokens={ppl_tokens} must be less than half the shortest length ({min(plan.lengths)})"
+        )
+    return plan
+
+
+def check_lengths(lengths: Sequence[int], max_positions: int | None) -> None:
+    if max_positions is not None and max(lengths) > max_positions:
+        raise ValueError(
+            f"--lengths: {max(lengths)} tokens exceed the model's maximum of {max_positions} positions "
+            "(config.max_position_embeddings); allowed lengths are <= that"
+        )
+
+
+# ---- running ------------------------------------------------------------------------------------------------
+class Runner:
+    """Runs an `EvalPlan` on a loaded model. `on_cell(results)` is called after each (task, length) so long
+    runs can save partial results."""
+
+    def __init__(self, model, tokenizer, plan: EvalPlan, haystack: Haystack, progress: bool = True) -> None:
+        text_config = model.config.get_text_config(decoder=True)
+        check_lengths(plan.lengths, getattr(text_config, "max_position_embeddings", None))
+        self.model, self.tokenizer, self.plan, self.haystack = model, tokenizer, plan, haystack
+        self.builder = TaskBuilder(tokenizer, haystack, seed=plan.seed)
+        self.device = next(model.parameters()).device
+        self.progress = progress
+        self.runs: list[dict] = []
+
+    def total_runs(self) -> int:
+        plan = self.plan
+        gen = sum(t in GENERATION_TASKS for t in plan.tasks) * (len(plan.variants) + plan.check_hf)
+        doc = len(plan.variants) if any(t in DOCUMENT_TASKS for t in plan.tasks) else 0
+        return (gen + doc) * len(plan.lengths) * plan.samples
+
+    def run(self, on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        from tqdm.auto import tqdm
+
+        plan = self.plan
+        bar = tqdm(total=self.total_runs(), desc="tandem eval", unit="run", disable=not self.progress)
+        with torch.inference_mode():
+            for length in plan.lengths:
+                for task in plan.tasks:
+                    if task == "error" and "ppl" in plan.tasks:
+                        continue  # measured in the same pass as ppl
+                    if task in GENERATION_TASKS:
+                        self._generation_cell(task, length, bar)
+                    else:
+                        self._document_cell(length, bar)
+                    if on_cell is not None:
+                        on_cell(self.runs)
+        bar.close()
+        return self.runs
+
+    # ---- generation tasks -----------------------------------------------------------------------------------
+    def _generation_cell(self, task: str, length: int, bar) -> None:
+        for sample in self.builder.samples(task, length, self.plan.samples):
+            reference = None
+            if self.plan.check_hf:
+                bar.set_postfix_str(f"{task} {length} #{sample.index} hf")
+                reference, _, _ = self._generate(sample, DynamicCache())
+                bar.update()
+            for variant in self.plan.variants:
+                bar.set_postfix_str(f"{task} {length} #{sample.index} {variant.label}")
+                cache = TandemCache.for_model(self.model, variant.config)
+                tokens, output, seconds = self._generate(sample, cache)
+                record = {
+                    "task": task,
+                    "length": length,
+                    "policy": variant.label,
+                    "sample": sample.index,
+                    "prompt_tokens": sample.input_ids.shape[1],
+                    "score": score_answer(output, sample.answers),
+                    "fraction_attended": cache.stats()["mean_fraction_attended"],
+                    "output": output,
+                    "answers": list(sample.answers),
+                    "info": sample.info,
+                    "seconds": round(seconds, 2),
+                }
+                if reference is not None:
+                    record["hf_identical"] = tokens == reference
+                    record["hf_score"] = score_answer(self._decode(reference), sample.answers)
+                self.runs.append(record)
+                bar.update()
+
+    def _generate(self, sample, cache) -> tuple[list[int], str, float]:
+        ids = sample.input_ids.to(self.device)
+        start = time.perf_counter()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=sample.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.tokenizer.pad_token_id,
+            **generate_cache_kwargs(self.model, cache),
+        )
+        tokens = out[0, ids.shape[1] :].tolist()
+        return tokens, self._decode(tokens), time.perf_counter() - start
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ---- document tasks (perplexity during decode, attention-output error) ----------------------------------
+    def _document_cell(self, length: int, bar) -> None:
+        plan = self.plan
+        for index in range(plan.samples):
+            doc = self.builder.document(length, index)
+            for variant in plan.variants:
+                bar.set_postfix_str(f"ppl/error {length} #{index} {variant.label}")
+                result = self.decode_document(doc, variant.config)
+                common = {"length": length, "policy": variant.label, "sample": index}
+                if "ppl" in plan.tasks:
+                    self.runs.append(
+                        dict(
+                            common,
+                            task="ppl",
+                            score=perplexity(result["nll_sum"], result["tokens"]),
+                            nll_sum=result["nll_sum"],
+                            tokens=result["tokens"],
+                            fraction_attended=result["fraction_attended"],
+                            seconds=result["seconds"],
+                        )
+                    )
+                if "error" in plan.tasks:
+                    errors = result["errors"]  # [steps, layers, Hq]
+                    self.runs.append(
+                        dict(
+                            common,
+                            task="error",
+                            score=float(errors.mean()),
+                            max_error=float(errors.max()),
+                            layer_head_error=errors.mean(dim=0).tolist(),
+                            steps=errors.shape[0],
+                            fraction_attended=result["step_fraction_attended"],
+                        )
+                    )
+                bar.update()
+
+    def decode_document(self, doc: torch.Tensor, config: TandemConfig) -> dict:
+        """Teacher-forced pass over doc [1, L]: prefill L - ppl_tokens tokens, then decode the rest one token
+        at a time. Returns the summed NLL of the last ppl_tokens tokens and the probe's error samples."""
+        plan = self.plan
+        n = plan.ppl_tokens
+        doc = doc.to(self.device)
+        cache = TandemCache.for_model(self.model, config)
+        kwargs = generate_cache_kwargs(self.model, cache)
+        stride = max(1, (n - 1) // plan.error_steps)
+        measured = set(
+            range(n - 2, -1, -stride)[: plan.error_steps]
+        )  # decode steps 0 .. n-2, late ones first
+        probe = AttentionProbe(cache)
+        start = time.perf_counter()
+        nll = 0.0
+        with probe.attached(self.model):
+            logits = self.model(doc[:, :-n], use_cache=True, logits_to_keep=1, **kwargs).logits[:, -1]
+            for step in range(n):
+                target = doc[:, doc.shape[1] - n + step]
+                nll += float(torch.nn.functional.cross_entropy(logits.float(), target))
+                if step == n - 1:
+                    break
+                probe.armed = "error" in plan.tasks and step in measured
+                probe.begin_step()
+                logits = self.model(target[:, None], use_cache=True, **kwargs).logits[:, -1]
+                probe.end_step()
+        errors = torch.stack(probe.errors) if probe.errors else torch.zeros(0)
+        return {
+            "nll_sum": nll,
+            "tokens": n,
+            "errors": errors,
+            "fraction_attended": cache.stats()["mean_fraction_attended"],
+            "step_fraction_attended": sum(probe.fractions) / len(probe.fractions)
+            if probe.fractions
+            else None,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+
+
+def evaluate(model, tokenizer, plan: EvalPlan, haystack: Haystack, progress: bool = False, meta=None) -> dict:
+    """Run `plan` and return the results dict (cells, verdicts, runs; see `report.build_results`).
+
+    Example:
+        >>> plan = make_plan(policies="full,streaming", tasks="niah", lengths="1k", samples=3)
+        >>> results = evaluate(model, tokenizer, plan, load_haystack())
+        >>> [(c["policy"], c["score"]) for c in results["cells"]]
+    """
+    from .report import build_results
+
+    runs = Runner(model, tokenizer, plan, haystack, progress=progress).run()
+    return build_results(runs, plan, dict(meta or {}))

@@ -1,0 +1,208 @@
+"""`tandem eval`: argument checks, task generators, metrics and reports; on the real default model, `full`
+matches plain HF generation on every sample, `streaming` loses a needle outside its window (so the harness
+tells policies apart), and the attention-output error of `full` is zero up to float32 rounding."""
+
+import json
+import re
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tandem.models
+from tandem.cli import main
+from tandem.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
+from tandem.evaluation.metrics import head_errors, reference_attention
+from tandem.evaluation.names import GENERATION_TASKS
+from tandem.evaluation.report import markdown, merge_results, summarize, verdicts
+from tandem.evaluation.runner import check_lengths, make_variants, parse_lengths
+from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
+
+
+# ---- arguments ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"tasks": "niah,nope"}, "--tasks: unknown 'nope'; allowed: niah, multikey"),
+        ({"policies": "full,magic"}, "--policies: unknown 'magic'; allowed: full, streaming, hgca, quest"),
+        ({"lengths": "1k,2x"}, "--lengths: '2x' is not a context length"),
+        ({"lengths": "100"}, "--lengths: '100' is not a context length"),
+        ({"sets": ["quest.bogus=1"]}, "--set 'quest.bogus=1': unknown key 'bogus'; allowed: sink_tokens"),
+        ({"sets": ["quest.budget"]}, "expected policy.key=v1,v2"),
+        ({"sets": ["quest.budget=a"]}, "'a' is not a number"),
+        ({"sets": ["magic.budget=0.1"]}, "unknown policy 'magic'"),
+        ({"policies": "full", "sets": ["quest.budget=0.1"]}, "policy 'quest' is not in --policies"),
+        ({"sets": ["quest.budget=2"]}, "--set quest[budget=2]: TandemConfig.budget=2 is out of range"),
+        ({"samples": 0}, "--samples=0 is out of range"),
+        ({"ppl_tokens": 600, "lengths": "1k"}, "--ppl-tokens=600 must be less than half"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_allowed_values(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_plan(**kwargs)
+
+
+def test_cli_prints_bad_arguments_without_a_traceback(capsys):
+    assert main(["eval", "--tasks", "niah,bogus", "--out", "unused"]) == 2
+    assert "tandem: error: --tasks: unknown 'bogus'" in capsys.readouterr().err
+
+
+def test_lengths_sweeps_and_model_maximum():
+    assert parse_lengths("2k,1k,1000,1k") == [1000, 1024, 2048]
+    variants = make_variants(["full", "quest"], ["quest.budget=0.02,0.05", "quest.block_size=16,32"])
+    assert [v.label for v in variants] == [
+        "full",
+        "quest[budget=0.02,block_size=16]",
+        "quest[budget=0.02,block_size=32]",
+        "quest[budget=0.05,block_size=16]",
+        "quest[budget=0.05,block_size=32]",
+    ]
+    assert variants[-1].config.block_size == 32 and variants[-1].config.budget == 0.05
+    everywhere = make_variants(["full", "hgca"], ["window_tokens=128"])
+    assert all(v.config.window_tokens == 128 for v in everywhere)
+    check_lengths([1024, 8192], 8192)
+    with pytest.raises(ValueError, match="--lengths: 16384 tokens exceed the model's maximum of 8192"):
+        check_lengths([1024, 16384], 8192)
+
+
+# ---- haystack, scoring, metrics, reports ----------------------------------------------------------------------
+def test_haystack_sources(tmp_path):
+    pydoc = load_haystack()
+    assert "PSF" in pydoc.source and len(pydoc.text.split()) > 20_000 and len(pydoc.words()) > 1000
+    text = " ".join(f"Sentence {i} about the weather and a garden." for i in range(400))
+    (tmp_path / "essays").mkdir()
+    (tmp_path / "essays" / "a.txt").write_text(text)
+    assert load_haystack(tmp_path / "essays").text == text
+    with zipfile.ZipFile(tmp_path / "essays.whl", "w") as archive:
+        archive.writestr("pkg/PaulGrahamEssays/a.txt", text)
+    assert load_haystack(tmp_path / "essays.whl").text == text
+    with pytest.raises(ValueError, match="--haystack .*not found"):
+        load_haystack(tmp_path / "missing")
+    (tmp_path / "short.txt").write_text("too short")
+    with pytest.raises(ValueError, match="at least 2000"):
+        load_haystack(tmp_path / "short.txt")
+
+
+def test_score_is_the_share_of_answers_found():
+    assert score_answer(" 1234567.", ("1234567",)) == 1.0
+    assert score_answer(" 1234568.", ("1234567",)) == 0.0
+    assert score_answer("abcde, QWERT and xyz", ("ABCDE", "QWERT", "ZZZZZ", "XYZAB")) == 0.5
+
+
+def test_reference_attention_and_error_metric():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :5] = False
+    out = reference_attention(q, k, v, mask, 0.25)
+    expected = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=0.25, enable_gqa=True
+    )[:, :, 0]
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=1e-5)
+    assert head_errors(out, out).abs().max() == 0
+    bumped = out.clone()
+    bumped[0, 3] += 0.1
+    err = head_errors(bumped, out)
+    peak = out[0].norm(dim=-1).max()
+    torch.testing.assert_close(err[0, 3], 0.1 * 16**0.5 / peak, rtol=1e-6, atol=0)
+    assert err[0, :3].abs().max() == 0 and err[1].abs().max() == 0
+
+
+def _runs():
+    runs = []
+    for policy, scores, fraction in (("full", [1, 1], 1.0), ("quest", [1, 0], 0.04), ("hgca", [1, 1], 0.3)):
+        for i, s in enumerate(scores):
+            runs.append(
+                dict(task="niah", length=1024, policy=policy, sample=i, score=s, fraction_attended=fraction)
+            )
+        runs.append(
+            dict(
+                task="ppl",
+                length=1024,
+                policy=policy,
+                sample=0,
+                score=0,
+                nll_sum=32.0,
+                tokens=16,
+                fraction_attended=fraction,
+            )
+        )
+    return runs
+
+
+def test_summary_delta_verdict_markdown_and_merge():
+    labels = ["full", "quest", "hgca"]
+    cells = summarize(_runs(), ["niah", "ppl"], [1024], labels, "full")
+    niah = {c["policy"]: c for c in cells if c["task"] == "niah"}
+    assert niah["quest"]["score"] == 50 and niah["quest"]["delta"] == -50 and niah["hgca"]["delta"] == 0
+    assert [c["score"] for c in cells if c["task"] == "ppl"] == pytest.approx([torch.e**2] * 3)
+    verdict = {v["policy"]: v for v in verdicts(cells, labels, "full")}
+    assert not verdict["quest"]["meets"] and verdict["quest"]["sparse_enough"]
+    assert not verdict["hgca"]["meets"] and verdict["hgca"]["within_1_point"]
+    meta = {"tasks": ["niah", "ppl"], "command": "tandem eval --lengths 1k"}
+    part = {"meta": meta, "baseline": "full", "cells": cells, "runs": _runs()}
+    other = [dict(r, length=2048) for r in _runs()]
+    merged = merge_results(
+        [part, dict(part, runs=other, meta=dict(meta, command="tandem eval --lengths 2k"))]
+    )
+    assert merged["meta"]["lengths"] == [1024, 2048] and len(merged["cells"]) == 12
+    text = markdown(merged)
+    assert "| niah | 1K | 100 (±0) · 100.0% | 50 (-50) · 4.0% | 100 (±0) · 30.0% |" in text
+    assert "**quest** does not meet" in text and "tandem eval --lengths 2k" in text
+
+
+# ---- on the real model ----------------------------------------------------------------------------------------
+@pytest.mark.model
+def test_task_prompts_fit_their_length_and_hold_their_answers(smollm):
+    _, tok = smollm
+    builder = TaskBuilder(tok, load_haystack(), seed=3)
+    for task in GENERATION_TASKS:
+        samples = builder.samples(task, 1024, 2)
+        again = builder.samples(task, 1024, 2)
+        for s, s2 in zip(samples, again):
+            assert torch.equal(s.input_ids, s2.input_ids)  # generated from the seed alone
+            budget = 1024 - MAX_NEW_TOKENS[task]
+            assert budget - 40 <= s.input_ids.shape[1] <= budget
+            text = tok.decode(s.input_ids[0])
+            assert all(a in text for a in s.answers)
+    niah = builder.samples("niah", 1024, 3)
+    assert [s.info["depth"] for s in niah] == [0.0, 0.5, 1.0]
+    assert builder.document(1024, 0).shape == (1, 1024)
+
+
+@pytest.mark.model
+def test_eval_full_matches_hf_and_streaming_loses_the_needle(smollm, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: smollm)
+    args = ["eval", "--policies", "full,streaming,quest", "--tasks", "niah", "--lengths", "1k"]
+    code = main(
+        args + ["--samples", "3", "--check-hf", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    )
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = {(r["policy"], r["sample"]): r for r in results["runs"]}
+    for i in range(3):  # full == plain HF generation (DynamicCache) on every sample
+        assert runs["full", i]["hf_identical"] and runs["full", i]["score"] == runs["full", i]["hf_score"]
+        assert runs["full", i]["score"] == 1.0
+    assert runs["streaming", 1]["score"] == 0.0  # the needle at 50% depth is outside sinks + window
+    assert all(
+        0 < runs["quest", i]["fraction_attended"] < 0.15 for i in range(3)
+    )  # sparse, scored as it comes
+    assert results["hf_check"] == {"policy": "full", "compared": 3, "identical_tokens": 3, "equal_score": 3}
+    assert "| niah | 1K |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.model
+def test_attention_output_error_is_zero_for_full_only(smollm, prose):
+    model, tok = smollm
+    plan = make_plan("full,streaming,quest", "ppl,error", "1k", samples=1, ppl_tokens=12, error_steps=3)
+    results = evaluate(model, tok, plan, load_haystack())
+    cells = {(c["task"], c["policy"]): c for c in results["cells"]}
+    full, streaming, quest = (cells["error", p] for p in ("full", "streaming", "quest"))
+    assert full["max_error"] < 1e-5 and full["score"] < 1e-6  # same computation up to float32 rounding
+    assert streaming["score"] > 100 * full["score"] and streaming["fraction_attended"] == 0.0
+    assert 0 < quest["fraction_attended"] < 0.15 and quest["score"] < streaming["score"]
+    assert len(full["layer_head_error"]) == model.config.num_hidden_layers
+    assert all(run["steps"] == 3 for run in results["runs"] if run["task"] == "error")
+    ppl = {p: cells["ppl", p]["score"] for p in ("full", "streaming", "quest")}
+    assert all(1 < v < 100 for v in ppl.values())
