@@ -18,6 +18,17 @@ def default_cpu_threads() -> int:
     return max(1, cores - 1)
 
 
+def parse_number(text: str) -> int | float:
+    """A command-line value of a numeric field: "256" -> 256, "0.25" -> 0.25; ValueError otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+
+
 def _fail(name: str, value, allowed: str) -> None:
     raise ValueError(f"TandemConfig.{name}={value!r} is out of range: allowed {allowed}")
 

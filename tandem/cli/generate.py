@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import POLICIES, TandemConfig
+from ..config import POLICIES, TandemConfig, parse_number
 
 DESCRIPTION = (
     "Generate text with the KV cache split between the compute device (sinks + recent window) and host memory "
@@ -20,14 +20,11 @@ PROGRESS_MIN_TOKENS = 1024  # show a prefill progress bar from this prompt lengt
 
 def _window(text: str) -> int | float:
     try:
-        return int(text)
+        return parse_number(text)
     except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(  # noqa: B904 - argparse prints only this message
-                f"invalid window {text!r}: an int (tokens) or a fraction in (0, 1)"
-            )
+        raise argparse.ArgumentTypeError(  # noqa: B904 - argparse prints only this message
+            f"invalid window {text!r}: an int (tokens) or a fraction in (0, 1)"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..config import POLICIES, TandemConfig
+from ..config import POLICIES, TandemConfig, parse_number
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
@@ -90,16 +90,6 @@ def parse_lengths(spec: str | Sequence[str | int]) -> list[int]:
     return sorted(set(lengths))
 
 
-def _parse_value(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{text!r} is not a number") from None
-
-
 def make_variants(
     policies: Sequence[str], sets: Sequence[str] = (), cpu_threads: int | None = None
 ) -> list[Variant]:
@@ -122,7 +112,7 @@ def make_variants(
                 f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
             )
         try:
-            parsed = [_parse_value(v.strip()) for v in values.split(",")]
+            parsed = [parse_number(v.strip()) for v in values.split(",")]
         except ValueError as err:
             raise ValueError(f"--set {item!r}: {err}") from None
         for policy in [target] if dot else policies:
