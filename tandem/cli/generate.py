@@ -164,7 +164,14 @@ def run(args) -> int:
             file=sys.stderr,
             leave=False,
         )
-        cache.on_prefill_layer = lambda layer_idx: bar.update(1)
+
+        def on_layer(layer_idx: int) -> None:
+            bar.update(1)
+            if bar.n >= bar.total:  # prefill done: clear the bar before tokens stream
+                bar.close()
+                cache.on_prefill_layer = None
+
+        cache.on_prefill_layer = on_layer
     sampling = (
         dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
         if args.do_sample
