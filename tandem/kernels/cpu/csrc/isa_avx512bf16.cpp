@@ -5,7 +5,7 @@
 // ran 17-29% slower per row than the shift-and-FMA widening of the AVX-512F path (K/V in cache, 15 and 1
 // threads), so this level runs that path. A version with plain bf16 q and bf16 softmax weights (one
 // vdpbf16ps per 32 products in q.k and p.V) measured no faster there either: vdpbf16ps costs about the
-// two FMAs it replaces. This level is the slot for AMX (see docs/cpu-kernels.md).
+// two FMAs it replaces. An AMX tile kernel was no faster either (docs/cpu-kernels.md).
 #include <cmath>
 #include <cstring>
 
