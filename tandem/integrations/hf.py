@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import TaskPool, attend
+from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..config import TandemConfig
 
@@ -258,9 +259,7 @@ def _sdpa_fallback(query, key, value, attention_mask, scaling):
             pad = torch.ones(query.shape[0], kv_len, dtype=torch.bool, device=query.device)
         else:
             pad = attention_mask[:, -kv_len:].to(dtype=torch.bool, device=query.device)
-        qpos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-        kpos = torch.arange(kv_len, device=query.device)[None, :]
-        mask = (((kpos <= qpos)[None] & pad[:, None, :]) | (kpos == qpos)[None])[:, None]
+        mask = causal_mask(pad, kv_len - q_len, kv_len, 0, kv_len)[:, None]  # the new tokens are the last
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
