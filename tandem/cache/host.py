@@ -43,6 +43,8 @@ class HostTier:
         self.pin, self.keep_digest, self.keep_maw = pin, keep_digest, keep_maw
         self.stream = stream
         self.rows = 0
+        self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
+        self._counted = 0
         self.capacity = 0
         self.keys = self.values = self.valid = None
         self.key_min = self.key_max = self.maw = None
@@ -160,10 +162,13 @@ class HostTier:
         return self.key_min[:, :, :nb], self.key_max[:, :, :nb]
 
     def valid_rows(self) -> torch.Tensor:
-        """[B] number of non-padding live rows per request."""
-        if self.rows == 0:
-            return torch.zeros(self.batch, dtype=torch.long)
-        return self.valid[:, : self.rows].sum(dim=1)
+        """[B] number of non-padding live rows per request (read after `wait()`).
+
+        Counted incrementally: decode asks every step, and rows never change once written."""
+        if self._counted < self.rows:
+            self._valid_count = self._valid_count + self.valid[:, self._counted : self.rows].sum(dim=1)
+            self._counted = self.rows
+        return self._valid_count
 
     def nbytes(self) -> int:
         """Bytes held in host memory by this tier (allocated capacity, all buffers)."""
