@@ -22,16 +22,13 @@ import ctypes
 import functools
 import json
 import os
-import platform
-import re
-import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from tandem.bench.bandwidth import host_read_bandwidth, machine_info, machine_slug
 from tandem.kernels import cpu, reference
 from tandem.kernels.cpu import _library
 
@@ -65,40 +62,6 @@ def tokens(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def machine_info(threads: int) -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        cxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    except (OSError, IndexError):
-        cxx = "unknown"
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return {
-        "hostname": socket.gethostname(),
-        "cpu_model": model,
-        "cores": cores,
-        "memory_gb": round(mem_gb, 1),
-        "threads": threads,
-        "isa": cpu.isa(),
-        "prefetch": list(_library.prefetch_config()),
-        "torch": torch.__version__,
-        "compiler": cxx,
-    }
-
-
-def machine_slug(info: dict) -> str:
-    model = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*$|\d+-Core", "", info["cpu_model"])
-    model = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return f"{model}-{info['cores']}c"
-
-
 def timed(fn, reps: int, flush=None) -> float:
     """Median seconds of `fn()` over `reps` calls after one warm-up, `flush()` before each call."""
     fn()
@@ -110,17 +73,6 @@ def timed(fn, reps: int, flush=None) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def read_bandwidth(threads: int) -> float:
-    """Best-of-5 GB/s of summing a 2 GiB buffer (touched first, so no page faults are timed)."""
-    data = torch.ones(1 << 29)
-    times = []
-    for _ in range(6):
-        start = time.perf_counter()
-        cpu.read_sum(data, num_threads=threads)
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / min(times[1:]) / 1e9
 
 
 def empty(shape, dtype: torch.dtype, huge: bool) -> torch.Tensor:
@@ -339,7 +291,7 @@ def main() -> None:
     torch.set_num_threads(threads)  # the torch baseline gets the same cores
     info = machine_info(threads)
     print(json.dumps(info), flush=True)
-    bandwidth = read_bandwidth(threads)
+    bandwidth = host_read_bandwidth(threads)
     print(f"measured read bandwidth ({threads} threads, 2 GiB): {bandwidth:.1f} GB/s", flush=True)
     flush_buffer = torch.ones(FLUSH_BYTES // 4)
 

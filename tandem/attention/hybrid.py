@@ -1,12 +1,14 @@
 """Hybrid attention for one layer: dense over the hot tier on its device, sparse over the host tier on the CPU,
 merged exactly by log-sum-exp. Decode (one query per request) and prefill/append (many) share the cache.
 
-Decode step:      append new KV -> hot attention (device) -> select host rows (policy) -> host attention (CPU)
-                  -> merge. Only q, the CPU output and its LSE cross between devices.
+Decode step:      `decode.decode_layer`: new KV into the hot tier, hot attention on the device while the CPU
+                  selects (policy) and attends host rows, merge. Only q, the CPU output and its LSE cross.
 First prefill:    dense causal attention over the prompt on the device in query chunks (no LSE needed: nothing
                   is cached yet), then the prompt's KV goes to the cache, overflow straight to the host tier.
-Append (a new prompt turn on a non-empty cache): exact attention over everything cached (hot + all host rows)
-                  plus causal attention within the new tokens; then the policy re-evaluates (hgca).
+Append (a new prompt turn, or the next chunk of a chunked prefill): exact attention over everything cached
+                  (hot + all host rows) plus causal attention within the new tokens; then the policy
+                  re-evaluates (hgca). With the hot tier on a GPU the host rows stream to the GPU in pieces
+                  for this (a prefill chunk has thousands of queries: too much arithmetic for the CPU).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import ops
-from ..policies import ALL, Selection
+from ..policies import ALL
+from .decode import decode_layer
+from .host import KEY_CHUNK, dense_lse_chunked, host_attention
 from .tasks import TaskPool
-
-KEY_CHUNK = 4096  # keys per step of the chunked dense paths: bounds the logits buffer
 
 
 def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool) -> torch.Tensor:
@@ -30,115 +32,13 @@ def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool) -> t
     Returns [B, Hq, Lq, D] in q's dtype.
     """
     if layer.initialized and layer.seq_len > 0 and q.shape[2] == 1:
-        out = _decode(layer, q, k_new, v_new, valid_new, scale, pool)
+        out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool)
     else:
         out = _append(layer, q, k_new, v_new, valid_new, scale, pool)
     return out.to(q.dtype)
 
 
-# ---- decode -------------------------------------------------------------------------------------------------
-def _decode(layer, q, k_new, v_new, valid_new, scale, pool):
-    layer.append(k_new, v_new, valid_new)
-    hot, host, policy = layer.hot, layer.host, layer.policy
-    if policy.needs_maw:
-        out_gpu, lse_gpu, weights = ops.attention_lse(
-            q, hot.keys, hot.values, scale, hot.valid, return_weights=True
-        )
-        alpha = layer.config.maw_alpha
-        hot.maw.mul_(1.0 - alpha).add_(weights[:, :, 0], alpha=alpha)  # Algorithm 1, line 8
-    else:
-        out_gpu, lse_gpu = ops.attention_lse(q, hot.keys, hot.values, scale, hot.valid)
-    if host.rows == 0:
-        return out_gpu
-    q_host = q.to("cpu")
-    host.wait()  # blocks evicted on a side stream must have landed before the CPU reads them
-    selection = policy.select(layer, q_host)
-    out_cpu, lse_cpu = host_attention(layer, q_host, selection, scale, pool)
-    _record_selection(layer, selection)
-    out, _ = ops.merge_lse(out_gpu, lse_gpu, out_cpu.to(q.device), lse_cpu.to(q.device))
-    return out
-
-
-def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: float, pool: TaskPool):
-    """Attention of q_host [B, Hq, Lq, D] (CPU) over the host rows named by `selection`: (out, lse) fp32."""
-    host = layer.host
-    batch, num_q_heads, q_len, head_dim = q_host.shape
-    out = torch.zeros(batch, num_q_heads, q_len, head_dim)
-    lse = torch.full((batch, num_q_heads, q_len), float("-inf"))
-    if selection.kind == "none" or host.rows == 0:
-        return out, lse
-    threads = layer.config.cpu_threads
-    if selection.kind != "all" and ops.native_cpu_available():
-        # the compiled kernel splits (request, head, chunk) work over its own threads
-        return ops.sparse_attention_lse(
-            q_host,
-            host.keys,
-            host.values,
-            selection.indices,
-            selection.lengths,
-            scale,
-            key_mask=host.valid,
-            block_size=selection.block_size,
-            num_threads=threads,
-        )
-    group = num_q_heads // layer.num_kv_heads
-    keys, values, valid = host.live()
-
-    def piece(b: int, h0: int, h1: int) -> None:
-        qs = q_host[b : b + 1, h0 * group : h1 * group]
-        if selection.kind == "all":
-            o_part, lse_part = dense_lse_chunked(
-                qs, keys[b : b + 1, h0:h1], values[b : b + 1, h0:h1], scale, valid[b : b + 1]
-            )
-        else:
-            o_part, lse_part = ops.sparse_attention_lse(
-                qs,
-                host.keys[b : b + 1, h0:h1],
-                host.values[b : b + 1, h0:h1],
-                selection.indices[b : b + 1, h0:h1],
-                selection.lengths[b : b + 1, h0:h1],
-                scale,
-                key_mask=host.valid[b : b + 1],
-                block_size=selection.block_size,
-            )
-        out[b : b + 1, h0 * group : h1 * group] = o_part
-        lse[b : b + 1, h0 * group : h1 * group] = lse_part
-
-    pool.run(batch, layer.num_kv_heads, piece)
-    return out, lse
-
-
-def _record_selection(layer, selection: Selection) -> None:
-    host = layer.host
-    attended = selection.attended_rows(host.rows, host.batch, layer.num_kv_heads)  # [B, Hkv]
-    available = host.valid_rows()[:, None].expand_as(attended)
-    layer.rows_attended += int(torch.minimum(attended, available).sum())
-    layer.rows_available += int(available.sum())
-    layer.decode_steps += 1
-
-
 # ---- dense helpers --------------------------------------------------------------------------------------------
-def dense_lse_chunked(q, k, v, scale, key_mask, key_chunk: int = KEY_CHUNK):
-    """Dense attention with LSE over many keys, `key_chunk` at a time (online merge).
-
-    key_mask: [B, T] or [B, Lq, T] bool, or a callable (k0, k1) -> mask of keys [k0, k1).
-    """
-    total = k.shape[2]
-    out = lse = None
-    for k0 in range(0, total, key_chunk):
-        k1 = min(total, k0 + key_chunk)
-        if callable(key_mask):
-            mask = key_mask(k0, k1)
-        else:
-            mask = key_mask[..., k0:k1] if key_mask is not None else None
-        o_part, lse_part = ops.attention_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], scale, mask)
-        out, lse = (o_part, lse_part) if out is None else ops.merge_lse(out, lse, o_part, lse_part)
-    if out is None:
-        shape = q.shape
-        return torch.zeros(shape, device=q.device), torch.full(shape[:-1], float("-inf"), device=q.device)
-    return out, lse
-
-
 def causal_mask(valid: torch.Tensor, q_start: int, q_end: int, k_start: int, k_end: int) -> torch.Tensor:
     """[B, Lq, Lk] bool for new tokens: key <= query and key not padding. A padding query still attends
     itself so no row is empty (its output is never used, but must stay finite)."""
@@ -182,7 +82,7 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
     hot = layer.hot
     q_len = q.shape[2]
     chunk = layer.config.prefill_chunk
-    q_host = q.to("cpu")
+    on_device = q.is_cuda
     layer.host.wait()
     outs = []
     for s in range(0, q_len, chunk):
@@ -197,22 +97,73 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
         )
         o_part, lse_part = ops.attention_lse(qc, hot.keys, hot.values, scale, hot.valid)
         out, lse = ops.merge_lse(out, lse, o_part, lse_part)
-        o_part, lse_part = host_attention(layer, q_host[:, :, s:e], ALL, scale, pool)
-        out, _ = ops.merge_lse(out, lse, o_part.to(q.device), lse_part.to(q.device))
-        outs.append(out)
-    return torch.cat(outs, dim=2)
+        if not on_device:
+            o_part, lse_part = host_attention(layer, qc, ALL, scale, pool)
+            out, lse = ops.merge_lse(out, lse, o_part, lse_part)
+        outs.append((out, lse))
+    if on_device and layer.host.rows:
+        outs = _host_rows_on_device(layer, q, outs, scale)
+    return torch.cat([out for out, _ in outs], dim=2)
+
+
+def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):
+    """(k0, keys, values, valid) of the live host rows, `key_chunk` rows at a time, copied to `device`."""
+    keys, values, valid = layer.host.live()
+    for k0 in range(0, keys.shape[2], key_chunk):
+        k1 = min(keys.shape[2], k0 + key_chunk)
+        yield (
+            k0,
+            rows_to_device(keys, k0, k1, device),
+            rows_to_device(values, k0, k1, device),
+            valid[:, k0:k1].to(device, non_blocking=True),
+        )
+
+
+def rows_to_device(store: torch.Tensor, k0: int, k1: int, device) -> torch.Tensor:
+    """Rows [k0, k1) of a [B, H, cap, D] host store on `device`, one contiguous DMA per (request, head).
+
+    Slicing rows of the whole store gives a strided view, which torch would first gather into pageable
+    memory on the CPU; each (request, head) slice is contiguous and pinned, so it copies asynchronously."""
+    if store.device == torch.device(device) or not store.is_pinned():
+        return store[:, :, k0:k1].to(device, non_blocking=True)
+    batch, heads, _, head_dim = store.shape
+    out = torch.empty(batch, heads, k1 - k0, head_dim, dtype=store.dtype, device=device)
+    for b in range(batch):
+        for h in range(heads):
+            out[b, h].copy_(store[b, h, k0:k1], non_blocking=True)
+    return out
+
+
+def _host_rows_on_device(layer, q, outs, scale):
+    """Merge attention over every host row into each query chunk's (out, lse); each host piece is copied once."""
+    chunk = layer.config.prefill_chunk
+    outs = list(outs)
+    for _, keys, values, valid in _host_pieces(layer, q.device):
+        for i, (out, lse) in enumerate(outs):
+            s = i * chunk
+            o_part, lse_part = ops.attention_lse(q[:, :, s : s + out.shape[2]], keys, values, scale, valid)
+            outs[i] = ops.merge_lse(out, lse, o_part, lse_part)
+    return outs
 
 
 def _observe(layer, q, scale) -> None:
     """HGCA after a prefill/append: the last prompt tokens' mean attention weight over each tier (normalized
-    within the tier) restarts every entry's MAW, and the policy re-selects host entries (re-evaluation)."""
+    within the tier) restarts every entry's MAW, and the policy re-selects host entries (re-evaluation).
+
+    Skipped while `layer.observe_appends` is False (chunks of a chunked prefill before the last: the last
+    chunk's observation overwrites every MAW anyway)."""
+    if not layer.observe_appends:
+        return
     hot, host = layer.hot, layer.host
     q_obs = q[:, :, -layer.config.observation_tokens :]
     hot.maw.copy_(observation_weights(q_obs, hot.keys, hot.valid, scale))
     if host.rows:
         host.wait()
         keys, _, valid = host.live()
-        weights = observation_weights(q_obs.to("cpu"), keys, valid, scale)
+        if q.is_cuda:  # the host keys stream to the GPU piece by piece; only the weights come back
+            weights = observation_weights(q_obs, keys, valid, scale).to("cpu")
+        else:
+            weights = observation_weights(q_obs, keys, valid, scale)
         layer.policy.on_append(layer, weights)
 
 
@@ -223,8 +174,9 @@ def observation_weights(q_obs, keys, valid, scale, key_chunk: int = KEY_CHUNK) -
     chunks, lses = [], []
     for k0 in range(0, total, key_chunk):
         k1 = min(total, k0 + key_chunk)
-        ks = keys[:, :, k0:k1]
-        _, chunk_lse, w = ops.attention_lse(q_obs, ks, ks, scale, valid[:, k0:k1], return_weights=True)
+        ks = rows_to_device(keys, k0, k1, q_obs.device)  # host keys meet a GPU query piecewise
+        mask = valid[:, k0:k1].to(q_obs.device, non_blocking=True)
+        _, chunk_lse, w = ops.attention_lse(q_obs, ks, ks, scale, mask, return_weights=True)
         chunks.append(w)  # normalized within the chunk
         lses.append(chunk_lse)
     lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, Hq, Lobs]

@@ -41,6 +41,9 @@ class LayerKV:
         self.rows_attended = 0
         self.rows_available = 0
         self.decode_steps = 0
+        self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
+        self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
+        self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
 
     @property
     def initialized(self) -> bool:
@@ -86,6 +89,10 @@ class LayerKV:
             keep_maw=needs_maw,
             stream=stream,
         )
+        if self.capacity_hint > prompt_len:
+            # one allocation up front: growing a pinned store by copying needs old + new at once
+            host_rows = self.capacity_hint - cfg.sink_tokens
+            self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size)
 
     # ---- appends -------------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -131,6 +138,30 @@ class LayerKV:
                 self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
                 hot.release([block], self.host.last_event)
         self._fill_ring(keys[:, :, pos:], values[:, :, pos:], valid[:, pos:])
+
+    def reserve_decode_slot(self) -> int:
+        """Bookkeeping of one decode token without writing it: returns the hot-tier slot the caller fills.
+
+        The same token flow as `append` with one new token (evicting the oldest ring block when the ring is
+        full), for callers that write the slot themselves, e.g. a captured CUDA graph indexing by a device tensor.
+        The slot is marked invalid until written; the caller sets `hot.valid` (and zeroes `hot.maw`) there.
+        """
+        hot = self.hot
+        self.seq_len += 1
+        if hot.sink_used < hot.sink_slots:
+            hot.sink_used += 1
+            return hot.sink_used - 1
+        if hot.order and hot.tail_fill < hot.block_size:
+            hot.tail_fill += 1
+            return hot.block_start(hot.order[-1]) + hot.tail_fill - 1
+        if len(hot.order) == hot.ring_blocks:
+            block = hot.order.pop(0)
+            keys_b, values_b, valid_b, maw_b = hot.block_view(block)
+            self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
+            hot.release([block], self.host.last_event)
+        hot.order.append(hot.take_free_block())
+        hot.tail_fill = 1
+        return hot.block_start(hot.order[-1])
 
     def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         hot = self.hot

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..bench import cli as bench
 from ..evaluation import cli as evaluate
 from ..simulator import cli as simulate
 from . import generate
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_arguments(ev)
     ev.set_defaults(run=evaluate.run)
+    be = sub.add_parser(
+        "bench",
+        help="decode speed: Tandem policies vs HF DynamicCache / offloaded cache vs the bandwidth bound",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(be)
+    be.set_defaults(run=bench.run)
     return parser
 
 

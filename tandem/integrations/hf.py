@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import TaskPool, attend
+from ..attention.decode import decode_layer
 from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..config import TandemConfig
@@ -50,7 +51,8 @@ class TandemLayer(CacheLayerMixin):
                 f"sets model attention to '{ATTENTION_NAME}', and do not change it afterwards"
             )
         total = self.kv.seq_len + key_states.shape[2]
-        if self.max_positions is not None and total > self.max_positions:
+        if self.owner.decode_step is None and self.max_positions is not None and total > self.max_positions:
+            # (an engine's decode step has placed its token already and checks the length itself)
             raise ValueError(
                 f"context of {total} tokens exceeds the model's maximum of {self.max_positions} positions "
                 "(config.max_position_embeddings); shorten the prompt or max_new_tokens"
@@ -129,6 +131,7 @@ class TandemCache(Cache):
         ]
         super().__init__(layers=layers)
         self.on_prefill_layer = None  # optional callback(layer_idx) after each layer's prefill/append
+        self.decode_step = None  # a `tandem.engine.DecodeStep` while an engine runs fixed-address decode steps
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
@@ -227,7 +230,11 @@ def tandem_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"TandemCache takes a 2-D padding attention_mask [batch, tokens]; got shape {tuple(attention_mask.shape)}"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
+    step = layer.owner.decode_step
+    if step is not None and q_len == 1:
+        out = decode_layer(layer.kv, query, key, value, valid, scale, layer.owner.pool, step).to(query.dtype)
+    else:
+        out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
     if q_len > 1 and layer.owner.on_prefill_layer is not None:
         layer.owner.on_prefill_layer(layer.kv.layer_idx)
     return out.transpose(1, 2).contiguous(), None

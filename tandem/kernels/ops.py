@@ -169,3 +169,47 @@ def threshold_select(maw, threshold, num_kv_heads: int, num_rows: int, num_threa
     if native_cpu_available() and not maw.is_cuda:
         return _native.threshold_select(maw, threshold, num_kv_heads, num_rows, num_threads=num_threads)
     return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)
+
+
+# ---- GPU side: Triton kernels on CUDA, the torch reference elsewhere ----------------------------------------
+def _triton_on(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from . import gpu
+
+    return gpu.triton_available(device)
+
+
+def hot_attention(q, keys, values, valid, scale: float, maw=None, alpha: float = 0.0):
+    """Decode attention over the hot tier: q [B, Hq, D], keys/values [B, Hkv, S, D], valid [B, S] bool.
+
+    Returns (out [B, Hq, D] float32, lse [B, Hq] float32). With `maw` ([B, Hq, S] float32) the moving
+    average of attention weights is updated in place: maw = (1 - alpha) * maw + alpha * weights.
+    """
+    _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
+    _check_qkv(q[:, :, None], keys, values, "keys", "values")
+    _check(
+        valid.dtype == torch.bool and tuple(valid.shape) == (keys.shape[0], keys.shape[2]),
+        f"valid must be bool [B, S] = {(keys.shape[0], keys.shape[2])}, got {valid.dtype} {tuple(valid.shape)}",
+    )
+    if _triton_on(q.device):
+        from . import gpu
+
+        return gpu.hot_decode_attention(q, keys, values, valid, scale, maw=maw, alpha=alpha)
+    return reference.hot_decode_attention(q, keys, values, valid, scale, maw=maw, alpha=alpha)
+
+
+def merge_lse_(out_a, lse_a, out_b, lse_b):
+    """In-place exact LSE merge of (out_b, lse_b) into (out_a, lse_a); float32. Returns (out_a, lse_a)."""
+    _check(out_a.shape == out_b.shape, f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} differ")
+    _check(
+        lse_a.shape == lse_b.shape == out_a.shape[:-1], "lse_a / lse_b must be out's shape without head_dim"
+    )
+    if _triton_on(out_a.device):
+        from . import gpu
+
+        return gpu.merge_lse_(out_a, lse_a, out_b, lse_b)
+    out, lse = reference.merge_lse(out_a, lse_a, out_b, lse_b)
+    out_a.copy_(out)
+    lse_a.copy_(lse)
+    return out_a, lse_a

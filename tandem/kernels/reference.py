@@ -201,3 +201,51 @@ def threshold_select(
     order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
     live_slots = torch.arange(width, device=order.device) < lengths[..., None]
     return torch.where(live_slots, order, torch.zeros_like(order)), lengths
+
+
+def hot_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    maw: torch.Tensor | None = None,
+    alpha: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query per request over the hot tier, with HGCA's moving average.
+
+    q: [B, Hq, D]; keys / values: [B, Hkv, S, D]; valid: [B, S] bool (any pattern).
+    maw: optional [B, Hq, S] float32, updated in place to (1 - alpha) * maw + alpha * p, p the softmax weight of
+    each slot (0 at invalid slots). Returns out [B, Hq, D] float32, lse [B, Hq] float32 (-inf, 0 with no slot).
+    """
+    out, lse, weights = attention_lse(q[:, :, None], keys, values, scale, valid, return_weights=True)
+    if maw is not None:
+        maw.mul_(1.0 - alpha).add_(weights[:, :, 0], alpha=alpha)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def host_block_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    valid: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per request over selected blocks of a host KV store.
+
+    q: [B, Hq, D]; keys / values: [B, Hkv, T, D]; block_ids: [B, Hkv, S] int (padded past `lengths`);
+    lengths: [B, Hkv] int; valid: [B, T] bool. Row r of block b is b * block_size + r; rows >= T (the tail of a
+    last partial block) are ignored. Returns out [B, Hq, D] float32, lse [B, Hq] float32.
+    """
+    pad = (-keys.shape[2]) % block_size
+    if pad:  # complete the last block with rows that are never attended
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+        values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    out, lse = sparse_attention_lse(
+        q[:, :, None], keys, values, block_ids.long(), lengths.long(), scale, valid, block_size
+    )
+    return out[:, :, 0], lse[:, :, 0]

@@ -1,0 +1,123 @@
+"""Decode attention of one layer, with the CPU part running while the GPU attends the hot tier.
+
+Order on the GPU stream: the new token's KV into the hot tier -> q into a pinned buffer -> hot-tier attention.
+The CPU starts as soon as q's copy has landed (it waits on that copy, never on the device): the policy selects
+host rows, the CPU kernel attends them, and (out, lse) return through pinned buffers to be merged on the GPU.
+Only q, the CPU output and its LSE cross PCIe.
+
+The CPU part runs in one of two ways:
+  inline     the calling thread waits for q's copy, computes, and queues the copy back (eager decoding, and
+             everything on CPU tensors);
+  host node  inside a captured CUDA graph (`tandem.engine`): a host function on a side stream runs it when the
+             graph reaches it, while the main stream runs the hot-tier attention; the main stream joins the
+             side stream before the merge. A host function may not call CUDA, so host-tier copies must have
+             been ordered before the graph by the caller (`DecodeStep.prepare`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..kernels import ops
+from .host import _record_selection, host_attention
+
+
+class DecodeBuffers:
+    """One layer's fixed buffers for a decode step, so a captured graph reads and writes fixed addresses.
+
+    q_host:   [B, Hq, D] model dtype   q on the host (pinned when the hot tier is on CUDA)
+    out_host: [B, Hq, D] float32       the CPU part's output, lse_host [B, Hq] its LSE
+    out_dev / lse_dev                  the same on the hot tier's device (aliases of the host ones on CPU)
+    """
+
+    def __init__(self, batch: int, num_q_heads: int, head_dim: int, dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.q_host = torch.zeros(batch, num_q_heads, head_dim, dtype=dtype, pin_memory=pin)
+        self.out_host = torch.zeros(batch, num_q_heads, head_dim, pin_memory=pin)
+        self.lse_host = torch.full((batch, num_q_heads), float("-inf"), pin_memory=pin)
+        if pin:
+            self.out_dev = torch.zeros(batch, num_q_heads, head_dim, device=device)
+            self.lse_dev = torch.full((batch, num_q_heads), float("-inf"), device=device)
+            self.q_copied = torch.cuda.Event()
+        else:
+            self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
+
+    def matches(self, q: torch.Tensor) -> bool:
+        return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
+
+
+def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=None) -> torch.Tensor:
+    """Attention of one decode query per request over everything `layer` caches plus the new token.
+
+    q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D]; valid_new: [B, 1] bool.
+    step: None for eager decoding (the layer's own bookkeeping places the token), or a `tandem.engine`
+          `DecodeStep` whose device tensor `slot` says where the token goes (the layer's bookkeeping for it
+          was done by `LayerKV.reserve_decode_slot` before the step; every new token counts as valid).
+    Returns [B, Hq, 1, D] float32.
+    """
+    hot = layer.hot if layer.initialized else None
+    if step is None:
+        layer.append(k_new, v_new, valid_new)
+        hot = layer.hot
+    else:
+        hot.keys.index_copy_(2, step.slot, k_new)
+        hot.values.index_copy_(2, step.slot, v_new)
+        hot.valid.index_fill_(1, step.slot, True)
+        if hot.maw is not None:
+            hot.maw.index_fill_(2, step.slot, 0.0)
+    q3 = q[:, :, 0]
+    bufs = layer.decode_buffers
+    if bufs is None or not bufs.matches(q3):
+        bufs = layer.decode_buffers = DecodeBuffers(*q3.shape, q3.dtype, q3.device)
+    maw_args = {}
+    if layer.policy.needs_maw:
+        maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
+    if not q.is_cuda:
+        bufs.q_host.copy_(q3)
+        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        host_part(layer, bufs, scale, pool, wait=True)
+    elif step is not None and step.capturing:
+        main = torch.cuda.current_stream(q.device)
+        bufs.q_host.copy_(q3, non_blocking=True)
+        side = step.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            step.launch_host(partial(host_part, layer, bufs, scale, pool, False))
+            bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+            bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        main.wait_stream(side)
+    else:
+        bufs.q_host.copy_(q3, non_blocking=True)
+        bufs.q_copied.record()
+        # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
+        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        bufs.q_copied.synchronize()
+        host_part(layer, bufs, scale, pool, wait=True)
+        bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+        bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+    ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+    return out[:, :, None]
+
+
+def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
+    """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
+
+    `wait`: first wait for the host tier's pending copies (not allowed inside a CUDA host function, where
+    the caller has ordered them before the graph instead).
+    """
+    host = layer.host
+    if host is None or host.rows == 0:
+        bufs.out_host.zero_()
+        bufs.lse_host.fill_(float("-inf"))
+        return
+    if wait:
+        host.wait()
+    q_host = bufs.q_host[:, :, None]
+    selection = layer.policy.select(layer, q_host)
+    out, lse = host_attention(layer, q_host, selection, scale, pool)
+    bufs.out_host.copy_(out[:, :, 0])
+    bufs.lse_host.copy_(lse[:, :, 0])
+    _record_selection(layer, selection)

@@ -1,0 +1,151 @@
+"""The memory bandwidths a decode step is bound by, measured in the same run as the benchmark, and the
+machine they were measured on.
+
+* `hbm_bandwidth`: GPU memory read (a decode step reads every weight once);
+* `host_read_bandwidth`: host memory read by the CPU kernels' threads (the CPU tier's attention reads);
+* `pcie_h2d_bandwidth`: pinned host memory to the GPU (what an offloading cache pays per byte).
+
+All return GB/s (1e9 bytes per second), best of several timed runs after a warm-up.
+
+>>> from tandem.bench import bandwidth
+>>> bandwidth.host_read_bandwidth(threads=4, nbytes=256 << 20)  # e.g. 40.2
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.kernels import cpu
+from tandem.kernels.cpu import _library
+
+GIB = 1 << 30
+
+
+def _cuda_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise ValueError("device: CUDA is not available on this machine")
+    return device
+
+
+def _best_event_seconds(fn, reps: int, device: torch.device) -> float:
+    """Fastest of `reps` calls of `fn()` after one warm-up, timed with CUDA events on the current stream."""
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def hbm_bandwidth(device="cuda", nbytes: int = 2 * GIB, reps: int = 10, mode: str = "read") -> float:
+    """GB/s of GPU memory, best of `reps` after a warm-up.
+
+    mode "read" (default) sums a bf16 buffer of `nbytes` into one fp32 value: bytes counted = `nbytes`, the
+    bytes read, as a decode step reads its weights. mode "copy" copies the buffer into a second one: bytes
+    counted = 2 * `nbytes` (each byte is read once and written once).
+    """
+    device = _cuda_device(device)
+    if mode not in ("read", "copy"):
+        raise ValueError(f"mode: expected 'read' or 'copy', got {mode!r}")
+    numel = nbytes // 2
+    src = torch.ones(numel, dtype=torch.bfloat16, device=device)
+    if mode == "read":
+        seconds = _best_event_seconds(lambda: src.sum(dtype=torch.float32), reps, device)
+        moved = numel * 2
+    else:
+        dst = torch.empty_like(src)
+        seconds = _best_event_seconds(lambda: dst.copy_(src), reps, device)
+        moved = 2 * numel * 2
+    return moved / seconds / 1e9
+
+
+def host_read_bandwidth(threads: int | None = None, nbytes: int = 2 * GIB, reps: int = 5) -> float:
+    """GB/s of a STREAM-like read: the CPU kernels' `read_sum` over an fp32 buffer of `nbytes` (touched
+    first, so no page faults are timed) with `threads` threads; best of `reps` after a warm-up.
+
+    Without the compiled kernels, `read_sum` falls back to `torch.sum` (torch's thread count).
+    """
+    data = torch.ones(max(1, nbytes // 4))
+    cpu.read_sum(data, num_threads=threads)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        cpu.read_sum(data, num_threads=threads)
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def pcie_h2d_bandwidth(device="cuda", nbytes: int = GIB, reps: int = 5) -> float:
+    """GB/s of copying `nbytes` from pinned host memory to the GPU, best of `reps` after a warm-up."""
+    device = _cuda_device(device)
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = _best_event_seconds(lambda: dst.copy_(src, non_blocking=True), reps, device)
+    return nbytes / seconds / 1e9
+
+
+def machine_info(threads: int) -> dict:
+    """Host CPU, memory, kernel settings and software versions; the GPU (name, memory, CUDA) when present."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        cxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        cxx = "unknown"
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": model,
+        "cores": cores,
+        "memory_gb": round(mem_gb, 1),
+        "threads": threads,
+        "isa": cpu.isa(),
+        "prefetch": list(_library.prefetch_config()),
+        "torch": torch.__version__,
+        "compiler": cxx,
+        "gpu": None,
+        "gpu_memory_gb": None,
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = props.name
+        info["gpu_memory_gb"] = round(props.total_memory / 1e9, 1)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def machine_slug(info: dict) -> str:
+    """A file-name-safe name of the CPU, e.g. 'intel-xeon-platinum-8480-16c'."""
+    model = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*$|\d+-Core", "", info["cpu_model"])
+    model = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+    return f"{model}-{info['cores']}c"

@@ -1,0 +1,219 @@
+"""`tandem bench`: decode speed of Tandem policies against Hugging Face's caches and the hardware bound.
+
+    tandem bench --model llama-3.1-8b --contexts 16k,32k,64k --batches 1 --out bench_8b
+    tandem bench --model tiny-llama --contexts 512 --steps 4      (a CPU smoke run)
+
+One run measures the bandwidths (GPU memory read, host memory read with the CPU kernels' thread count, PCIe
+from pinned memory), builds the model once, then for each context x batch x system fills the cache and times
+greedy decode steps. Each configuration that does not fit is a row marked OOM. Writes bench.json, bench.md
+and PNG plots into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import POLICIES
+
+HF_SYSTEMS = ("hf-dynamic", "hf-offloaded")
+DTYPES = ("bfloat16", "float16", "float32")
+FILLS = ("synthetic", "model")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help="a named shape with random weights (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, mistral-7b, "
+        "smollm2-135m, tiny-llama) or a local HF directory / .gguf (default llama-3.1-8b)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of a named shape")
+    p.add_argument(
+        "--contexts", default="16k,32k,64k", help="context lengths, e.g. 16k,32k,64k,128k (k = 1024)"
+    )
+    p.add_argument("--batches", default="1", help="batch sizes, e.g. 1,4,16")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per configuration (default 32)")
+    p.add_argument(
+        "--warmup", type=int, default=4, help="untimed steps first (>= 3: the graph is captured in step 3)"
+    )
+    p.add_argument(
+        "--hf",
+        default=",".join(HF_SYSTEMS),
+        help=f"HF baselines to run, comma list of {', '.join(HF_SYSTEMS)}, or 'none'",
+    )
+    p.add_argument(
+        "--policies", default="quest,hgca", help=f"Tandem policies, comma list of {', '.join(POLICIES)}"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=V1,V2",
+        help="Tandem settings, as in `tandem eval` (e.g. quest.budget=0.05, window_tokens=512); repeatable",
+    )
+    p.add_argument(
+        "--fill",
+        choices=FILLS,
+        default="synthetic",
+        help="synthetic: random K/V put in the cache (default; a random-weight prompt carries nothing); "
+        "model: a real chunked prefill of random tokens (Tandem rows only; HF rows are always synthetic)",
+    )
+    p.add_argument(
+        "--chunk-tokens", type=int, default=8192, help="prefill chunk with --fill model (default 8192)"
+    )
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph per step)")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA if available)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1)")
+    p.add_argument("--out", default="tandem_bench", help="output folder (bench.json, bench.md, PNGs)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _systems(spec: str, allowed, argument: str) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(
+            f"{argument}: unknown {', '.join(map(repr, bad)) or 'empty list'}; allowed: {', '.join(allowed)}"
+        )
+    return names
+
+
+def _load(args, device, dtype):
+    from . import shapes
+
+    if args.model in shapes.SHAPES:
+        model = shapes.build_random_model(args.model, device, dtype, num_layers=args.layers, seed=args.seed)
+        return model, {"name": args.model, "weights": "random", "layers": model.config.num_hidden_layers}
+    path = Path(args.model)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--model {args.model!r} is neither a named shape ({', '.join(shapes.SHAPES)}) nor an existing path"
+        )
+    from ..models import load_model
+
+    model, _ = load_model(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."))
+    return model, {"name": str(path), "weights": "checkpoint", "layers": model.config.num_hidden_layers}
+
+
+def _sizes(spec: str, argument: str) -> list[int]:
+    """'16k,32k,64' -> [16384, 32768, 64] (k = 1024)."""
+    sizes = []
+    for item in spec.split(","):
+        text = item.strip().lower()
+        try:
+            value = float(text[:-1]) * 1024 if text.endswith("k") else float(text)
+        except ValueError:
+            value = -1.0
+        if value < 1 or value != int(value):
+            raise ValueError(
+                f"{argument}: {item.strip()!r} is not a positive whole number (e.g. 1,4,16 or 16k,32k)"
+            )
+        sizes.append(int(value))
+    return sorted(set(sizes))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..config import TandemConfig
+    from ..evaluation.runner import make_variants
+    from . import bandwidth, baselines, report
+    from .tandem_side import bound_ms, run_tandem
+
+    contexts = _sizes(args.contexts, "--contexts")
+    batches = _sizes(args.batches, "--batches")
+    hf_systems = _systems(args.hf, HF_SYSTEMS, "--hf")
+    policies = _systems(args.policies, POLICIES, "--policies") if args.policies != "none" else []
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 3:
+        raise ValueError(
+            f"--warmup must be >= 3 (steps 1-2 warm up, step 3 captures the graph), got {args.warmup}"
+        )
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
+    variants = make_variants(policies, args.set, threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    dtype = getattr(torch, args.dtype)
+
+    machine = bandwidth.machine_info(threads)
+    print(
+        f"machine: {machine.get('gpu') or 'no GPU'}; {machine['cpu_model']} ({machine['cores']} cores)",
+        flush=True,
+    )
+    bw = {"host_read_gbps": bandwidth.host_read_bandwidth(threads)}
+    if device.type == "cuda":
+        bw["hbm_gbps"] = bandwidth.hbm_bandwidth(device)
+        bw["pcie_h2d_gbps"] = bandwidth.pcie_h2d_bandwidth(device)
+    print("bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bw.items()), flush=True)
+
+    model, model_info = _load(args, device, dtype)
+    from .shapes import weight_bytes_per_step
+
+    weight_bytes = weight_bytes_per_step(model.config, dtype)
+    model_info.update(weight_bytes=weight_bytes, dtype=args.dtype)
+    out_dir = Path(args.out)
+    result = {"machine": machine, "bandwidth": bw, "model": model_info, "args": vars(args), "rows": []}
+    # the first configuration timed in a process runs slow on every step (allocator, kernel selection): pay
+    # that once on a throwaway run
+    baselines.run_hf_baseline(model, "dynamic", 1, min(contexts), 3, 2, seed=args.seed)
+    for context in contexts:
+        for batch in batches:
+            for system in hf_systems:
+                row = baselines.run_hf_baseline(
+                    model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
+                )
+                _add(result, row, out_dir)
+            for variant in variants:
+                row = run_tandem(
+                    model,
+                    variant.config,
+                    variant.label,
+                    batch,
+                    context,
+                    args.steps,
+                    args.warmup,
+                    fill=args.fill,
+                    chunk_tokens=args.chunk_tokens,
+                    use_graphs=False if args.no_graphs else "auto",
+                    seed=args.seed,
+                )
+                row["bound_ms"] = bound_ms(row, weight_bytes, bw.get("hbm_gbps"), bw["host_read_gbps"])
+                if row["bound_ms"]:
+                    row["tpot_over_bound"] = row["tpot_median_ms"] / row["bound_ms"]
+                _add(result, row, out_dir)
+    paths = report.write_report(result, out_dir)
+    print(report.format_table(result["rows"]))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _add(result: dict, row: dict, out_dir: Path) -> None:
+    result["rows"].append(row)
+    shown = (
+        "OOM"
+        if row["status"] == "oom"
+        else row["error"]
+        if row["status"] == "error"
+        else (
+            f"{row['tpot_median_ms']:.2f} ms/token (p90 {row['tpot_p90_ms']:.2f}), {row['tokens_per_s']:.1f} tokens/s"
+        )
+    )
+    extra = ""
+    if row.get("attended_fraction") is not None:
+        extra = f", attended {100 * row['attended_fraction']:.1f}%"
+    if row.get("tpot_over_bound"):
+        extra += f", {row['tpot_over_bound']:.2f}x bound"
+    print(f"{row['system']:>24} b{row['batch']} {row['context']:>7}: {shown}{extra}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.partial.json").write_text(json.dumps(result, indent=1, default=str))

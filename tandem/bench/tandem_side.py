@@ -1,0 +1,141 @@
+"""The Tandem side of `tandem bench`: fill a `TandemCache`, decode with the engine, and account for the bytes.
+
+Rows have the schema of `baselines.empty_row`, so HF baselines and Tandem policies share one table.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..attention.hybrid import _observe
+from ..config import TandemConfig
+from ..engine import TandemRunner
+from ..integrations.hf import TandemCache
+from .baselines import KV_STD, _kv_shape, _release, _short, empty_row, is_oom, summarize
+from .cli import FILLS
+
+
+def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, seed: int = 0) -> None:
+    """Put `context` tokens of random K/V (as `baselines.fill_synthetic` does for HF caches) into every layer.
+
+    Each layer's KV goes through the cache's own append path: sinks and window stay on the GPU, the rest
+    lands in the host tier with its digests. HGCA then observes random queries over it, as it would observe
+    the prompt's last tokens after a prefill, so its selection is built by its real rule.
+    """
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    text = model.config.get_text_config(decoder=True)
+    _, num_kv_heads, head_dim = _kv_shape(model.config)
+    num_q_heads = text.num_attention_heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, num_kv_heads, context, head_dim)
+    valid = torch.ones(batch, context, dtype=torch.bool, device=device)
+    for layer in cache.tandem_layers():
+        keys = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
+        values = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
+        layer.append(keys, values, valid)
+        if layer.policy.needs_maw:
+            obs = (batch, num_q_heads, layer.config.observation_tokens, head_dim)
+            _observe(layer, torch.randn(obs, generator=gen, device=device, dtype=dtype), head_dim**-0.5)
+        layer.host.wait()  # bounds the GPU memory held by pending copies to one layer's KV
+        del keys, values
+
+
+def cpu_bytes_per_step(cache: TandemCache) -> float:
+    """Bytes the CPU tier read per decode step, summed over layers: attended K/V rows plus, for quest, every
+    block digest it scores."""
+    total = 0.0
+    for layer in cache.tandem_layers():
+        if layer.decode_steps == 0 or layer.host is None:
+            continue
+        host = layer.host
+        row_bytes = 2 * layer.head_dim * host.keys.element_size()  # one K row + one V row
+        total += layer.rows_attended / layer.decode_steps * row_bytes
+        if layer.policy.needs_digest:
+            blocks = host.rows // host.block_size
+            total += host.batch * layer.num_kv_heads * blocks * row_bytes  # key_min + key_max
+    return total
+
+
+def run_tandem(
+    model,
+    config: TandemConfig,
+    label: str,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    fill: str = "synthetic",
+    chunk_tokens: int = 8192,
+    use_graphs="auto",
+    seed: int = 0,
+) -> dict:
+    """Fill (synthetic K/V, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
+    and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
+    failure "error"; neither raises."""
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
+    row = empty_row(f"tandem-{label}", batch, context, steps, warmup)
+    device = next(model.parameters()).device
+    _release(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = runner = None
+    try:
+        cache = TandemCache.for_model(model, config)
+        runner = TandemRunner(model, cache, use_graphs=use_graphs)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        gen = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        if fill == "synthetic":
+            for layer in cache.tandem_layers():
+                layer.capacity_hint = context + warmup + steps + 1
+            fill_tandem_synthetic(cache, model, batch, context, seed)
+            runner.set_positions(torch.full((batch,), context))
+            first = torch.randint(0, vocab, (batch,), generator=gen)
+        else:
+            ids = torch.randint(0, vocab, (batch, context), generator=gen)
+            logits = runner.prefill(ids, chunk_tokens=chunk_tokens, max_new_tokens=warmup + steps + 1)
+            first = logits.argmax(-1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row["fill_s"] = time.perf_counter() - start
+        row["fill"] = fill
+        for layer in cache.tandem_layers():  # count the bytes of the timed steps only
+            layer.rows_attended = layer.rows_available = layer.decode_steps = 0
+        tokens, seconds = runner.decode(first, warmup + steps)
+        times = seconds[warmup:]
+        median_ms, p90_ms = summarize(times)
+        stats = cache.stats()
+        row.update(
+            tpot_ms=[t * 1e3 for t in times],
+            tpot_median_ms=median_ms,
+            tpot_p90_ms=p90_ms,
+            tokens_per_s=batch / (median_ms / 1e3),
+            gpu_kv_bytes=stats["hot_bytes"],
+            host_kv_bytes=stats["host_bytes"],
+            cpu_bytes_per_step=cpu_bytes_per_step(cache),
+            attended_fraction=stats["mean_fraction_attended"],
+            graphs=runner.use_graphs,
+            tokens=tokens.tolist(),
+        )
+        if device.type == "cuda":
+            row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    except Exception as err:  # a row per configuration, whatever happens to it
+        row["status"] = "oom" if is_oom(err) else "error"
+        row["error"] = _short(err)
+    finally:
+        cache = runner = None
+        _release(device)
+    return row
+
+
+def bound_ms(row: dict, weight_bytes: int, hbm_gbps: float | None, host_read_gbps: float) -> float | None:
+    """The issue's bound: max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth)."""
+    if row["status"] != "ok" or row["cpu_bytes_per_step"] is None:
+        return None
+    gpu_ms = weight_bytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else 0.0
+    cpu_ms = row["cpu_bytes_per_step"] / (host_read_gbps * 1e9) * 1e3
+    return max(gpu_ms, cpu_ms)

@@ -1,0 +1,5 @@
+"""Engine: chunked prefill and fixed-address decode steps (one CUDA graph per step) over a `TandemCache`."""
+
+from .runner import DecodeStep, TandemRunner
+
+__all__ = ["DecodeStep", "TandemRunner"]

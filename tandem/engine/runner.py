@@ -1,0 +1,244 @@
+"""Prefill and decode loop over a `TandemCache` with low per-step overhead.
+
+Prefill runs the model on `chunk_tokens` tokens at a time: each chunk's KV goes to the cache as it is made
+(sinks and window on the GPU, the rest to pinned host memory), so a 128K-token prompt never holds more than
+one chunk's activations on the GPU. Every chunk attends all earlier tokens exactly.
+
+Decode steps have fixed addresses: the new token's hot-tier slot is a device tensor (`DecodeStep.slot`), and
+each layer's q / CPU output / LSE live in fixed pinned buffers. That lets one CUDA graph hold a whole step: the
+model's own forward (transformers code, with Tandem's registered attention), with each layer's CPU attention
+as a host node on a side stream that runs while the main stream attends the hot tier. Python then does only
+the step's bookkeeping (the slot, block evictions) and one graph replay. Without CUDA the same step runs
+eagerly, with the CPU part inline; `use_graphs=False` does that on CUDA too (still overlapped per layer).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..integrations.hf import TandemCache, generate_cache_kwargs
+from .hostfn import launch_host_func
+
+
+class DecodeStep:
+    """What the fixed-address decode path shares across the layers of one cache.
+
+    slot:        [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
+                 layers store the same tokens with the same geometry)
+    capturing:   True while a CUDA graph is being captured (the CPU part becomes a host node)
+    side_stream: the stream the host nodes and the copies back run on (CUDA only)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.capturing = False
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.errors: list[BaseException] = []
+        self._callbacks = []  # ctypes callbacks of captured host nodes: alive as long as the graph
+
+    def launch_host(self, fn) -> None:
+        """Queue `fn` as a host function on the current stream; exceptions are kept for `raise_errors`."""
+
+        def guarded() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - a host function must not raise into the driver
+                self.errors.append(err)
+
+        self._callbacks.append(launch_host_func(torch.cuda.current_stream(self.device), guarded))
+
+    def prepare(self, layers) -> int:
+        """Bookkeeping of one step in every layer (slot, evictions); the slot tensor is updated in stream order."""
+        slots = {layer.reserve_decode_slot() for layer in layers}
+        if len(slots) != 1:
+            raise RuntimeError(
+                f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent"
+            )
+        slot = slots.pop()
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for layer in layers:
+                host = layer.host
+                if host.last_event is not None:
+                    # the step's CPU part (possibly a host node, which may not wait on CUDA) reads what the
+                    # evictions copied: order it after those copies on the GPU instead
+                    stream.wait_event(host.last_event)
+                    host.last_event = None
+        self.slot.fill_(slot)
+        return slot
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            err = self.errors[0]
+            self.errors.clear()
+            raise RuntimeError(f"the CPU part of a decode step failed: {err!r}") from err
+
+
+class TandemRunner:
+    """Chunked prefill and greedy decode of a Hugging Face causal LM over a `TandemCache`.
+
+    Example:
+        >>> from tandem import TandemCache, TandemConfig, load_model
+        >>> from tandem.engine import TandemRunner
+        >>> model, tok = load_model()
+        >>> runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="quest")))
+        >>> logits = runner.prefill(tok("The capital of France is", return_tensors="pt").input_ids)
+        >>> tokens, seconds = runner.decode(logits.argmax(-1), steps=8)
+    """
+
+    def __init__(
+        self, model, cache: TandemCache, use_graphs: bool | str = "auto", warmup_steps: int = 2
+    ) -> None:
+        if not isinstance(cache, TandemCache):
+            raise ValueError(
+                f"cache must be a TandemCache (TandemCache.for_model(model)), got {type(cache).__name__}"
+            )
+        if use_graphs not in (True, False, "auto"):
+            raise ValueError(f"use_graphs must be True, False or 'auto', got {use_graphs!r}")
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        if use_graphs is True and self.device.type != "cuda":
+            raise ValueError(f"use_graphs=True needs the model on a CUDA device; it is on {self.device}")
+        self.use_graphs = self.device.type == "cuda" if use_graphs == "auto" else use_graphs
+        self.warmup_steps = max(1, warmup_steps)
+        self.cache_kwargs = generate_cache_kwargs(model, cache)
+        self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.prefill_seconds = 0.0
+
+    @property
+    def layers(self):
+        return self.cache.tandem_layers()
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids, attention_mask=None, chunk_tokens: int = 8192, max_new_tokens: int = 0):
+        """Run the prompt through the model `chunk_tokens` at a time; returns the last position's logits [B, V].
+
+        input_ids: [B, T] int64 (left-padded for ragged batches); attention_mask: [B, T] (1 = token, 0 = pad).
+        max_new_tokens sizes the host tier once for the prompt plus that many decode tokens.
+        """
+        if self.layers[0].seq_len:
+            raise ValueError("prefill runs on an empty cache; build a new TandemCache for a new prompt")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}"
+            )
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        input_ids = input_ids.to(self.device)
+        batch, total = input_ids.shape
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device).long()
+        if tuple(mask.shape) != (batch, total):
+            raise ValueError(
+                f"attention_mask must be [batch, tokens] = {(batch, total)}, got {tuple(mask.shape)}"
+            )
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        for layer in self.layers:
+            layer.capacity_hint = total + max_new_tokens
+        start = time.perf_counter()
+        try:
+            for s in range(0, total, chunk_tokens):
+                e = min(total, s + chunk_tokens)
+                for layer in self.layers:  # only the last chunk's HGCA observation survives: skip the others
+                    layer.observe_appends = e == total
+                out = self.model(
+                    input_ids=input_ids[:, s:e],
+                    attention_mask=mask[:, :e],
+                    position_ids=positions[:, s:e],
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **self.cache_kwargs,
+                )
+        finally:
+            for layer in self.layers:
+                layer.observe_appends = True
+        self._sync()
+        self.prefill_seconds = time.perf_counter() - start
+        self.next_position = positions[:, -1] + 1
+        return out.logits[:, -1].float()
+
+    def set_positions(self, next_position: torch.Tensor) -> None:
+        """Positions [B] of each request's next token, for a cache filled without `prefill` (benchmarks)."""
+        if next_position.dim() != 1:
+            raise ValueError(f"next_position must be [batch], got {tuple(next_position.shape)}")
+        self.next_position = next_position.to(self.device, torch.long)
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, first_tokens: torch.Tensor, steps: int):
+        """Greedy decode: feed `first_tokens` [B] (e.g. the argmax of the prefill logits), then each step's
+        argmax. Returns (tokens [B, steps] int64 on the CPU: the tokens produced, seconds per step).
+        """
+        if self.next_position is None:
+            raise ValueError("decode needs a prefilled cache: call prefill() (or fill the cache) first")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        batch = self.next_position.shape[0]
+        if tuple(first_tokens.shape) != (batch,):
+            raise ValueError(f"first_tokens must be [batch] = [{batch}], got {tuple(first_tokens.shape)}")
+        limit = self.cache.layers[0].max_positions
+        if limit is not None and self.layers[0].seq_len + steps > limit:
+            raise ValueError(
+                f"context of {self.layers[0].seq_len + steps} tokens exceeds the model's maximum of {limit} "
+                "positions (config.max_position_embeddings); decode fewer steps"
+            )
+        self._ids = first_tokens.to(self.device, torch.long).reshape(batch, 1).clone()
+        self._positions = self.next_position.reshape(batch, 1).clone()
+        history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
+        seconds = []
+        step = self.cache.decode_step = DecodeStep(self.device)
+        end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
+        try:
+            for t in range(steps):
+                start = time.perf_counter()
+                step.prepare(self.layers)
+                if self.graph is not None:
+                    self.graph.replay()
+                elif self.use_graphs and t >= self.warmup_steps:
+                    self._capture(step)
+                    self.graph.replay()
+                else:
+                    self._step_body()
+                history[:, t] = self._ids[:, 0]
+                if end is not None:
+                    end.record()
+                    end.synchronize()  # one event per step (not a device-wide sync): the next step's bookkeeping
+                step.raise_errors()  # changes the host tier, which this step's host nodes read
+                seconds.append(time.perf_counter() - start)
+        finally:
+            self.cache.decode_step = None
+            self.graph = None
+        self.next_position = self._positions[:, 0].clone()
+        return history.cpu(), seconds
+
+    def _step_body(self) -> None:
+        """One decode step at fixed addresses: model forward, greedy pick, inputs of the next step."""
+        out = self.model(
+            input_ids=self._ids,
+            position_ids=self._positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.cache_kwargs,
+        )
+        self._ids.copy_(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+        self._positions.add_(1)
+
+    def _capture(self, step: DecodeStep) -> None:
+        torch.cuda.synchronize(self.device)  # once, before capture: capture must not see pending work
+        graph = torch.cuda.CUDAGraph()
+        step.capturing = True
+        try:
+            with torch.cuda.graph(graph):
+                self._step_body()
+        finally:
+            step.capturing = False
+        self.graph = graph
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,433 @@
+"""Launchers of the Triton GPU kernels: validate inputs (naming the bad argument and what it may be), then launch.
+
+Every launcher is CUDA-graph capturable: validation reads only shapes, dtypes, devices and strides (never tensor
+values, so no host sync), and preallocated `out=` / `lse=` buffers let a captured graph reuse its outputs.
+Scalars (`scale`, `alpha`) are baked into a captured graph; tensors are read at replay.
+
+CPU tensors are accepted only when the kernels were decorated by Triton's interpreter (TRITON_INTERPRET=1 set
+before this package is imported), which is how the test suite runs them on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import numbers
+
+import torch
+
+try:
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from . import triton_kernels as _kernels
+except ImportError:  # the torch references remain usable without triton
+    triton = None
+    _kernels = None
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256  # padded up to a power of two >= 16 inside the kernels (what `tl.dot` needs)
+BLOCK_S = 64  # hot-tier slots per tile
+BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a large one)
+MAX_SPLITS = 64
+
+
+def interpreted() -> bool:
+    """True when the kernels run under Triton's interpreter (they then accept CPU tensors)."""
+    return _kernels is not None and not isinstance(_kernels.hot_decode_kernel, JITFunction)
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Triton <= 3.6's interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 refuses
+    ("only 0-dimensional arrays can be converted"), so `range` over a runtime bound fails; convert through the
+    element instead (triton-lang/triton#9171, fixed upstream). Only the interpreter is touched."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1))
+        return  # this numpy still converts
+    except TypeError:
+        pass
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "tandem_numpy_fix", False):
+        return
+
+    def patched(tensor, *args, **kwargs):
+        original(tensor, *args, **kwargs)
+        index = lambda self: int(self.handle.data.reshape(-1)[0])
+        scope = args[0] if args else kwargs.get("scope")
+        if hasattr(scope, "set_attr"):
+            scope.set_attr(tensor, "__index__", index)  # restored with the interpreter's own patches
+        else:
+            tensor.__index__ = index
+
+    patched.tandem_numpy_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreted():
+    _fix_interpreter_for_numpy_2_4()
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on tensors of `device`: CUDA with triton installed, or the interpreter."""
+    if _kernels is None:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and interpreted()
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+# The checks below build their messages only on failure: they run on every decode step of every layer.
+
+
+def _check_tensor(name: str, t, layout: str, shape: tuple, dtypes: tuple) -> None:
+    """`shape` holds ints, or None where any size is allowed; `layout` names the axes for the message."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        expected = ", ".join("?" if want is None else str(want) for want in shape)
+        raise ValueError(f"{name} must have shape {layout} = [{expected}], got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}.dtype must be {allowed}, got {str(t.dtype).removeprefix('torch.')}")
+
+
+def _check_real(name: str, value, low: float | None = None, high: float | None = None) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(
+            f"{name} must be a Python float (a tensor would need a host sync), got {type(value).__name__}"
+        )
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}")
+
+
+def _run_device(name: str, t) -> torch.device:
+    """The device the kernels run on: `t`'s CUDA device, or the CPU under the interpreter."""
+    if _kernels is None:
+        raise RuntimeError(
+            "tandem.kernels.gpu needs triton (pip install triton); use tandem.kernels.reference"
+        )
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "cuda" or (t.device.type == "cpu" and interpreted()):
+        return t.device
+    raise ValueError(
+        f"{name} is on {t.device}: the Triton kernels need CUDA tensors (CPU tensors run only under Triton's "
+        "interpreter, with TRITON_INTERPRET=1 set before tandem.kernels.gpu is imported)"
+    )
+
+
+def _check_on(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (q's device), got {t.device}")
+
+
+def _check_readable(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """Host-tier tensors: on q's device, or in pinned host memory the GPU reads zero-copy through UVA."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        if not t.is_pinned():
+            raise ValueError(
+                f"{name} is in pageable host memory: the GPU reads a host store only when it is pinned "
+                f"(tensor.pin_memory() or pin_memory=True), or put it on {device}"
+            )
+    else:
+        _check_on(name, t, device)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _unit_last_stride(name: str, t: torch.Tensor, may_copy: bool) -> torch.Tensor:
+    """Rows must be contiguous along head_dim; other strides are passed to the kernel as they are."""
+    if t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    _check(
+        may_copy,
+        f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}; "
+        "it is not copied (a copy of a host store would be pageable, and outputs are written in place)",
+    )
+    return t.contiguous()
+
+
+def _output(name: str, t, shape: tuple, layout: str, device: torch.device) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    _check_tensor(name, t, layout, shape, (torch.float32,))
+    _check_on(name, t, device)
+    return _unit_last_stride(name, t, may_copy=False)
+
+
+def _check_qkv(q, keys, values, q_layout: str, kv_layout: str) -> None:
+    _check_tensor("q", q, q_layout, (None, None, None), FLOAT_DTYPES)
+    batch, num_q_heads, head_dim = q.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[-1]) must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    _check_tensor("keys", keys, kv_layout, (batch, None, None, head_dim), (q.dtype,))
+    _check_tensor("values", values, kv_layout, tuple(keys.shape), (q.dtype,))
+    num_kv_heads = keys.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads ({num_q_heads}) must be a positive multiple of keys heads ({num_kv_heads})"
+        )
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _group_pad(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    # fp32 inputs would otherwise be rounded to tf32 on tensor cores; 16-bit inputs ignore the setting.
+    # The interpreter's dot mishandles bfloat16, so there the tiles are multiplied in fp32 (see `_dot`)
+    upcast = interpreted() and dtype == torch.bfloat16
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+def _guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def hot_decode_attention(q, keys, values, valid, scale, maw=None, alpha=0.0, out=None, lse=None):
+    """Decode attention of one query per request over the GPU hot tier; optionally HGCA's moving average.
+
+    Parameters
+    ----------
+    q : [B, Hq, D] float16 / bfloat16 / float32 on CUDA; D <= MAX_HEAD_DIM
+    keys, values : [B, Hkv, S, D] q's dtype and device, Hq % Hkv == 0; stride 1 along D (other strides free,
+        so a slice of a larger preallocated buffer needs no copy)
+    valid : [B, S] bool, True at slots holding real tokens (any pattern, not only a prefix)
+    scale : float softmax scale
+    maw : optional [B, Hq, S] float32, stride 1 along S; updated in place to (1 - alpha) * maw + alpha * p,
+        p the softmax weight of each slot for each query head (0 at invalid slots)
+    alpha : float in [0, 1]
+    out, lse : optional preallocated outputs [B, Hq, D] / [B, Hq] float32 (reused buffers for CUDA graphs)
+
+    Returns (out [B, Hq, D] float32, lse [B, Hq] float32); a request without a valid slot gets out 0, lse -inf.
+
+    Example::
+
+        q = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16)
+        valid = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+        out, lse = hot_decode_attention(q, keys, keys, valid, 0.125)
+    """
+    device = _run_device("q", q)
+    _check_qkv(q, keys, values, "[B, Hq, D]", "[B, Hkv, S, D]")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
+    for name, t in (("keys", keys), ("values", values)):
+        _check_on(name, t, device)
+    _check_tensor("valid", valid, "[B, S]", (batch, num_slots), (torch.bool,))
+    _check_on("valid", valid, device)
+    _check_real("scale", scale)
+    _check_real("alpha", alpha, 0.0, 1.0)
+    if maw is not None:
+        _check_tensor("maw", maw, "[B, Hq, S]", (batch, num_q_heads, num_slots), (torch.float32,))
+        _check_on("maw", maw, device)
+        maw = _unit_last_stride("maw", maw, may_copy=False)
+    q = _unit_last_stride("q", q, may_copy=True)
+    keys = _unit_last_stride("keys", keys, may_copy=True)
+    values = _unit_last_stride("values", values, may_copy=True)
+    out = _output("out", out, (batch, num_q_heads, head_dim), "[B, Hq, D]", device)
+    lse = _output("lse", lse, (batch, num_q_heads), "[B, Hq]", device)
+    if batch == 0:
+        return out, lse
+
+    group = num_q_heads // num_kv_heads
+    maw_arg, maw_strides = (maw, maw.stride()[:2]) if maw is not None else (lse, (0, 0))
+    with _guard(device):
+        _kernels.hot_decode_kernel[(batch, num_kv_heads)](
+            q,
+            keys,
+            values,
+            valid.view(torch.uint8),
+            out,
+            lse,
+            maw_arg,
+            num_slots,
+            group,
+            float(scale),
+            float(alpha),
+            *q.stride()[:2],
+            *keys.stride()[:3],
+            *values.stride()[:3],
+            *valid.stride(),
+            *out.stride()[:2],
+            *lse.stride(),
+            *maw_strides,
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            GROUP_PAD=_group_pad(group),
+            BLOCK_S=BLOCK_S,
+            HAS_MAW=maw is not None,
+            **_dot_options(q.dtype),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def _pick_splits(device: torch.device, programs: int, width: int, block_size: int) -> int:
+    """Enough programs to keep the GPU's SMs issuing reads (PCIe needs many in flight), >= 2 tiles each."""
+    if device.type != "cuda":
+        return 1
+    wanted = -(-2 * _sm_count(device) // max(programs, 1))
+    by_work = (width * block_size) // (2 * BLOCK_N)
+    return max(1, min(wanted, by_work, MAX_SPLITS))
+
+
+def host_block_attention(
+    q, keys, values, block_ids, lengths, block_size, valid, scale, out=None, lse=None, num_splits=None
+):
+    """Attention of GPU queries over selected blocks of a KV store in pinned host memory, read zero-copy.
+
+    The GPU reads the pinned store directly through unified virtual addressing: only the selected rows cross
+    PCIe, and the store is never copied. Selected blocks are split over `num_splits` programs per
+    (request, KV head) whose partial results are merged by LSE.
+
+    Parameters
+    ----------
+    q : [B, Hq, D] float16 / bfloat16 / float32 on CUDA; D <= MAX_HEAD_DIM
+    keys, values : [B, Hkv, T, D] q's dtype, in pinned host memory (or on q's device); stride 1 along D
+    block_ids : [B, Hkv, S] int32 / int64 block ids, pinned or on q's device; row r of block b is
+        b * block_size + r; entries past `lengths` are never read; rows outside [0, T) are skipped
+    lengths : [B, Hkv] int32 / int64, number of live entries of `block_ids` (clamped to [0, S])
+    block_size : int >= 1
+    valid : [B, T] bool, False at padding rows (never attended), pinned or on q's device
+    scale : float softmax scale
+    out, lse : optional preallocated outputs [B, Hq, D] / [B, Hq] float32 on q's device
+    num_splits : optional int >= 1 (default: chosen from the SM count and S * block_size)
+
+    Returns (out [B, Hq, D] float32, lse [B, Hq] float32); an empty selection gives out 0, lse -inf.
+    """
+    device = _run_device("q", q)
+    _check_qkv(q, keys, values, "[B, Hq, D]", "[B, Hkv, T, D]")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_rows = keys.shape[1], keys.shape[2]
+    _check_tensor("block_ids", block_ids, "[B, Hkv, S]", (batch, num_kv_heads, None), INDEX_DTYPES)
+    _check_tensor("lengths", lengths, "[B, Hkv]", (batch, num_kv_heads), INDEX_DTYPES)
+    _check_tensor("valid", valid, "[B, T]", (batch, num_rows), (torch.bool,))
+    for name, t in (("keys", keys), ("values", values), ("block_ids", block_ids), ("lengths", lengths)):
+        _check_readable(name, t, device)
+    _check_readable("valid", valid, device)
+    if not _positive_int(block_size):
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _check_real("scale", scale)
+    if num_splits is not None and not _positive_int(num_splits):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    q = _unit_last_stride("q", q, may_copy=True)
+    keys = _unit_last_stride("keys", keys, may_copy=keys.device.type == "cuda")
+    values = _unit_last_stride("values", values, may_copy=values.device.type == "cuda")
+    out = _output("out", out, (batch, num_q_heads, head_dim), "[B, Hq, D]", device)
+    lse = _output("lse", lse, (batch, num_q_heads), "[B, Hq]", device)
+    if batch == 0:
+        return out, lse
+
+    width = block_ids.shape[2]
+    group = num_q_heads // num_kv_heads
+    splits = num_splits or _pick_splits(device, batch * num_kv_heads, width, int(block_size))
+    entries_per_split = max(1, -(-width // splits))
+    splits = max(1, -(-width // entries_per_split))  # no split left without entries
+    if splits == 1:
+        part_out, part_lse = out[:, :, None], lse[:, :, None]
+    else:
+        part_out = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=device)
+        part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=device)
+    with _guard(device):
+        _kernels.block_attention_kernel[(batch, num_kv_heads, splits)](
+            q,
+            keys,
+            values,
+            valid.view(torch.uint8),
+            block_ids,
+            lengths,
+            part_out,
+            part_lse,
+            num_rows,
+            width,
+            entries_per_split,
+            group,
+            float(scale),
+            *q.stride()[:2],
+            *keys.stride()[:3],
+            *values.stride()[:3],
+            *valid.stride(),
+            *block_ids.stride(),
+            *lengths.stride(),
+            *part_out.stride()[:3],
+            *part_lse.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            GROUP_PAD=_group_pad(group),
+            BLOCK_N=BLOCK_N,
+            BLOCK_SIZE=int(block_size),
+            **_dot_options(q.dtype),
+            num_warps=4,
+        )
+        if splits > 1:
+            _kernels.combine_splits_kernel[(batch, num_q_heads)](
+                part_out,
+                part_lse,
+                out,
+                lse,
+                splits,
+                *part_out.stride()[:3],
+                *part_lse.stride(),
+                *out.stride()[:2],
+                *lse.stride(),
+                HEAD_DIM=head_dim,
+                BLOCK_D=_block_d(head_dim),
+                SPLITS_PAD=triton.next_power_of_2(splits),
+                num_warps=4,
+            )
+    return out, lse
+
+
+def merge_lse_(out_a, lse_a, out_b, lse_b):
+    """Exact LSE merge of two partial attentions over disjoint key sets, written in place into (out_a, lse_a).
+
+    out_a, out_b : [..., D] float32 (out_a contiguous: it is overwritten); lse_a, lse_b : [...] float32
+    (lse_a contiguous). Either side may be empty (lse -inf); both empty gives out 0, lse -inf.
+    Returns (out_a, lse_a).
+    """
+    device = _run_device("out_a", out_a)
+    _check(out_a.dim() >= 1, "out_a must have shape [..., D], got a 0-d tensor")
+    lead = tuple(out_a.shape[:-1])
+    layout = "[" + ", ".join(["..."] * bool(lead) + ["D"]) + "]"
+    _check_tensor("out_a", out_a, layout, tuple(out_a.shape), (torch.float32,))
+    _check_tensor("out_b", out_b, f"{layout} (out_a's shape)", tuple(out_a.shape), (torch.float32,))
+    _check_tensor("lse_a", lse_a, "[...] (out_a's shape without D)", lead, (torch.float32,))
+    _check_tensor("lse_b", lse_b, "[...] (out_a's shape without D)", lead, (torch.float32,))
+    for name, t in (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)):
+        _check_on(name, t, device)
+    for name, t in (("out_a", out_a), ("lse_a", lse_a)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the merge is written into it in place)")
+    out_b, lse_b = out_b.contiguous(), lse_b.contiguous()
+    num_rows, head_dim = lse_a.numel(), out_a.shape[-1]
+    if num_rows == 0:
+        return out_a, lse_a
+    block_d = _block_d(head_dim)
+    block_r = max(1, min(64, 4096 // block_d))
+    with _guard(device):
+        _kernels.merge_lse_kernel[(triton.cdiv(num_rows, block_r),)](
+            out_a, lse_a, out_b, lse_b, num_rows, head_dim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4
+        )
+    return out_a, lse_a

@@ -1,0 +1,322 @@
+"""Triton kernels of the GPU path. Only `@triton.jit` functions live here; `attention.py` validates and launches.
+
+Shared conventions: fp32 accumulation, natural-log lse, and a query row with nothing to attend ends with
+out = 0 and lse = -inf (never NaN). One program serves a whole GQA query group: the group's rows are padded
+up to GROUP_PAD (>= 16, what `tl.dot` needs) and masked. Batch and head offsets are computed in int64 so
+stores larger than 2**31 elements address correctly.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST (interpreter only) multiplies in fp32: the interpreter's dot would
+    multiply bfloat16 bit patterns as integers. Products of 16-bit values are exact in fp32, so this matches."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_tile(q, k, v, live, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step.
+
+    q: [GROUP_PAD, D]; k, v: [N, D] (q's dtype); live: [1, N] or [GROUP_PAD, N] bool.
+    m_i, l_i: [GROUP_PAD] fp32 running max / sum; acc: [GROUP_PAD, D] fp32 unnormalised output.
+    """
+    qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+    qk = tl.where(live, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # a row that has seen no live key keeps m = -inf; shifting by 0 instead avoids (-inf) - (-inf) = NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(qk - m_safe[:, None])
+    correction = tl.exp(m_i - m_safe)
+    l_i = l_i * correction + tl.sum(p, axis=1)
+    # half-precision V: P is rounded to V's dtype for the tensor-core dot (as flash attention does)
+    acc = acc * correction[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(m_i, l_i, acc):
+    """Normalise: returns out [GROUP_PAD, D] fp32 and lse [GROUP_PAD] fp32 (-inf, out 0 where l_i = 0)."""
+    empty = l_i == 0.0
+    norm = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(norm))
+    return acc / norm[:, None], lse
+
+
+@triton.jit
+def hot_decode_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [B, Hkv, S, D]
+    v_ptr,  # [B, Hkv, S, D]
+    valid_ptr,  # [B, S] uint8 (a bool tensor viewed as bytes)
+    out_ptr,  # [B, Hq, D] fp32
+    lse_ptr,  # [B, Hq] fp32
+    maw_ptr,  # [B, Hq, S] fp32, read only when HAS_MAW
+    num_slots,
+    group,
+    scale,
+    alpha,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_mb,
+    stride_ms,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    stride_wb,
+    stride_wh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_MAW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid (B, Hkv): one decode query group over all S slots of the hot tier, tiled by BLOCK_S."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    d_ok = d < HEAD_DIM
+    s_off = tl.arange(0, BLOCK_S)
+    head = kv_head * group + g
+    row_ok = g < group
+
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    valid_base = valid_ptr + b * stride_mb
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(0, num_slots, BLOCK_S):
+        s = start + s_off
+        in_range = s < num_slots
+        live = in_range & (tl.load(valid_base + s * stride_ms, mask=in_range, other=0) != 0)
+        k = tl.load(
+            k_base + s[:, None] * stride_ks + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + s[:, None] * stride_vs + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        )
+        m_i, l_i, acc = _attend_tile(q, k, v, live[None, :], m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+    out, lse = _finish(m_i, l_i, acc)
+    tl.store(
+        out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :],
+        out,
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh, lse, mask=row_ok)
+
+    if HAS_MAW:
+        # HGCA's moving average needs each slot's final softmax weight, so the logits are recomputed
+        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+        maw_base = maw_ptr + b * stride_wb + head[:, None] * stride_wh
+        for start in range(0, num_slots, BLOCK_S):
+            s = start + s_off
+            in_range = s < num_slots
+            live = in_range & (tl.load(valid_base + s * stride_ms, mask=in_range, other=0) != 0)
+            k = tl.load(
+                k_base + s[:, None] * stride_ks + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+            )
+            qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+            p = tl.where(live[None, :], tl.exp(qk - lse_safe[:, None]), 0.0)
+            tile_ok = row_ok[:, None] & in_range[None, :]
+            maw = tl.load(maw_base + s[None, :], mask=tile_ok, other=0.0)
+            tl.store(maw_base + s[None, :], (1.0 - alpha) * maw + alpha * p, mask=tile_ok)
+
+
+@triton.jit
+def block_attention_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [B, Hkv, T, D] (pinned host memory read through UVA, or device memory)
+    v_ptr,  # [B, Hkv, T, D]
+    valid_ptr,  # [B, T] uint8
+    ids_ptr,  # [B, Hkv, S] int32 / int64 block ids
+    lengths_ptr,  # [B, Hkv] int32 / int64
+    out_ptr,  # [B, Hq, splits, D] fp32
+    lse_ptr,  # [B, Hq, splits] fp32
+    num_rows,
+    width,
+    entries_per_split,
+    group,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_mb,
+    stride_mt,
+    stride_ib,
+    stride_ih,
+    stride_is,
+    stride_nb,
+    stride_nh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid (B, Hkv, splits): one query group over its selected blocks [split * entries_per_split, ...).
+
+    The selected blocks are flattened into rows (entry = n // BLOCK_SIZE, row = id * BLOCK_SIZE + n % BLOCK_SIZE)
+    and walked BLOCK_N rows at a time. Rows outside [0, num_rows) or marked invalid are neither read nor attended.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    head = kv_head * group + g
+    row_ok = g < group
+
+    length = tl.load(lengths_ptr + b * stride_nb + kv_head * stride_nh).to(tl.int64)
+    length = tl.minimum(tl.maximum(length, 0), width)
+    first = split * entries_per_split
+    last = tl.minimum(first + entries_per_split, length)
+    num_selected_rows = tl.maximum(last - first, 0) * BLOCK_SIZE
+
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    ids_base = ids_ptr + b * stride_ib + kv_head * stride_ih
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    valid_base = valid_ptr + b * stride_mb
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(0, num_selected_rows, BLOCK_N):
+        n = start + n_off
+        in_range = n < num_selected_rows
+        entry = first + n // BLOCK_SIZE
+        block = tl.load(ids_base + entry * stride_is, mask=in_range, other=0).to(tl.int64)
+        row = block * BLOCK_SIZE + n % BLOCK_SIZE
+        live = in_range & (row >= 0) & (row < num_rows)
+        live = live & (tl.load(valid_base + row * stride_mt, mask=live, other=0) != 0)
+        k = tl.load(
+            k_base + row[:, None] * stride_kt + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + row[:, None] * stride_vt + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        )
+        m_i, l_i, acc = _attend_tile(q, k, v, live[None, :], m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+    out, lse = _finish(m_i, l_i, acc)
+    out_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_out_ptr,  # [B, Hq, splits, D] fp32
+    part_lse_ptr,  # [B, Hq, splits] fp32
+    out_ptr,  # [B, Hq, D] fp32
+    lse_ptr,  # [B, Hq] fp32
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_sb,
+    stride_sh,
+    stride_ss,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Grid (B, Hq): LSE-merge the per-split partial attentions of one query head."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    d_ok = d < HEAD_DIM
+    split_ok = s < num_splits
+    part_lse = tl.load(
+        part_lse_ptr + b * stride_sb + head * stride_sh + s * stride_ss, mask=split_ok, other=float("-inf")
+    )
+    m = tl.max(part_lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.where(part_lse == float("-inf"), 0.0, tl.exp(part_lse - m_safe))
+    total = tl.sum(weight, axis=0)
+    part_ptrs = part_out_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+    part = tl.load(part_ptrs, mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out, mask=d_ok)
+    tl.store(lse_ptr + b * stride_lb + head * stride_lh, lse)
+
+
+@triton.jit
+def merge_lse_kernel(
+    out_a_ptr,  # [N, D] fp32, overwritten with the merge
+    lse_a_ptr,  # [N] fp32, overwritten with the merge
+    out_b_ptr,  # [N, D] fp32
+    lse_b_ptr,  # [N] fp32
+    num_rows,
+    head_dim,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_R),): exact LSE merge of two partial attentions over disjoint key sets, in place."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < num_rows
+    lse_a = tl.load(lse_a_ptr + r, mask=r_ok, other=float("-inf"))
+    lse_b = tl.load(lse_b_ptr + r, mask=r_ok, other=float("-inf"))
+    m = tl.maximum(lse_a, lse_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.where(lse_a == float("-inf"), 0.0, tl.exp(lse_a - m_safe))
+    w_b = tl.where(lse_b == float("-inf"), 0.0, tl.exp(lse_b - m_safe))
+    total = w_a + w_b
+    empty = total == 0.0
+    norm = tl.where(empty, 1.0, total)
+    offs = r[:, None] * head_dim + d[None, :]
+    mask = r_ok[:, None] & (d[None, :] < head_dim)
+    out_a = tl.load(out_a_ptr + offs, mask=mask, other=0.0)
+    out_b = tl.load(out_b_ptr + offs, mask=mask, other=0.0)
+    # an empty side contributes nothing even if its out holds garbage (0 * NaN would poison the merge)
+    part_a = tl.where(w_a[:, None] > 0.0, out_a * w_a[:, None], 0.0)
+    part_b = tl.where(w_b[:, None] > 0.0, out_b * w_b[:, None], 0.0)
+    tl.store(out_a_ptr + offs, (part_a + part_b) / norm[:, None], mask=mask)
+    tl.store(lse_a_ptr + r, tl.where(empty, float("-inf"), m_safe + tl.log(norm)), mask=r_ok)

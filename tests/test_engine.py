@@ -1,0 +1,149 @@
+"""The engine (chunked prefill + fixed-address decode steps) against Hugging Face generation with DynamicCache.
+
+On CPU the fixed-address step runs eagerly with the CPU part inline; on CUDA it is captured as one CUDA graph
+per step with host nodes (the `cuda`-marked cases). Both must give DynamicCache's greedy tokens with every
+entry kept."""
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.engine import TandemRunner
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+    ),
+]
+
+
+def _tiny(arch="Llama", num_kv_heads=2, dtype=torch.float32, device="cpu"):
+    shape = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=1024,
+    )
+    if arch == "Mistral":
+        shape["sliding_window"] = None
+    cfg = getattr(transformers, f"{arch}Config")(**shape)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval().to(device=device, dtype=dtype)
+    model.generation_config.eos_token_id = None  # the runner has no stop token: compare whole sequences
+    return model
+
+
+def _hf_greedy(model, ids, mask, new_tokens):
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **generate_cache_kwargs(model, DynamicCache()),
+    )
+    return out[:, ids.shape[1] :].cpu()
+
+
+def _run(model, ids, mask, config, new_tokens, chunk_tokens=7, use_graphs="auto"):
+    runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=use_graphs)
+    logits = runner.prefill(ids, mask, chunk_tokens=chunk_tokens, max_new_tokens=new_tokens)
+    first = logits.argmax(-1)
+    tokens, seconds = runner.decode(first, new_tokens - 1)
+    assert len(seconds) == new_tokens - 1
+    return torch.cat([first.cpu()[:, None], tokens], dim=1), runner
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch,num_kv_heads", [("Llama", 2), ("Qwen2", 2), ("Mistral", 1), ("Llama", 4)])
+def test_full_policy_matches_dynamic_cache_across_chunks_and_evictions(device, arch, num_kv_heads):
+    model = _tiny(arch, num_kv_heads, device=device)
+    ids = torch.randint(0, 128, (2, 61), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # ragged: the second request is left-padded
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=12, block_size=4)
+    base = _hf_greedy(model, ids, mask, 40)
+    ours, runner = _run(model, ids, mask, config, 40)
+    assert torch.equal(base, ours)
+    layer = runner.cache.tandem_layers()[0]
+    assert layer.host.rows > 61  # decode evicted ring blocks to the host tier along the way
+    assert runner.cache.stats()["mean_fraction_attended"] == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["quest", "hgca"])
+def test_sparse_policies_at_full_budget_match_dynamic_cache(device, policy):
+    model = _tiny(device=device)
+    ids = torch.randint(0, 128, (1, 83), generator=torch.Generator().manual_seed(2)).to(device)
+    mask = torch.ones_like(ids)
+    extra = {"budget": 1.0} if policy == "quest" else {"beta": 1e-9, "span": 1}
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
+    ours, runner = _run(model, ids, mask, config, 24, chunk_tokens=32)
+    assert torch.equal(_hf_greedy(model, ids, mask, 24), ours)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_prefill_logits_equal_one_shot(device):
+    model = _tiny(device=device)
+    ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(4)).to(device)
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=16, block_size=4)
+    logits = []
+    for chunk in (90, 13):
+        runner = TandemRunner(model, TandemCache.for_model(model, config))
+        logits.append(runner.prefill(ids, chunk_tokens=chunk))
+        assert runner.cache.tandem_layers()[1].host.rows > 0
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_streaming_policy_runs_and_differs_from_full():
+    model = _tiny()
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))
+    full, _ = _run(model, ids, None, TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4), 12)
+    stream, runner = _run(
+        model, ids, None, TandemConfig(policy="streaming", sink_tokens=4, window_tokens=8, block_size=4), 12
+    )
+    assert runner.cache.stats()["mean_fraction_attended"] == 0.0
+    assert stream.shape == full.shape
+
+
+def test_runner_refuses_bad_input():
+    model = _tiny()
+    cache = TandemCache.for_model(model, TandemConfig(policy="full"))
+    runner = TandemRunner(model, cache)
+    with pytest.raises(ValueError, match="prefill"):
+        runner.decode(torch.zeros(1, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="input_ids"):
+        runner.prefill(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        runner.prefill(torch.zeros(1, 5, dtype=torch.long), chunk_tokens=0)
+    with pytest.raises(ValueError, match="attention_mask"):
+        runner.prefill(torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 4))
+    runner.prefill(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty cache"):
+        runner.prefill(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="first_tokens"):
+        runner.decode(torch.zeros(2, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="exceeds the model's maximum"):
+        runner.decode(torch.zeros(1, dtype=torch.long), 2000)
+    with pytest.raises(ValueError, match="use_graphs"):
+        TandemRunner(model, cache, use_graphs="sometimes")
+    with pytest.raises(ValueError, match="CUDA"):
+        TandemRunner(model, cache, use_graphs=True)
+    with pytest.raises(ValueError, match="TandemCache"):
+        TandemRunner(model, DynamicCache())
+
+
+@pytest.mark.model
+def test_real_model_greedy_matches_dynamic_cache(smollm, prose):
+    model, tok = smollm
+    ids = tok(prose, return_tensors="pt").input_ids[:, :700]
+    config = TandemConfig(policy="full", sink_tokens=16, window_tokens=64)
+    ours, runner = _run(model, ids, None, config, 12, chunk_tokens=256)
+    assert torch.equal(_hf_greedy(model, ids, None, 12), ours)
+    assert runner.cache.stats()["host_rows"] > 500
