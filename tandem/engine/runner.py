@@ -42,9 +42,13 @@ class DecodeStep:
     def launch_host(self, fn) -> None:
         """Queue `fn` as a host function on the current stream; exceptions are kept for `raise_errors`."""
 
+        # grad / inference mode are thread-local: the driver thread that runs the host node gets the caller's
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
         def guarded() -> None:
             try:
-                fn()
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    fn()
             except BaseException as err:  # noqa: BLE001 - a host function must not raise into the driver
                 self.errors.append(err)
 
