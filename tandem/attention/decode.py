@@ -16,6 +16,7 @@ The CPU part runs in one of two ways:
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -77,7 +78,10 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     if not q.is_cuda:
         bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        start = time.perf_counter()
         host_part(layer, bufs, scale, pool, wait=True)
+        if step is not None:
+            step.host_seconds += time.perf_counter() - start
     elif step is not None and step.capturing:
         main = torch.cuda.current_stream(q.device)
         bufs.q_host.copy_(q3, non_blocking=True)
@@ -95,7 +99,10 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         bufs.q_copied.synchronize()
+        start = time.perf_counter()
         host_part(layer, bufs, scale, pool, wait=True)
+        if step is not None:
+            step.host_seconds += time.perf_counter() - start
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)

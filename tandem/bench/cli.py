@@ -90,6 +90,9 @@ def _load(args, device, dtype):
 
     if args.model in shapes.SHAPES:
         model = shapes.build_random_model(args.model, device, dtype, num_layers=args.layers, seed=args.seed)
+        # random weights: let "128k" mean 131072 context tokens plus the decoded ones
+        needed = max(_sizes(args.contexts, "--contexts")) + args.warmup + args.steps + 1
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, needed)
         return model, {"name": args.model, "weights": "random", "layers": model.config.num_hidden_layers}
     path = Path(args.model)
     if not path.exists():

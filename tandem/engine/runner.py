@@ -37,6 +37,7 @@ class DecodeStep:
         self.capturing = False
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.errors: list[BaseException] = []
+        self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
         self._callbacks = []  # ctypes callbacks of captured host nodes: alive as long as the graph
 
     def launch_host(self, fn) -> None:
@@ -46,11 +47,13 @@ class DecodeStep:
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def guarded() -> None:
+            start = time.perf_counter()
             try:
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     fn()
             except BaseException as err:  # noqa: BLE001 - a host function must not raise into the driver
                 self.errors.append(err)
+            self.host_seconds += time.perf_counter() - start
 
         self._callbacks.append(launch_host_func(torch.cuda.current_stream(self.device), guarded))
 
@@ -113,6 +116,7 @@ class TandemRunner:
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
         self.graph: torch.cuda.CUDAGraph | None = None
         self.prefill_seconds = 0.0
+        self.host_seconds: list[float] = []  # per decode step: seconds in the CPU parts
 
     @property
     def layers(self):
@@ -195,11 +199,13 @@ class TandemRunner:
         self._positions = self.next_position.reshape(batch, 1).clone()
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
         seconds = []
+        self.host_seconds = []  # per step: seconds in the CPU parts (host nodes or inline)
         step = self.cache.decode_step = DecodeStep(self.device)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         try:
             for t in range(steps):
                 start = time.perf_counter()
+                step.host_seconds = 0.0
                 step.prepare(self.layers)
                 if self.graph is not None:
                     self.graph.replay()
@@ -214,6 +220,7 @@ class TandemRunner:
                     end.synchronize()  # one event per step (not a device-wide sync): the next step's bookkeeping
                 step.raise_errors()  # changes the host tier, which this step's host nodes read
                 seconds.append(time.perf_counter() - start)
+                self.host_seconds.append(step.host_seconds)
         finally:
             self.cache.decode_step = None
             self.graph = None
