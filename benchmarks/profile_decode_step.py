@@ -25,6 +25,7 @@ from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 
 
+@torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
