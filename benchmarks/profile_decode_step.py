@@ -20,6 +20,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig
 from tandem.attention import decode
+from tandem.bench.baselines import _release
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
@@ -47,7 +48,7 @@ def main() -> None:
     results = []
     for text in args.contexts.split(","):
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-        for policy, graphs in (("streaming", True), ("quest", True), ("quest", False)):
+        for policy, graphs in (("streaming", True), ("streaming", False), ("quest", True), ("quest", False)):
             threads_seen.clear()
             cache = TandemCache.for_model(model, TandemConfig(policy=policy))
             runner = TandemRunner(model, cache, use_graphs=graphs)
@@ -74,8 +75,8 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             results.append(row)
-            del cache, runner
-            torch.cuda.empty_cache()
+            del cache, runner, bufs, layer
+            _release(torch.device("cuda"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

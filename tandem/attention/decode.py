@@ -5,13 +5,9 @@ The CPU starts as soon as q's copy has landed (it waits on that copy, never on t
 host rows, the CPU kernel attends them, and (out, lse) return through pinned buffers to be merged on the GPU.
 Only q, the CPU output and its LSE cross PCIe.
 
-The CPU part runs in one of two ways:
-  inline     the calling thread waits for q's copy, computes, and queues the copy back (eager decoding, and
-             everything on CPU tensors);
-  host node  inside a captured CUDA graph (`tandem.engine`): a host function on a side stream runs it when the
-             graph reaches it, while the main stream runs the hot-tier attention; the main stream joins the
-             side stream before the merge. A host function may not call CUDA, so host-tier copies must have
-             been ordered before the graph by the caller (`DecodeStep.prepare`).
+The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back. With a
+`tandem.engine` step being captured, the same order is recorded as a chain of CUDA graphs cut around the
+CPU part (`DecodeStep.split`), so a replay runs the GPU work from graphs and the CPU part in between.
 """
 
 from __future__ import annotations
@@ -83,37 +79,39 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         if step is not None:
             step.host_seconds += time.perf_counter() - start
     elif step is not None and step.capturing:
-        main = torch.cuda.current_stream(q.device)
+        # the step is captured as a chain of CUDA graphs cut at each layer's CPU part; between two graphs
+        # the calling thread runs what `split` is given, exactly where the eager branch below runs it
         bufs.q_host.copy_(q3, non_blocking=True)
-        side = step.side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            step.launch_host(partial(host_part, layer, bufs, scale, pool, False))
-            bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
-            bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+        step.split(bufs.q_copied.record)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        main.wait_stream(side)
+        step.split(partial(_cpu_part, layer, bufs, scale, pool, step))
+        bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+        bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     else:
         bufs.q_host.copy_(q3, non_blocking=True)
         bufs.q_copied.record()
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        bufs.q_copied.synchronize()
-        start = time.perf_counter()
-        host_part(layer, bufs, scale, pool, wait=True)
-        if step is not None:
-            step.host_seconds += time.perf_counter() - start
+        _cpu_part(layer, bufs, scale, pool, step)
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
     return out[:, :, None]
 
 
+def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step) -> None:
+    """Wait for q's copy to land (an event, not the device), then run the CPU half, timed into `step`."""
+    bufs.q_copied.synchronize()
+    start = time.perf_counter()
+    host_part(layer, bufs, scale, pool, wait=True)
+    if step is not None:
+        step.host_seconds += time.perf_counter() - start
+
+
 def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
-    `wait`: first wait for the host tier's pending copies (not allowed inside a CUDA host function, where
-    the caller has ordered them before the graph instead).
+    `wait`: first wait for the host tier's pending copies into host memory.
     """
     host = layer.host
     if host is None or host.rows == 0:

@@ -5,11 +5,15 @@ Prefill runs the model on `chunk_tokens` tokens at a time: each chunk's KV goes 
 one chunk's activations on the GPU. Every chunk attends all earlier tokens exactly.
 
 Decode steps have fixed addresses: the new token's hot-tier slot is a device tensor (`DecodeStep.slot`), and
-each layer's q / CPU output / LSE live in fixed pinned buffers. That lets one CUDA graph hold a whole step: the
-model's own forward (transformers code, with Tandem's registered attention), with each layer's CPU attention
-as a host node on a side stream that runs while the main stream attends the hot tier. Python then does only
-the step's bookkeeping (the slot, block evictions) and one graph replay. Without CUDA the same step runs
-eagerly, with the CPU part inline; `use_graphs=False` does that on CUDA too (still overlapped per layer).
+each layer's q / CPU output / LSE live in fixed pinned buffers. That lets CUDA graphs hold a whole step: the
+model's own forward (transformers code, with Tandem's registered attention) is recorded once, cut at each
+layer's CPU part into two graphs per layer. A replay launches the graphs in order and, between them, this
+thread records q's copy event and runs the layer's CPU attention while the GPU attends the hot tier. Python
+per step is then the bookkeeping (slot, block evictions), 2 launches and one CPU part per layer. Without CUDA
+the same step runs eagerly; `use_graphs=False` does that on CUDA too (still overlapped per layer).
+
+(A single graph with each CPU part as a CUDA host node was tried first: every host node cost ~0.3 ms of
+driver-thread round trip, 10 ms per step on an 8B model, against tens of microseconds for the launches.)
 """
 
 from __future__ import annotations
@@ -19,43 +23,25 @@ import time
 import torch
 
 from ..integrations.hf import TandemCache, generate_cache_kwargs
-from .hostfn import launch_host_func
 
 
 class DecodeStep:
     """What the fixed-address decode path shares across the layers of one cache.
 
-    slot:        [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
-                 layers store the same tokens with the same geometry)
-    capturing:   True while a CUDA graph is being captured (the CPU part becomes a host node)
-    side_stream: the stream the host nodes and the copies back run on (CUDA only)
+    slot:       [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
+                layers store the same tokens with the same geometry)
+    capturing:  True while `capture` records a step; the layers then cut the recording at their CPU parts
+    segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.capturing = False
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.errors: list[BaseException] = []
         self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
-        self._callbacks = []  # ctypes callbacks of captured host nodes: alive as long as the graph
-
-    def launch_host(self, fn) -> None:
-        """Queue `fn` as a host function on the current stream; exceptions are kept for `raise_errors`."""
-
-        # grad / inference mode are thread-local: the driver thread that runs the host node gets the caller's
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-        def guarded() -> None:
-            start = time.perf_counter()
-            try:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    fn()
-            except BaseException as err:  # noqa: BLE001 - a host function must not raise into the driver
-                self.errors.append(err)
-            self.host_seconds += time.perf_counter() - start
-
-        self._callbacks.append(launch_host_func(torch.cuda.current_stream(self.device), guarded))
+        self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
+        self._graph = None
+        self._pool = None
 
     def prepare(self, layers) -> int:
         """Bookkeeping of one step in every layer (slot, evictions); the slot tensor is updated in stream order."""
@@ -65,23 +51,55 @@ class DecodeStep:
                 f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent"
             )
         slot = slots.pop()
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            for layer in layers:
-                host = layer.host
-                if host.last_event is not None:
-                    # the step's CPU part (possibly a host node, which may not wait on CUDA) reads what the
-                    # evictions copied: order it after those copies on the GPU instead
-                    stream.wait_event(host.last_event)
-                    host.last_event = None
         self.slot.fill_(slot)
         return slot
 
-    def raise_errors(self) -> None:
-        if self.errors:
-            err = self.errors[0]
-            self.errors.clear()
-            raise RuntimeError(f"the CPU part of a decode step failed: {err!r}") from err
+    # ---- capture as a chain of graphs ------------------------------------------------------------------------
+    def capture(self, body) -> None:
+        """Record `body()` (one decode step) as CUDA graphs sharing one memory pool, cut where a layer calls
+        `split`. Nothing runs on the GPU while recording; `replay` then runs the step."""
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default one
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.segments, self._pool = [], None
+        self.capturing = True
+        try:
+            with torch.cuda.stream(stream):
+                self._begin()
+                body()
+                self._end(None)
+        except BaseException:
+            if self._graph is not None:
+                self._graph.capture_end()
+            self.segments = []
+            raise
+        finally:
+            self.capturing = False
+            self._graph = None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def split(self, after) -> None:
+        """End the graph being recorded; at replay, `after()` runs on the host once it has been launched."""
+        self._end(after)
+        self._begin()
+
+    def replay(self) -> None:
+        for graph, after in self.segments:
+            graph.replay()
+            if after is not None:
+                after()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        if self._pool is None:
+            self._pool = graph.pool()  # later segments allocate from the same pool, replayed in capture order
+        self._graph = graph
+
+    def _end(self, after) -> None:
+        self._graph.capture_end()
+        self.segments.append((self._graph, after))
+        self._graph = None
 
 
 class TandemRunner:
@@ -114,7 +132,6 @@ class TandemRunner:
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.prefill_seconds = 0.0
         self.host_seconds: list[float] = []  # per decode step: seconds in the CPU parts
 
@@ -207,23 +224,20 @@ class TandemRunner:
                 start = time.perf_counter()
                 step.host_seconds = 0.0
                 step.prepare(self.layers)
-                if self.graph is not None:
-                    self.graph.replay()
-                elif self.use_graphs and t >= self.warmup_steps:
-                    self._capture(step)
-                    self.graph.replay()
+                if self.use_graphs and t >= self.warmup_steps:
+                    if not step.segments:
+                        step.capture(self._step_body)
+                    step.replay()
                 else:
                     self._step_body()
                 history[:, t] = self._ids[:, 0]
                 if end is not None:
                     end.record()
-                    end.synchronize()  # one event per step (not a device-wide sync): the next step's bookkeeping
-                step.raise_errors()  # changes the host tier, which this step's host nodes read
+                    end.synchronize()  # one event per step, not a device-wide sync
                 seconds.append(time.perf_counter() - start)
                 self.host_seconds.append(step.host_seconds)
         finally:
             self.cache.decode_step = None
-            self.graph = None
         self.next_position = self._positions[:, 0].clone()
         return history.cpu(), seconds
 
@@ -238,17 +252,6 @@ class TandemRunner:
         )
         self._ids.copy_(out.logits[:, -1].argmax(dim=-1, keepdim=True))
         self._positions.add_(1)
-
-    def _capture(self, step: DecodeStep) -> None:
-        torch.cuda.synchronize(self.device)  # once, before capture: capture must not see pending work
-        graph = torch.cuda.CUDAGraph()
-        step.capturing = True
-        try:
-            with torch.cuda.graph(graph):
-                self._step_body()
-        finally:
-            step.capturing = False
-        self.graph = graph
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -27,9 +27,6 @@ class HGCAPolicy(Policy):
         self.indices: torch.Tensor | None = None  # [B, Hkv, width] int64, host memory
         self.lengths: torch.Tensor | None = None  # [B, Hkv] int64
         self._evicted: list[tuple[int, int, torch.Tensor]] = []  # blocks not yet thresholded
-        # thresholded blocks, dropped by the next on_evict: select may run in a CUDA host function, where
-        # freeing the pinned hot_counts tensor (the allocator records a CUDA event) would abort the process
-        self._retired: list[tuple[int, int, torch.Tensor]] = []
 
     def select(self, layer, q) -> Selection:
         self._threshold_evicted(layer)
@@ -40,7 +37,6 @@ class HGCAPolicy(Policy):
 
     def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
         # thresholded on the CPU at the next select (after host.wait()), so the GPU never waits for it
-        self._retired.clear()
         self._evicted.append((first_row, num_rows, hot_counts))
 
     def _threshold_evicted(self, layer) -> None:
@@ -53,7 +49,6 @@ class HGCAPolicy(Policy):
             keep = (maw > threshold[:, None, None]) & host.valid[:, None, first : first + n]
             keep = keep.view(batch, layer.num_kv_heads, num_q_heads // layer.num_kv_heads, n).any(dim=2)
             self._extend(keep, first)
-        self._retired.extend(self._evicted)
         self._evicted.clear()
 
     def on_append(self, layer, host_weights) -> None:
