@@ -61,7 +61,8 @@ class DecodeStep:
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default one
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.segments, self._pool = [], None
+        self.segments = []
+        self._pool = torch.cuda.graph_pool_handle()  # one pool for all segments, replayed in capture order
         self.capturing = True
         try:
             with torch.cuda.stream(stream):
@@ -92,8 +93,6 @@ class DecodeStep:
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-        if self._pool is None:
-            self._pool = graph.pool()  # later segments allocate from the same pool, replayed in capture order
         self._graph = graph
 
     def _end(self, after) -> None:
