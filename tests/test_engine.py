@@ -104,7 +104,9 @@ def test_chunked_prefill_logits_equal_one_shot(device):
 def test_streaming_policy_runs_and_differs_from_full():
     model = _tiny()
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))
-    full, _ = _run(model, ids, None, TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4), 12)
+    full, _ = _run(
+        model, ids, None, TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4), 12
+    )
     stream, runner = _run(
         model, ids, None, TandemConfig(policy="streaming", sink_tokens=4, window_tokens=8, block_size=4), 12
     )

@@ -31,7 +31,9 @@ class DecodeBuffers:
 
     def __init__(self, batch: int, num_q_heads: int, head_dim: int, dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
+        self.pin = pin
         self.q_host = torch.zeros(batch, num_q_heads, head_dim, dtype=dtype, pin_memory=pin)
+        self.from_device = None  # the policy's device_select result, copied next to q (pinned)
         self.out_host = torch.zeros(batch, num_q_heads, head_dim, pin_memory=pin)
         self.lse_host = torch.full((batch, num_q_heads), float("-inf"), pin_memory=pin)
         if pin:
@@ -40,6 +42,16 @@ class DecodeBuffers:
             self.q_copied = torch.cuda.Event()
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
+
+    def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:
+        """Queue the copy of the policy's device-side selection into host memory (same stream as q's)."""
+        if selected is None:
+            self.from_device = None
+            return
+        if self.from_device is None or self.from_device.shape != selected.shape:
+            # allocated in the eager warm-up steps; a captured step finds it (same shape, same address)
+            self.from_device = torch.empty(selected.shape, dtype=selected.dtype, pin_memory=self.pin)
+        self.from_device.copy_(selected, non_blocking=non_blocking)
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
@@ -71,6 +83,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
+    bufs.stage(layer.policy.device_select(layer, q3) if layer.host is not None else None, q.is_cuda)
     if not q.is_cuda:
         bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
@@ -121,7 +134,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     if wait:
         host.wait()
     q_host = bufs.q_host[:, :, None]
-    selection = layer.policy.select(layer, q_host)
+    selection = layer.policy.select(layer, q_host, bufs.from_device)
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])
     bufs.lse_host.copy_(lse[:, :, 0])

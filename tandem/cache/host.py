@@ -37,6 +37,7 @@ class HostTier:
         keep_digest: bool,
         keep_maw: bool,
         stream: torch.cuda.Stream | None = None,
+        mirror_device: torch.device | None = None,
     ) -> None:
         self.batch, self.num_kv_heads, self.num_q_heads = batch, num_kv_heads, num_q_heads
         self.head_dim, self.dtype, self.block_size = head_dim, dtype, block_size
@@ -50,6 +51,11 @@ class HostTier:
         self.key_min = self.key_max = self.maw = None
         self.last_event: torch.cuda.Event | None = None
         self._pending_sources: list[torch.Tensor] = []
+        # digests mirrored on the compute device (quest scores blocks there; only block ids cross PCIe):
+        # finite values (0 where a block is all padding) and block_valid [B, cap // block_size]
+        self.mirror_device = mirror_device if keep_digest else None
+        self.key_min_dev = self.key_max_dev = self.block_valid_dev = None
+        self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
 
     # ---- storage -------------------------------------------------------------------------------------------
     def _empty(self, shape, dtype) -> torch.Tensor:
@@ -82,6 +88,11 @@ class HostTier:
                 grown["key_max"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
             if self.keep_maw:
                 grown["maw"] = self._empty((b, hq, new_cap), torch.float32)
+            if self.mirror_device is not None:
+                dev = self.mirror_device
+                grown["key_min_dev"] = torch.zeros(b, hkv, new_cap // bs, d, dtype=self.dtype, device=dev)
+                grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
+                grown["block_valid_dev"] = torch.zeros(b, new_cap // bs, dtype=torch.bool, device=dev)
         except MemoryError as err:
             if isinstance(err, HostMemoryError):
                 raise
@@ -92,11 +103,12 @@ class HostTier:
         for name, new in grown.items():
             old = getattr(self, name)
             if old is not None and self.rows:
-                used = used_blocks if name in ("key_min", "key_max") else self.rows
+                used = used_blocks if name in ("key_min", "key_max") or name.endswith("_dev") else self.rows
                 row_dim = 1 if new.dim() == 2 else 2
                 new.narrow(row_dim, 0, used).copy_(old.narrow(row_dim, 0, used))
             setattr(self, name, new)
         self.capacity = new_cap
+        self.generation += 1
 
     # ---- appends -------------------------------------------------------------------------------------------
     def append(
@@ -119,6 +131,13 @@ class HostTier:
         digest = None
         if self.keep_digest:
             digest = _block_digest(keys, valid, bs)  # computed where the keys are (GPU when evicting)
+            if self.mirror_device is not None:
+                b0, b1 = first // bs, (first + n) // bs
+                dev = self.mirror_device
+                self.key_min_dev[:, :, b0:b1].copy_(digest[0].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
+                self.key_max_dev[:, :, b0:b1].copy_(digest[1].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
+                block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
+                self.block_valid_dev[:, b0:b1].copy_(block_valid.to(dev))
         sources = [keys, values, valid] + ([maw] if self.keep_maw else []) + (list(digest) if digest else [])
         on_cuda = keys.is_cuda and self.stream is not None
         ctx = torch.cuda.stream(self.stream) if on_cuda else nullcontext()
@@ -173,7 +192,7 @@ class HostTier:
     def nbytes(self) -> int:
         """Bytes held in host memory by this tier (allocated capacity, all buffers)."""
         total = 0
-        for name in ("keys", "values", "valid", "key_min", "key_max", "maw"):
+        for name in ("keys", "values", "valid", "key_min", "key_max", "maw"):  # host memory only
             t = getattr(self, name)
             if t is not None:
                 total += t.numel() * t.element_size()

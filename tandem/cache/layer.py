@@ -88,6 +88,7 @@ class LayerKV:
             keep_digest=self.policy.needs_digest,
             keep_maw=needs_maw,
             stream=stream,
+            mirror_device=keys.device if keys.is_cuda else None,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once

@@ -40,6 +40,7 @@ class DecodeStep:
         self.capturing = False
         self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
         self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
+        self.generations: list[int] = []  # host tier buffer generations the segments were recorded with
         self._graph = None
         self._pool = None
 
@@ -224,8 +225,11 @@ class TandemRunner:
                 step.host_seconds = 0.0
                 step.prepare(self.layers)
                 if self.use_graphs and t >= self.warmup_steps:
-                    if not step.segments:
+                    generations = [layer.host.generation for layer in self.layers]
+                    if not step.segments or generations != step.generations:
+                        # (re)record: a host tier that grew has moved the digest mirror the graphs read
                         step.capture(self._step_body)
+                        step.generations = generations
                     step.replay()
                 else:
                     self._step_body()

@@ -213,3 +213,25 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
     out_a.copy_(out)
     lse_a.copy_(lse)
     return out_a, lse_a
+
+
+def block_scores_matmul(q, key_min, key_max, block_valid):
+    """Quest bounds of one decode query per request on the digests' device: q [B, Hq, D], key_min / key_max
+    [B, Hkv, nblk, D] finite, block_valid [B, nblk] bool -> [B, Hkv, nblk] float32. See
+    `reference.block_scores_matmul`."""
+    _check(q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    _check(
+        key_min.dim() == 4 and key_max.shape == key_min.shape,
+        f"key_min / key_max must be [B, Hkv, nblk, D] of one shape, got {tuple(key_min.shape)} / {tuple(key_max.shape)}",
+    )
+    _check(
+        q.shape[0] == key_min.shape[0]
+        and q.shape[2] == key_min.shape[3]
+        and q.shape[1] % key_min.shape[1] == 0,
+        f"q {tuple(q.shape)} does not match key_min {tuple(key_min.shape)} (batch, head_dim, GQA group)",
+    )
+    _check(
+        block_valid.dtype == torch.bool and tuple(block_valid.shape) == (key_min.shape[0], key_min.shape[2]),
+        f"block_valid must be bool [B, nblk] = {(key_min.shape[0], key_min.shape[2])}, got {tuple(block_valid.shape)}",
+    )
+    return reference.block_scores_matmul(q, key_min, key_max, block_valid)

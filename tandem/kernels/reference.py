@@ -249,3 +249,22 @@ def host_block_attention(
         q[:, :, None], keys, values, block_ids.long(), lengths.long(), scale, valid, block_size
     )
     return out[:, :, 0], lse[:, :, 0]
+
+
+def block_scores_matmul(
+    q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, block_valid: torch.Tensor
+):
+    """`block_scores` for one decode query, as two matmuls: max(q*min, q*max) = relu(q)*max + min(q, 0)*min
+    per dim, so no [blocks, D] temporary is built (the form the GPU side uses inside a decode step).
+
+    q: [B, Hq, D]; key_min / key_max: [B, Hkv, nblk, D], finite; block_valid: [B, nblk] bool.
+    Returns [B, Hkv, nblk] float32; invalid blocks score -inf.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = key_min.shape[1]
+    qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    positive = qg.clamp(min=0).to(key_max.dtype)
+    negative = qg.clamp(max=0).to(key_min.dtype)
+    bound = torch.matmul(positive, key_max.transpose(-1, -2)).float()
+    bound += torch.matmul(negative, key_min.transpose(-1, -2)).float()  # [B, Hkv, G, nblk]
+    return bound.amax(dim=2).masked_fill(~block_valid[:, None], NEG_INF)

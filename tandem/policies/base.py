@@ -37,8 +37,12 @@ NONE = Selection("none")
 class Policy:
     """One layer's selection policy. Subclasses keep whatever per-layer state their rule needs.
 
-    Hooks, all called by the layer cache (`tandem.cache.layer.LayerKV`):
-      select(layer, q)                 -> Selection for this decode step (q on the host, [B, Hq, 1, D])
+    Hooks, all called by the layer cache (`tandem.cache.layer.LayerKV`) and the decode path:
+      device_select(layer, q)          -> None, or a tensor the policy computes on the compute device inside the
+                                       decode step (q [B, Hq, D] there; fixed shapes, no host syncs: it may be
+                                       captured in a CUDA graph); it reaches select() through a pinned buffer
+      select(layer, q, from_device)    -> Selection for this decode step (q on the host, [B, Hq, 1, D];
+                                       from_device: device_select's result on the host, or None)
       on_evict(layer, first, n, hot_counts)  rows [first, first+n) are on their way to the host tier; their
                                        data (and the CPU tensor hot_counts [B]) are readable after host.wait()
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
@@ -51,7 +55,10 @@ class Policy:
     def __init__(self, config) -> None:
         self.config = config
 
-    def select(self, layer, q: torch.Tensor) -> Selection:
+    def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def select(self, layer, q: torch.Tensor, from_device: torch.Tensor | None = None) -> Selection:
         raise NotImplementedError
 
     def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:

@@ -1,8 +1,15 @@
-"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (fluxion.txt 2.1)."""
+"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (fluxion.txt 2.1).
+
+With the hot tier on a GPU the host tier mirrors its block digests there, and the bound and the top-k run
+on the GPU inside the decode step (a few microseconds over the digests at HBM speed); only the ranked block
+ids travel to the CPU with q. Otherwise the compiled CPU kernels score the host digests.
+"""
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from ..kernels import ops
 from .base import NONE, Policy, Selection
@@ -12,12 +19,30 @@ class QuestPolicy(Policy):
     name = "quest"
     needs_digest = True
 
-    def select(self, layer, q) -> Selection:
+    def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
+        """Block ids [B, Hkv, k_max] by descending bound, k_max = ceil(budget * capacity blocks), so the
+        shape stays fixed while the host tier fills; `select` keeps the first ceil(budget * blocks)."""
+        host = layer.host
+        if host is None or host.key_min_dev is None:
+            return None
+        scores = ops.block_scores_matmul(q, host.key_min_dev, host.key_max_dev, host.block_valid_dev)
+        num_blocks = scores.shape[-1]
+        k_max = min(num_blocks, math.ceil(self.config.budget * num_blocks))
+        best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
+        return ids.masked_fill(best == float("-inf"), num_blocks)  # invalid picks: an id past every block
+
+    def select(self, layer, q, from_device=None) -> Selection:
         host = layer.host
         num_blocks = host.rows // host.block_size
         k = math.ceil(self.config.budget * num_blocks)
         if k == 0:
             return NONE
+        if from_device is not None and from_device.shape[-1] >= k:
+            # ranked on the device; invalid picks carry an id past every block, so they sort last
+            blocks = from_device[..., :k].sort(dim=-1).values
+            lengths = (blocks < host.capacity // host.block_size).sum(dim=-1)
+            blocks = blocks.masked_fill(torch.arange(k) >= lengths[..., None], 0)
+            return Selection("blocks", blocks, lengths, host.block_size)
         key_min, key_max = host.digest()
         scores = ops.block_scores(q, key_min, key_max, num_threads=self.config.cpu_threads)
         blocks, lengths = ops.topk_blocks(scores, k, num_threads=self.config.cpu_threads)

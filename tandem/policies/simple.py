@@ -10,7 +10,7 @@ class FullPolicy(Policy):
 
     name = "full"
 
-    def select(self, layer, q) -> Selection:
+    def select(self, layer, q, from_device=None) -> Selection:
         return ALL
 
 
@@ -19,5 +19,5 @@ class StreamingPolicy(Policy):
 
     name = "streaming"
 
-    def select(self, layer, q) -> Selection:
+    def select(self, layer, q, from_device=None) -> Selection:
         return NONE
