@@ -170,14 +170,23 @@ def run(args: argparse.Namespace) -> int:
     # the first configuration timed in a process runs slow on every step (allocator, kernel selection): pay
     # that once on a throwaway run
     baselines.run_hf_baseline(model, "dynamic", 1, min(contexts), 3, 2, seed=args.seed)
+    kv_token_bytes = _kv_bytes_per_token(model, dtype)
     for context in contexts:
         for batch in batches:
             for system in hf_systems:
-                row = baselines.run_hf_baseline(
-                    model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
-                )
+                row = _host_memory_check(system, batch, context, args, kv_token_bytes, baselines)
+                if row is None:
+                    row = baselines.run_hf_baseline(
+                        model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
+                    )
                 _add(result, row, out_dir)
             for variant in variants:
+                row = _host_memory_check(
+                    f"tandem-{variant.label}", batch, context, args, kv_token_bytes, baselines
+                )
+                if row is not None:
+                    _add(result, row, out_dir)
+                    continue
                 row = run_tandem(
                     model,
                     variant.config,
@@ -199,6 +208,46 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_table(result["rows"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+# host bytes per KV byte a system keeps in host memory: HF's offloaded cache was killed by the kernel at
+# batch 16 x 32K on a 125 GB host with 69 GB of KV (it holds more than one copy); Tandem's host tier is the KV
+# once, plus digests / MAW (at most ~1/8 more)
+HOST_FACTOR = {"hf-offloaded": 2.0, "tandem": 1.15}
+
+
+def _kv_bytes_per_token(model, dtype) -> int:
+    text = model.config.get_text_config(decoder=True)
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * num_kv_heads * head_dim * (2 if "16" in str(dtype) else 4)
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) -> dict | None:
+    """An OOM row, without running, when the configuration's host memory cannot fit: the kernel's OOM killer
+    would end the whole benchmark instead of raising."""
+    factor = HOST_FACTOR.get(system, HOST_FACTOR["tandem"] if system.startswith("tandem") else 0.0)
+    available = _available_host_bytes()
+    need = factor * batch * context * kv_token_bytes
+    if not factor or available is None or need <= 0.9 * available:
+        return None
+    row = baselines.empty_row(system, batch, context, args.steps, args.warmup)
+    row["status"] = "oom"
+    row["error"] = (
+        f"host memory: needs about {need / 1e9:.0f} GB, {available / 1e9:.0f} GB available (checked before "
+        "running: the kernel's OOM killer would end the whole run)"
+    )
+    return row
 
 
 def _add(result: dict, row: dict, out_dir: Path) -> None:
