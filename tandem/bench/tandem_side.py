@@ -44,8 +44,8 @@ def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, s
 
 
 def cpu_bytes_per_step(cache: TandemCache) -> float:
-    """Bytes the CPU tier read per decode step, summed over layers: attended K/V rows plus, for quest, every
-    block digest it scores."""
+    """Bytes the CPU tier read per decode step, summed over layers: attended K/V rows plus, for quest without
+    a digest mirror on the GPU (a CPU hot tier), every block digest it scores on the CPU."""
     total = 0.0
     for layer in cache.tandem_layers():
         if layer.decode_steps == 0 or layer.host is None:
@@ -53,7 +53,7 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
         host = layer.host
         row_bytes = 2 * layer.head_dim * host.keys.element_size()  # one K row + one V row
         total += layer.rows_attended / layer.decode_steps * row_bytes
-        if layer.policy.needs_digest:
+        if layer.policy.needs_digest and host.key_min_dev is None:
             blocks = host.rows // host.block_size
             total += host.batch * layer.num_kv_heads * blocks * row_bytes  # key_min + key_max
     return total
