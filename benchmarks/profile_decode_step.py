@@ -20,7 +20,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig
 from tandem.attention import decode
-from tandem.bench.baselines import _release
+from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
@@ -76,7 +76,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             results.append(row)
             del cache, runner, bufs, layer
-            _release(torch.device("cuda"))
+            release_memory(torch.device("cuda"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -38,7 +38,7 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _kv_shape(model_config) -> tuple[int, int, int]:
+def kv_shape(model_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers config."""
     text = model_config.get_text_config(decoder=True)
     num_q_heads = text.num_attention_heads
@@ -57,7 +57,7 @@ def fill_synthetic(
     """
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got batch={batch}, context={context}")
-    num_layers, num_kv_heads, head_dim = _kv_shape(model_config)
+    num_layers, num_kv_heads, head_dim = kv_shape(model_config)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, num_kv_heads, context, head_dim)
@@ -244,7 +244,7 @@ def run_hf_baseline(
     dtype = next(model.parameters()).dtype
     if kind == "offloaded":
         row["note"] = _offloading_note(model)
-    _release(device)
+    release_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = None
@@ -252,29 +252,36 @@ def run_hf_baseline(
         cache = make_hf_cache(kind, model)
         fill_synthetic(cache, model.config, batch, context, device, dtype, seed)
         times, tokens = decode(model, cache, batch, context, steps, warmup, seed, sdpa_backends)
-        median_ms, p90_ms = summarize(times)
         gpu_kv, host_kv = kv_bytes(cache)
-        row.update(
-            tpot_ms=[t * 1e3 for t in times],
-            tpot_median_ms=median_ms,
-            tpot_p90_ms=p90_ms,
-            tokens_per_s=batch / (median_ms / 1e3),
-            gpu_kv_bytes=gpu_kv,
-            host_kv_bytes=host_kv,
-            tokens=tokens.tolist(),
-        )
-        if device.type == "cuda":
-            row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        record_times(row, times, device, gpu_kv_bytes=gpu_kv, host_kv_bytes=host_kv, tokens=tokens.tolist())
     except Exception as err:  # a row per configuration, whatever happens to it
-        row["status"] = "oom" if is_oom(err) else "error"
-        row["error"] = _short(err)
+        record_failure(row, err)
     finally:
         cache = None
-        _release(device)
+        release_memory(device)
     return row
 
 
-def _release(device: torch.device) -> None:
+def record_times(row: dict, times_s: list[float], device: torch.device, **fields) -> None:
+    """Fill a row's timing columns from per-step seconds (and any other `fields`), plus the GPU peak."""
+    median_ms, p90_ms = summarize(times_s)
+    row.update(
+        tpot_ms=[t * 1e3 for t in times_s],
+        tpot_median_ms=median_ms,
+        tpot_p90_ms=p90_ms,
+        tokens_per_s=row["batch"] / (median_ms / 1e3),
+        **fields,
+    )
+    if device.type == "cuda":
+        row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+
+
+def record_failure(row: dict, err: BaseException) -> None:
+    row["status"] = "oom" if is_oom(err) else "error"
+    row["error"] = _short(err)
+
+
+def release_memory(device: torch.device) -> None:
     gc.collect()  # tracebacks and caches can hold device tensors in reference cycles
     if device.type == "cuda":
         torch.cuda.empty_cache()

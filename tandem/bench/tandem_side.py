@@ -13,7 +13,7 @@ from ..attention.hybrid import _observe
 from ..config import TandemConfig
 from ..engine import TandemRunner
 from ..integrations.hf import TandemCache
-from .baselines import KV_STD, _kv_shape, _release, _short, empty_row, is_oom, summarize
+from .baselines import KV_STD, empty_row, kv_shape, record_failure, record_times, release_memory
 from .cli import FILLS
 
 
@@ -27,7 +27,7 @@ def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, s
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     text = model.config.get_text_config(decoder=True)
-    _, num_kv_heads, head_dim = _kv_shape(model.config)
+    _, num_kv_heads, head_dim = kv_shape(model.config)
     num_q_heads = text.num_attention_heads
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, num_kv_heads, context, head_dim)
@@ -79,7 +79,7 @@ def run_tandem(
         raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
     row = empty_row(f"tandem-{label}", batch, context, steps, warmup)
     device = next(model.parameters()).device
-    _release(device)
+    release_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = runner = None
@@ -106,14 +106,11 @@ def run_tandem(
         for layer in cache.tandem_layers():  # count the bytes of the timed steps only
             layer.rows_attended = layer.rows_available = layer.decode_steps = 0
         tokens, seconds = runner.decode(first, warmup + steps)
-        times = seconds[warmup:]
-        median_ms, p90_ms = summarize(times)
         stats = cache.stats()
-        row.update(
-            tpot_ms=[t * 1e3 for t in times],
-            tpot_median_ms=median_ms,
-            tpot_p90_ms=p90_ms,
-            tokens_per_s=batch / (median_ms / 1e3),
+        record_times(
+            row,
+            seconds[warmup:],
+            device,
             gpu_kv_bytes=stats["hot_bytes"],
             host_kv_bytes=stats["host_bytes"],
             cpu_bytes_per_step=cpu_bytes_per_step(cache),
@@ -121,14 +118,11 @@ def run_tandem(
             graphs=runner.use_graphs,
             tokens=tokens.tolist(),
         )
-        if device.type == "cuda":
-            row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     except Exception as err:  # a row per configuration, whatever happens to it
-        row["status"] = "oom" if is_oom(err) else "error"
-        row["error"] = _short(err)
+        record_failure(row, err)
     finally:
         cache = runner = None
-        _release(device)
+        release_memory(device)
     return row
 
 
