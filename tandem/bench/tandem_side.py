@@ -103,7 +103,7 @@ def run_tandem(
             torch.cuda.synchronize(device)
         row["fill_s"] = time.perf_counter() - start
         row["fill"] = fill
-        for layer in cache.tandem_layers():  # count the bytes of the timed steps only
+        for layer in cache.tandem_layers():  # count decode steps only (the fill attends nothing)
             layer.rows_attended = layer.rows_available = layer.decode_steps = 0
         tokens, seconds = runner.decode(first, warmup + steps)
         stats = cache.stats()

@@ -216,7 +216,7 @@ class TandemRunner:
         self._positions = self.next_position.reshape(batch, 1).clone()
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
         seconds = []
-        self.host_seconds = []  # per step: seconds in the CPU parts (host nodes or inline)
+        self.host_seconds = []  # per step: seconds in the CPU parts
         step = self.cache.decode_step = DecodeStep(self.device)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         try:
