@@ -66,11 +66,10 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
           was done by `LayerKV.reserve_decode_slot` before the step; every new token counts as valid).
     Returns [B, Hq, 1, D] float32.
     """
-    hot = layer.hot if layer.initialized else None
     if step is None:
         layer.append(k_new, v_new, valid_new)
-        hot = layer.hot
-    else:
+    hot = layer.hot
+    if step is not None:
         hot.keys.index_copy_(2, step.slot, k_new)
         hot.values.index_copy_(2, step.slot, v_new)
         hot.valid.index_fill_(1, step.slot, True)
@@ -83,14 +82,11 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
-    bufs.stage(layer.policy.device_select(layer, q3) if layer.host is not None else None, q.is_cuda)
+    bufs.stage(layer.policy.device_select(layer, q3), q.is_cuda)
     if not q.is_cuda:
         bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        start = time.perf_counter()
-        host_part(layer, bufs, scale, pool, wait=True)
-        if step is not None:
-            step.host_seconds += time.perf_counter() - start
+        _cpu_part(layer, bufs, scale, pool, step)
     elif step is not None and step.capturing:
         # the step is captured as a chain of CUDA graphs cut at each layer's CPU part; between two graphs
         # the calling thread runs what `split` is given, exactly where the eager branch below runs it
@@ -113,8 +109,10 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
 
 
 def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step) -> None:
-    """Wait for q's copy to land (an event, not the device), then run the CPU half, timed into `step`."""
-    bufs.q_copied.synchronize()
+    """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors), then run the
+    CPU half, timed into `step`."""
+    if bufs.q_copied is not None:
+        bufs.q_copied.synchronize()
     start = time.perf_counter()
     host_part(layer, bufs, scale, pool, wait=True)
     if step is not None:

@@ -107,12 +107,11 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
 
 
 def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):
-    """(k0, keys, values, valid) of the live host rows, `key_chunk` rows at a time, copied to `device`."""
+    """(keys, values, valid) of the live host rows, `key_chunk` rows at a time, copied to `device`."""
     keys, values, valid = layer.host.live()
     for k0 in range(0, keys.shape[2], key_chunk):
         k1 = min(keys.shape[2], k0 + key_chunk)
         yield (
-            k0,
             rows_to_device(keys, k0, k1, device),
             rows_to_device(values, k0, k1, device),
             valid[:, k0:k1].to(device, non_blocking=True),
@@ -138,7 +137,7 @@ def _host_rows_on_device(layer, q, outs, scale):
     """Merge attention over every host row into each query chunk's (out, lse); each host piece is copied once."""
     chunk = layer.config.prefill_chunk
     outs = list(outs)
-    for _, keys, values, valid in _host_pieces(layer, q.device):
+    for keys, values, valid in _host_pieces(layer, q.device):
         for i, (out, lse) in enumerate(outs):
             s = i * chunk
             o_part, lse_part = ops.attention_lse(q[:, :, s : s + out.shape[2]], keys, values, scale, valid)

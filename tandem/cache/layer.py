@@ -133,11 +133,7 @@ class LayerKV:
             pos += direct
         else:
             for _ in range(evict_tokens // bs):  # evict whole oldest blocks
-                block = hot.order.pop(0)
-                keys_b, values_b, valid_b, maw_b = hot.block_view(block)
-                # the decode step updates every hot MAW in place while the side stream may still copy this block
-                self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
-                hot.release([block], self.host.last_event)
+                self._evict_oldest_block()
         self._fill_ring(keys[:, :, pos:], values[:, :, pos:], valid[:, pos:])
 
     def reserve_decode_slot(self) -> int:
@@ -156,13 +152,18 @@ class LayerKV:
             hot.tail_fill += 1
             return hot.block_start(hot.order[-1]) + hot.tail_fill - 1
         if len(hot.order) == hot.ring_blocks:
-            block = hot.order.pop(0)
-            keys_b, values_b, valid_b, maw_b = hot.block_view(block)
-            self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
-            hot.release([block], self.host.last_event)
+            self._evict_oldest_block()
         hot.order.append(hot.take_free_block())
         hot.tail_fill = 1
         return hot.block_start(hot.order[-1])
+
+    def _evict_oldest_block(self) -> None:
+        hot = self.hot
+        block = hot.order.pop(0)
+        keys_b, values_b, valid_b, maw_b = hot.block_view(block)
+        # the decode step updates every hot MAW in place while the side stream may still copy this block
+        self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
+        hot.release([block], self.host.last_event)
 
     def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         hot = self.hot

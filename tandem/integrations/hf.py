@@ -131,9 +131,8 @@ class TandemCache(Cache):
         ]
         super().__init__(layers=layers)
         self.on_prefill_layer = None  # optional callback(layer_idx) after each layer's prefill/append
-        self.decode_step = (
-            None  # a `tandem.engine.DecodeStep` while an engine runs fixed-address decode steps
-        )
+        # a `tandem.engine.DecodeStep` while an engine runs fixed-address decode steps
+        self.decode_step = None
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
