@@ -44,6 +44,9 @@ def test_bench_writes_every_row_and_full_matches_hf(tmp_path, capsys):
         (["--policies", "fastest"], "--policies"),
         (["--warmup", "2"], "--warmup"),
         (["--contexts", "12x"], "--contexts"),
+        (["--batches", "0"], "--batches: '0' is not a batch size"),
+        (["--chunk-tokens", "0"], "--chunk-tokens=0 is out of range: allowed >= 1"),
+        (["--cpu-threads", "0"], "--cpu-threads=0 is out of range: allowed >= 1"),
         (["--model", "/no/such/model"], "neither a named shape"),
     ],
 )

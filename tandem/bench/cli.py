@@ -73,25 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _systems(spec: str, allowed, argument: str) -> list[str]:
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if names == ["none"]:
-        return []
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise ValueError(
-            f"{argument}: unknown {', '.join(map(repr, bad)) or 'empty list'}; allowed: {', '.join(allowed)}"
-        )
-    return names
-
-
-def _load(args, device, dtype):
+def _load(args, device, dtype, longest: int):
     from . import shapes
 
     if args.model in shapes.SHAPES:
         model = shapes.build_random_model(args.model, device, dtype, num_layers=args.layers, seed=args.seed)
         # random weights: let "128k" mean 131072 context tokens plus the decoded ones
-        needed = max(_sizes(args.contexts, "--contexts")) + args.warmup + args.steps + 1
+        needed = longest + args.warmup + args.steps + 1
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, needed)
         return model, {"name": args.model, "weights": "random", "layers": model.config.num_hidden_layers}
     path = Path(args.model)
@@ -105,35 +93,21 @@ def _load(args, device, dtype):
     return model, {"name": str(path), "weights": "checkpoint", "layers": model.config.num_hidden_layers}
 
 
-def _sizes(spec: str, argument: str) -> list[int]:
-    """'16k,32k,64' -> [16384, 32768, 64] (k = 1024)."""
-    sizes = []
-    for item in spec.split(","):
-        text = item.strip().lower()
-        try:
-            value = float(text[:-1]) * 1024 if text.endswith("k") else float(text)
-        except ValueError:
-            value = -1.0
-        if value < 1 or value != int(value):
-            raise ValueError(
-                f"{argument}: {item.strip()!r} is not a positive whole number (e.g. 1,4,16 or 16k,32k)"
-            )
-        sizes.append(int(value))
-    return sorted(set(sizes))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import TandemConfig
-    from ..evaluation.runner import make_variants
+    from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
     from .tandem_side import bound_ms, run_tandem
 
-    contexts = _sizes(args.contexts, "--contexts")
-    batches = _sizes(args.batches, "--batches")
-    hf_systems = _systems(args.hf, HF_SYSTEMS, "--hf")
-    policies = _systems(args.policies, POLICIES, "--policies") if args.policies != "none" else []
+    contexts = parse_lengths(args.contexts, "--contexts", 1, "context length", "16k, 32k, 64k")
+    batches = parse_lengths(args.batches, "--batches", 1, "batch size", "1, 4, 16")
+    hf_systems = [] if args.hf.strip() == "none" else parse_names(args.hf, HF_SYSTEMS, "--hf")
+    policies = [] if args.policies.strip() == "none" else parse_names(args.policies, POLICIES, "--policies")
+    for argument, value in (("--cpu-threads", args.cpu_threads), ("--chunk-tokens", args.chunk_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{argument}={value} is out of range: allowed >= 1")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 3:
@@ -160,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         bw["pcie_h2d_gbps"] = bandwidth.pcie_h2d_bandwidth(device)
     print("bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bw.items()), flush=True)
 
-    model, model_info = _load(args, device, dtype)
+    model, model_info = _load(args, device, dtype, max(contexts))
     from .shapes import weight_bytes_per_step
 
     weight_bytes = weight_bytes_per_step(model.config, dtype)
@@ -217,10 +191,12 @@ HOST_FACTOR = {"hf-offloaded": 2.0, "tandem": 1.15}
 
 
 def _kv_bytes_per_token(model, dtype) -> int:
-    text = model.config.get_text_config(decoder=True)
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * num_kv_heads * head_dim * (2 if "16" in str(dtype) else 4)
+    import torch
+
+    from .baselines import kv_shape
+
+    num_layers, num_kv_heads, head_dim = kv_shape(model.config)
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _available_host_bytes() -> int | None:

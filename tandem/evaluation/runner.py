@@ -69,9 +69,19 @@ def parse_names(spec: str | Sequence[str], allowed: Sequence[str], argument: str
     return list(dict.fromkeys(names))
 
 
-def parse_lengths(spec: str | Sequence[str | int]) -> list[int]:
-    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens)."""
+def parse_lengths(
+    spec: str | Sequence[str | int],
+    argument: str = "--lengths",
+    minimum: int = 256,
+    what: str = "context length",
+    example: str = "1000 or 1k, 2k, 4k",
+) -> list[int]:
+    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024), sorted, each a whole number >= `minimum`.
+
+    `argument`, `what` and `example` name the command-line option in the error (also used by `tandem bench`).
+    """
     items = spec.split(",") if isinstance(spec, str) else list(spec)
+    unit = "token counts" if "length" in what else "whole numbers"
     lengths = []
     for item in items:
         text = str(item).strip().lower()
@@ -79,14 +89,13 @@ def parse_lengths(spec: str | Sequence[str | int]) -> list[int]:
             value = float(text[:-1]) * 1024 if text.endswith("k") else float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value != int(value) or value < 256:
+        if not math.isfinite(value) or value != int(value) or value < minimum:
             raise ValueError(
-                f"--lengths: {str(item)!r} is not a context length: use token counts >= 256 such as 1000 or 1k, "
-                "2k, 4k (k = 1024)"
+                f"{argument}: {str(item)!r} is not a {what}: use {unit} >= {minimum} such as {example} (k = 1024)"
             )
         lengths.append(int(value))
     if not lengths:
-        raise ValueError("--lengths: empty; use e.g. 1k,2k,4k")
+        raise ValueError(f"{argument}: empty; use e.g. {example}")
     return sorted(set(lengths))
 
 
