@@ -6,11 +6,11 @@ entry kept."""
 
 import pytest
 import torch
-import transformers
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.engine import TandemRunner
+from tests.tiny import tiny_model
 
 DEVICES = [
     "cpu",
@@ -20,21 +20,9 @@ DEVICES = [
 ]
 
 
-def _tiny(arch="Llama", num_kv_heads=2, dtype=torch.float32, device="cpu"):
-    shape = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=1024,
-    )
-    if arch == "Mistral":
-        shape["sliding_window"] = None
-    cfg = getattr(transformers, f"{arch}Config")(**shape)
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval().to(device=device, dtype=dtype)
+def _tiny(arch="Llama", num_kv_heads=2, device="cpu"):
+    overrides = {"sliding_window": None} if arch == "Mistral" else {}
+    model = tiny_model(arch, num_key_value_heads=num_kv_heads, **overrides).to(device)
     model.generation_config.eos_token_id = None  # the runner has no stop token: compare whole sequences
     return model
 

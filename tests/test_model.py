@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.model
 
@@ -130,25 +131,6 @@ def test_cache_detects_a_model_not_using_tandem_attention(smollm):
         model.set_attn_implementation("tandem")
 
 
-def _tiny(arch, **overrides):
-    import transformers
-
-    cfg_cls = getattr(transformers, f"{arch}Config")
-    model_cls = getattr(transformers, f"{arch}ForCausalLM")
-    shape = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    cfg = cfg_cls(**{**shape, **overrides})
-    torch.manual_seed(0)
-    return model_cls(cfg).eval()
-
-
 @pytest.mark.parametrize(
     "device",
     [
@@ -165,7 +147,7 @@ def _tiny(arch, **overrides):
     ids=["qwen2-gqa", "mistral-gqa", "llama-mha"],
 )
 def test_other_architectures_match_dynamic_cache(arch, overrides, device):
-    model = _tiny(arch, **overrides).to(device)
+    model = tiny_model(arch, **overrides).to(device)
     ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :20] = 0
@@ -179,6 +161,6 @@ def test_other_architectures_match_dynamic_cache(arch, overrides, device):
 
 
 def test_sliding_window_models_are_refused():
-    model = _tiny("Mistral", sliding_window=32)
+    model = tiny_model("Mistral", sliding_window=32)
     with pytest.raises(ValueError, match="unsupported attention type 'sliding_attention'"):
         TandemCache.for_model(model, TandemConfig())
