@@ -115,6 +115,21 @@ def test_rows_split_across_threads(isa, num_threads):
 
 
 @needs_native
+@pytest.mark.parametrize("masked", ["head", "tail"])
+def test_long_piece_spans_with_masked_runs(isa, masked):
+    # one thread, one segment of 1400 rows: several 512-row spans merged online; a masked run at the head
+    # (spans made of later rows) or at the tail (a last span with no row left)
+    q, k, v, indices, lengths = make_case(1, 4, 1, 1, 128, cap=3000, width=1400, dtype=torch.bfloat16)
+    lengths.fill_(1400)
+    key_mask = torch.ones(1, 3000, dtype=torch.bool)
+    if masked == "head":
+        key_mask[0, :1200] = False
+    else:
+        key_mask[0, 1800:] = False
+    check_attention(q, k, v, indices, lengths, torch.bfloat16, key_mask=key_mask, num_threads=1)
+
+
+@needs_native
 def test_strided_store_view():
     q, k, v, indices, lengths = make_case(2, 8, 4, 1, 64, cap=120, width=61, dtype=torch.bfloat16)
     # a head slice and a row slice of larger stores: rows stay contiguous, strides do the rest

@@ -31,7 +31,7 @@ ABI_VERSION = 1
 # Prefetch distance (rows), locality hint and line step: the best of a sweep on the 16-core Xeon GPU host
 # (benchmarks/results/cpu_attention_sweep_*.json, docs/cpu-kernels.md). Without prefetch the kernel runs
 # at less than half the speed; 64 rows of prefetcht0 ahead edged out prefetcht2 and longer distances.
-DEFAULT_PREFETCH = (64, 3, 64)
+DEFAULT_PREFETCH = (192, 1, 64)
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno")

@@ -9,6 +9,12 @@
 // perm<T>(i): the natural index of layout position i within a 2W block (see layout_rows in score_impl.h).
 // Rows of q (and of the output) are kept in that layout, so a bf16 row widens with one shift or one mask
 // per 16 values instead of a cross-lane shuffle.
+//
+// A piece of selected rows is attended in spans of up to kSpan rows, two passes per span: the logits of
+// every row of the span (K rows only, streamed and prefetched), one softmax step over the whole span, then
+// p @ V (V rows only, streamed and prefetched). Each K and V byte is read once, the softmax bookkeeping
+// (max, rescale of the accumulators) runs once per span instead of once per few rows, and each pass keeps
+// its accumulators in registers.
 #pragma once
 
 #include <cmath>
@@ -19,10 +25,9 @@ namespace tandem {
 namespace {
 
 constexpr float kNegInf = -__builtin_inff();
-// Rows are resolved into a ring ahead of the tile being computed and prefetched as they enter it, so K/V
-// lines stream in while earlier tiles compute: a row is only 4-8 cache lines, and one core needs tens of
-// misses in flight to keep up with its share of DRAM bandwidth.
-constexpr int64_t kRing = 256;  // power of two, >= kTile + the largest prefetch distance
+// Rows per span: logits [kSpan][QB <= 8] fp32 is 32 KiB, and the span's K and V (256 KiB each for bf16,
+// d=128) stay in L2 for the other query blocks and column strips.
+constexpr int kSpan = 1024;
 
 // (std::min/max would instantiate shared templates in every ISA's translation unit)
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
@@ -35,137 +40,218 @@ inline void reduce_rows(const typename V::reg* s, float* out) {
   for (; j < QB; ++j) out[j] = V::reduce_add(s[j]);
 }
 
-// logits[j][r] = q_j . k_r for the n rows of a tile (q: [QB, D] in layout order).
-template <class V, class T, int QB>
-inline void logits_generic(const float* q, int64_t D, const T* const* krows, int n, float (*logits)[kTile]) {
-  const int64_t d2 = D / (2 * V::W) * (2 * V::W);
-  for (int r = 0; r < n; ++r) {
-    const T* k = krows[r];
-    typename V::reg s[QB];
-    for (int j = 0; j < QB; ++j) s[j] = V::zero();
-    for (int64_t d = 0; d < d2; d += 2 * V::W) {
-      typename V::reg lo, hi;
-      V::load2(k + d, lo, hi);
-      for (int j = 0; j < QB; ++j) {
-        s[j] = V::fma(V::load(q + j * D + d), lo, s[j]);
-        s[j] = V::fma(V::load(q + j * D + d + V::W), hi, s[j]);
-      }
-    }
-    float dot[QB];
-    reduce_rows<V, QB>(s, dot);
-    for (int j = 0; j < QB; ++j) {
-      for (int64_t e = d2; e < D; ++e) dot[j] += q[j * D + e] * to_f32(k[e]);
-      logits[j][r] = dot[j];
-    }
-  }
+// Vector registers of the ISA (AVX-512: 32, AVX2 and the scalar model: 16): the register blocks below are
+// sized from it so that accumulators never spill.
+template <class V>
+constexpr int vector_registers() {
+  return V::W >= 16 ? 32 : 16;
 }
 
-// An ISA may specialise this (isa_avx512bf16.cpp does, for bf16 keys).
-template <class V, class T, int QB>
-struct Logits {
-  static void run(const float* q, int64_t D, const T* const* krows, int n, float (*logits)[kTile]) {
-    logits_generic<V, T, QB>(q, D, krows, n, logits);
-  }
-};
+// Rows per register block of the logits: RB rows x QB queries of accumulators, RB rows of K (two vectors
+// each) and one q (two vectors) must fit.
+template <class V, int QB>
+constexpr int logit_rows() {
+  return 4 * QB + 8 + 2 <= vector_registers<V>() ? 4 : 2 * QB + 4 + 2 <= vector_registers<V>() ? 2 : 1;
+}
 
-// One online-softmax step of QB queries over one tile of n <= kTile rows.
-// m, l: [QB] running max (log2 domain) and sum; acc: [QB, D] unnormalised output, layout order.
-template <class V, class T, int QB>
-inline void tile_step(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int n,
-                      float* m, float* l, float* acc) {
-  alignas(64) float logits[QB][kTile];
-  alignas(64) float p[QB][kTile];
-  float alpha[QB];
-  Logits<V, T, QB>::run(q, D, krows, n, logits);
-  for (int j = 0; j < QB; ++j) {
-    for (int r = n; r < kTile; ++r) logits[j][r] = kNegInf;
-    auto vmax = V::load(&logits[j][0]);
-    for (int i = V::W; i < kTile; i += V::W) vmax = V::max(vmax, V::load(&logits[j][i]));
-    const float m_new = std::fmax(m[j], V::reduce_max(vmax));
-    alpha[j] = std::exp2(m[j] - m_new);  // 0 on the first tile (m = -inf)
-    const auto shift = V::set1(m_new);
-    auto sum = V::zero();
-    for (int i = 0; i < kTile; i += V::W) {
-      const auto e = V::exp2(V::sub(V::load(&logits[j][i]), shift));
-      V::store(&p[j][i], e);
-      sum = V::add(sum, e);
-    }
-    l[j] = l[j] * alpha[j] + V::reduce_add(sum);
-    m[j] = m_new;
-  }
-  // acc = acc * alpha + p @ V, one 2W-wide column strip at a time so the accumulators stay in registers
-  const int64_t d2 = D / (2 * V::W) * (2 * V::W);
-  for (int64_t d = 0; d < d2; d += 2 * V::W) {
-    typename V::reg o_lo[QB], o_hi[QB];
-    for (int j = 0; j < QB; ++j) {
-      o_lo[j] = V::mul(V::load(acc + j * D + d), V::set1(alpha[j]));
-      o_hi[j] = V::mul(V::load(acc + j * D + d + V::W), V::set1(alpha[j]));
-    }
-    for (int r = 0; r < n; ++r) {
-      typename V::reg lo, hi;
-      V::load2(vrows[r] + d, lo, hi);
-      for (int j = 0; j < QB; ++j) {
-        const auto w = V::set1(p[j][r]);
-        o_lo[j] = V::fma(w, lo, o_lo[j]);
-        o_hi[j] = V::fma(w, hi, o_hi[j]);
-      }
-    }
-    for (int j = 0; j < QB; ++j) {
-      V::store(acc + j * D + d, o_lo[j]);
-      V::store(acc + j * D + d + V::W, o_hi[j]);
-    }
-  }
-  for (int64_t d = d2; d < D; ++d) {
-    for (int j = 0; j < QB; ++j) {
-      float o = acc[j * D + d] * alpha[j];
-      for (int r = 0; r < n; ++r) o += p[j][r] * to_f32(vrows[r][d]);
-      acc[j * D + d] = o;
-    }
-  }
+// Column strips (2W columns each) per p @ V pass: two where 4 * QB accumulators, two strips of a V row
+// (four vectors) and a broadcast weight fit.
+template <class V, int QB>
+constexpr int pv_strips_per_pass() {
+  return 4 * QB + 4 + 1 <= vector_registers<V>() ? 2 : 1;
 }
 
 template <int Hint>
-inline void prefetch_row(const char* k, const char* v, int64_t row_bytes, int64_t step) {
-  for (int64_t off = 0; off < row_bytes; off += step) {
+inline void prefetch_lines(const char* p, int64_t bytes, int64_t step) {
+  for (int64_t off = 0; off < bytes; off += step) {
 #if defined(__x86_64__) || defined(__i386__)
     // inline asm, not __builtin_prefetch: GCC 12 deletes a loop whose body is only prefetch builtins
     // once it is inlined (no side effects), silently removing every prefetch of this kernel
     if (Hint == 3) {
-      asm volatile("prefetcht0 %0\n\tprefetcht0 %1" ::"m"(k[off]), "m"(v[off]));
+      asm volatile("prefetcht0 %0" ::"m"(p[off]));
     } else if (Hint == 2) {
-      asm volatile("prefetcht1 %0\n\tprefetcht1 %1" ::"m"(k[off]), "m"(v[off]));
+      asm volatile("prefetcht1 %0" ::"m"(p[off]));
     } else if (Hint == 1) {
-      asm volatile("prefetcht2 %0\n\tprefetcht2 %1" ::"m"(k[off]), "m"(v[off]));
+      asm volatile("prefetcht2 %0" ::"m"(p[off]));
     } else {
-      asm volatile("prefetchnta %0\n\tprefetchnta %1" ::"m"(k[off]), "m"(v[off]));
+      asm volatile("prefetchnta %0" ::"m"(p[off]));
     }
 #else
-    __builtin_prefetch(k + off, 0, Hint);
-    __builtin_prefetch(v + off, 0, Hint);
+    __builtin_prefetch(p + off, 0, Hint);
     asm volatile("");  // keeps the loop (see above)
 #endif
   }
 }
 
-// An if-chain, not a switch: GCC 12 at -O2 also drops the prefetches of the switch form.
-inline void prefetch_row(int hint, const void* k, const void* v, int64_t row_bytes, int64_t step) {
-  const char* kc = static_cast<const char*>(k);
-  const char* vc = static_cast<const char*>(v);
-  if (hint == 1) {
-    prefetch_row<1>(kc, vc, row_bytes, step);
-  } else if (hint == 3) {
-    prefetch_row<3>(kc, vc, row_bytes, step);
-  } else if (hint == 2) {
-    prefetch_row<2>(kc, vc, row_bytes, step);
-  } else if (hint == 0) {
-    prefetch_row<0>(kc, vc, row_bytes, step);
+// How a pass prefetches the rows it will read: `ahead` rows ahead, locality `hint` (-1: none), one
+// prefetch every `step` bytes of a row.
+struct Prefetch {
+  int hint;
+  int64_t ahead, row_bytes, step;
+  // An if-chain, not a switch: GCC 12 at -O2 also drops the prefetches of the switch form.
+  void row(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    if (hint == 3) {
+      prefetch_lines<3>(c, row_bytes, step);
+    } else if (hint == 1) {
+      prefetch_lines<1>(c, row_bytes, step);
+    } else if (hint == 2) {
+      prefetch_lines<2>(c, row_bytes, step);
+    } else if (hint == 0) {
+      prefetch_lines<0>(c, row_bytes, step);
+    }
+  }
+};
+
+// logits[(r0 + r) * QB + j] = q_j . k_{r0 + r} for RB rows: each q vector loaded once serves RB rows, and
+// the RB * QB accumulator chains are independent (the FMA latency is hidden).
+template <class V, class T, int QB, int RB>
+inline void logit_block(const float* q, int64_t D, const T* const* krows, int r0, float* logits) {
+  const int64_t d2 = D / (2 * V::W) * (2 * V::W);
+  typename V::reg s[RB][QB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < QB; ++j) s[r][j] = V::zero();
+  for (int64_t d = 0; d < d2; d += 2 * V::W) {
+    typename V::reg lo[RB], hi[RB];
+    for (int r = 0; r < RB; ++r) V::load2(krows[r0 + r] + d, lo[r], hi[r]);
+    for (int j = 0; j < QB; ++j) {
+      const auto qlo = V::load(q + j * D + d);
+      const auto qhi = V::load(q + j * D + d + V::W);
+      for (int r = 0; r < RB; ++r) {
+        s[r][j] = V::fma(qlo, lo[r], s[r][j]);
+        s[r][j] = V::fma(qhi, hi[r], s[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* dot = logits + (r0 + r) * QB;
+    reduce_rows<V, QB>(s[r], dot);
+    const T* k = krows[r0 + r];
+    for (int64_t e = d2; e < D; ++e)
+      for (int j = 0; j < QB; ++j) dot[j] += q[j * D + e] * to_f32(k[e]);
   }
 }
 
+// Pass 1 of a span: the logits of its n rows for QB queries, prefetching K rows ahead.
 template <class V, class T, int QB>
-inline void tile_queries(const float* q, int64_t nq, int64_t D, const T* const* krows, const T* const* vrows,
-                         int n, float* m, float* l, float* acc) {
-  for (int64_t j = 0; j < nq; j += QB) tile_step<V, T, QB>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D);
+inline void logits_pass(const float* q, int64_t D, const T* const* krows, int n, float* logits,
+                        const Prefetch& pf) {
+  constexpr int RB = logit_rows<V, QB>();
+  int r = 0;
+  for (; r + RB <= n; r += RB) {
+    for (int i = 0; i < RB; ++i)
+      if (r + i + pf.ahead < n) pf.row(krows[r + i + pf.ahead]);
+    logit_block<V, T, QB, RB>(q, D, krows, r, logits);
+  }
+  for (; r < n; ++r) logit_block<V, T, QB, 1>(q, D, krows, r, logits);
+}
+
+// One online-softmax step over a span: logits [n][QB] (log2 domain) become weights p = 2^(logit - m_new)
+// in place; m, l: [QB] running max and sum; alpha[j] = 2^(m_old - m_new) rescales what came before.
+// Lanes of a vector hold consecutive (row, query) pairs, so lane i of vector v is query (v * W + i) % QB:
+// `phases` running vectors cover that pattern (1 when QB divides W).
+template <class V, int QB>
+inline void softmax_span(float* logits, int n, float* m, float* l, float* alpha) {
+  constexpr int phases = QB > V::W ? QB / V::W : 1;
+  constexpr int period = phases * V::W;
+  const int total = n * QB;
+  const int padded = (total + period - 1) / period * period;
+  for (int i = total; i < padded; ++i) logits[i] = kNegInf;  // weight 0, no effect on the max
+  typename V::reg vmax[phases];
+  for (int ph = 0; ph < phases; ++ph) vmax[ph] = V::set1(kNegInf);
+  for (int i = 0; i < padded; i += period)
+    for (int ph = 0; ph < phases; ++ph) vmax[ph] = V::max(vmax[ph], V::load(logits + i + ph * V::W));
+  alignas(64) float lanes[period];
+  for (int ph = 0; ph < phases; ++ph) V::store(lanes + ph * V::W, vmax[ph]);
+  float m_new[QB];
+  for (int j = 0; j < QB; ++j) m_new[j] = m[j];
+  for (int t = 0; t < period; ++t) m_new[t % QB] = std::fmax(m_new[t % QB], lanes[t]);
+  alignas(64) float shift_lanes[period];
+  for (int t = 0; t < period; ++t) shift_lanes[t] = m_new[t % QB];
+  typename V::reg shift[phases], sum[phases];
+  for (int ph = 0; ph < phases; ++ph) {
+    shift[ph] = V::load(shift_lanes + ph * V::W);
+    sum[ph] = V::zero();
+  }
+  for (int i = 0; i < padded; i += period) {
+    for (int ph = 0; ph < phases; ++ph) {
+      const auto e = V::exp2(V::sub(V::load(logits + i + ph * V::W), shift[ph]));
+      V::store(logits + i + ph * V::W, e);
+      sum[ph] = V::add(sum[ph], e);
+    }
+  }
+  for (int ph = 0; ph < phases; ++ph) V::store(lanes + ph * V::W, sum[ph]);
+  float span_sum[QB] = {};
+  for (int t = 0; t < period; ++t) span_sum[t % QB] += lanes[t];
+  for (int j = 0; j < QB; ++j) {
+    // m_new = -inf only if every weight so far is 0 (all rows masked): keep alpha finite then
+    alpha[j] = m_new[j] == kNegInf ? 1.f : std::exp2(m[j] - m_new[j]);
+    l[j] = l[j] * alpha[j] + span_sum[j];
+    m[j] = m_new[j];
+  }
+}
+
+// acc[:, d : d + CB * 2W] = acc * alpha + p @ V over the n rows of a span (p: [n][QB]).
+template <class V, class T, int QB, int CB>
+inline void pv_strips(int64_t D, int64_t d, const T* const* vrows, int n, const float* p, const float* alpha,
+                      float* acc, const Prefetch* pf) {
+  typename V::reg o[CB][2][QB];
+  for (int c = 0; c < CB; ++c) {
+    for (int j = 0; j < QB; ++j) {
+      const auto a = V::set1(alpha[j]);
+      o[c][0][j] = V::mul(V::load(acc + j * D + d + c * 2 * V::W), a);
+      o[c][1][j] = V::mul(V::load(acc + j * D + d + c * 2 * V::W + V::W), a);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (pf != nullptr && r + pf->ahead < n) pf->row(vrows[r + pf->ahead]);
+    typename V::reg lo[CB], hi[CB];
+    for (int c = 0; c < CB; ++c) V::load2(vrows[r] + d + c * 2 * V::W, lo[c], hi[c]);
+    for (int j = 0; j < QB; ++j) {
+      const auto w = V::set1(p[r * QB + j]);
+      for (int c = 0; c < CB; ++c) {
+        o[c][0][j] = V::fma(w, lo[c], o[c][0][j]);
+        o[c][1][j] = V::fma(w, hi[c], o[c][1][j]);
+      }
+    }
+  }
+  for (int c = 0; c < CB; ++c) {
+    for (int j = 0; j < QB; ++j) {
+      V::store(acc + j * D + d + c * 2 * V::W, o[c][0][j]);
+      V::store(acc + j * D + d + c * 2 * V::W + V::W, o[c][1][j]);
+    }
+  }
+}
+
+// Pass 2 of a span: acc = acc * alpha + p @ V in column strips; the first strip pass prefetches V rows
+// ahead (whole rows), the later ones find them in cache.
+template <class V, class T, int QB>
+inline void pv_pass(int64_t D, const T* const* vrows, int n, const float* p, const float* alpha, float* acc,
+                    const Prefetch& pf) {
+  constexpr int CB = pv_strips_per_pass<V, QB>();
+  const int64_t strip = 2 * V::W;
+  const int64_t d2 = D / strip * strip;
+  int64_t d = 0;
+  for (; d + CB * strip <= d2; d += CB * strip)
+    pv_strips<V, T, QB, CB>(D, d, vrows, n, p, alpha, acc, d == 0 ? &pf : nullptr);
+  for (; d < d2; d += strip) pv_strips<V, T, QB, 1>(D, d, vrows, n, p, alpha, acc, d == 0 ? &pf : nullptr);
+  for (int64_t e = d2; e < D; ++e) {
+    for (int j = 0; j < QB; ++j) {
+      float o = acc[j * D + e] * alpha[j];
+      for (int r = 0; r < n; ++r) o += p[r * QB + j] * to_f32(vrows[r][e]);
+      acc[j * D + e] = o;
+    }
+  }
+}
+
+// Both passes of one span for queries [0, QB) of q (m, l, acc offset to them by the caller).
+template <class V, class T, int QB>
+inline void span_queries(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int n,
+                         float* m, float* l, float* acc, float* logits, const Prefetch& pf) {
+  float alpha[QB];
+  logits_pass<V, T, QB>(q, D, krows, n, logits, pf);
+  softmax_span<V, QB>(logits, n, m, l, alpha);
+  pv_pass<V, T, QB>(D, vrows, n, logits, alpha, acc, pf);
 }
 
 template <class V, class T>
@@ -183,58 +269,41 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
   for (int64_t j = 0; j < nq; ++j) m[j] = kNegInf, l[j] = 0.f;
   std::memset(acc, 0, sizeof(float) * nq * D);
 
-  const T* ring_k[kRing];
-  const T* ring_v[kRing];
-  int64_t produced = 0, consumed = 0, pos = lo;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const int hint = static_cast<int>(a.prefetch_hint);
-  const int64_t ahead = clamp64(a.prefetch_rows, 0, kRing - kTile);
-  const int64_t step = clamp64(a.prefetch_step, 64, 4096);
-  // resolve rows until `target` are queued: out-of-range ids are counted and skipped, masked rows skipped
-  auto produce = [&](int64_t target) {
-    while (produced < target && pos < hi) {
+  const Prefetch pf{static_cast<int>(a.prefetch_hint), clamp64(a.prefetch_rows, 0, kSpan),
+                    D * static_cast<int64_t>(sizeof(T)), clamp64(a.prefetch_step, 64, 4096)};
+  const T* krows[kSpan];
+  const T* vrows[kSpan];
+  alignas(64) float logits[kSpan * 8 + 64];  // [rows][QB <= 8], padded to whole vectors
+  int64_t pos = lo;
+  while (pos < hi) {
+    // resolve the span's rows: out-of-range ids are counted and skipped, masked rows skipped
+    int n = 0;
+    for (; n < kSpan && pos < hi; ++pos) {
       const int64_t row = bs == 1 ? idx[pos] : idx[pos / bs] * bs + pos % bs;
-      ++pos;
       if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(cap)) {
         ++*bad_rows;
         continue;
       }
       if (mask && !mask[row]) continue;
-      const T* k = k_base + row * a.k_stride_row;
-      const T* v = v_base + row * a.v_stride_row;
-      prefetch_row(hint, k, v, row_bytes, step);
-      ring_k[produced & (kRing - 1)] = k;
-      ring_v[produced & (kRing - 1)] = v;
-      ++produced;
+      krows[n] = k_base + row * a.k_stride_row;
+      vrows[n] = v_base + row * a.v_stride_row;
+      if (n < pf.ahead) pf.row(krows[n]);  // the first rows of pass 1 (later ones: inside the pass)
+      ++n;
     }
-  };
-  const T* krows[kTile];
-  const T* vrows[kTile];
-  for (;;) {
-    // the rows of this tile and `ahead` more are resolved, and so prefetched, before it computes
-    produce(consumed + kTile + ahead);
-    const int n = static_cast<int>(clamp64(produced - consumed, 0, kTile));
-    if (n == 0) break;
-    for (int r = 0; r < n; ++r) {
-      krows[r] = ring_k[(consumed + r) & (kRing - 1)];
-      vrows[r] = ring_v[(consumed + r) & (kRing - 1)];
-    }
-    consumed += n;
+    if (n == 0) continue;
+    for (int r = 0; r < n && r < pf.ahead; ++r) pf.row(vrows[r]);  // the first rows of pass 2
     // query blocks of 8/4/2/1 keep each block's accumulators in registers
-    const int64_t nq8 = nq / 8 * 8, rest = nq - nq8;
-    if (nq8) tile_queries<V, T, 8>(q, nq8, D, krows, vrows, n, m, l, acc);
-    if (rest & 4) {
-      const int64_t j = nq8;
-      tile_queries<V, T, 4>(q + j * D, 4, D, krows, vrows, n, m + j, l + j, acc + j * D);
+    int64_t j = 0;
+    for (; j + 8 <= nq; j += 8) span_queries<V, T, 8>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+    if (nq - j >= 4) {
+      span_queries<V, T, 4>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+      j += 4;
     }
-    if (rest & 2) {
-      const int64_t j = nq8 + (rest & 4);
-      tile_queries<V, T, 2>(q + j * D, 2, D, krows, vrows, n, m + j, l + j, acc + j * D);
+    if (nq - j >= 2) {
+      span_queries<V, T, 2>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+      j += 2;
     }
-    if (rest & 1) {
-      const int64_t j = nq - 1;
-      tile_queries<V, T, 1>(q + j * D, 1, D, krows, vrows, n, m + j, l + j, acc + j * D);
-    }
+    if (nq - j >= 1) span_queries<V, T, 1>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
   }
 }
 

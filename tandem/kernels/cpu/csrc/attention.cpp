@@ -10,7 +10,6 @@
 // by chunk and by segment.
 #include <algorithm>
 #include <cmath>
-#include <memory>
 #include <vector>
 
 #include "tandem_cpu.h"
@@ -83,7 +82,12 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
   const int64_t per_thread = (total + nt - 1) / nt;
   const int64_t chunk = std::max(kMinRowsPerChunk, (per_thread + kChunksPerThread - 1) / kChunksPerThread);
   const int64_t nchunks = (total + chunk - 1) / chunk;
-  std::unique_ptr<float[]> scratch(new float[(nchunks + nseg) * slot_floats]);
+  // reused across calls (grow-only, per calling thread): a fresh buffer of this size is mmap'ed and
+  // page-faulted in on every call, a few percent of a small call
+  static thread_local std::vector<float> scratch_buffer;
+  const size_t scratch_floats = static_cast<size_t>((nchunks + nseg) * slot_floats);
+  if (scratch_buffer.size() < scratch_floats) scratch_buffer.resize(scratch_floats);
+  float* const scratch = scratch_buffer.data();
   int64_t bad_rows = 0;
 
 #pragma omp parallel num_threads(nt) reduction(+ : bad_rows)
@@ -95,7 +99,7 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
       for (; seg < nseg && offsets[seg] < hi; ++seg) {
         const int64_t s0 = std::max(lo, offsets[seg]) - offsets[seg];
         const int64_t s1 = std::min(hi, offsets[seg + 1]) - offsets[seg];
-        if (s1 > s0) attend(a, seg, s0, s1, scratch.get() + (c + seg) * slot_floats, &bad_rows);
+        if (s1 > s0) attend(a, seg, s0, s1, scratch + (c + seg) * slot_floats, &bad_rows);
       }
     }
 #pragma omp for schedule(static)
@@ -108,7 +112,7 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
         continue;
       }
       const int64_t c0 = offsets[seg] / chunk, c1 = (offsets[seg + 1] - 1) / chunk;
-      merge_segment(scratch.get(), slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
+      merge_segment(scratch, slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
       table->layout[dtype](o, nq, head_dim, 1);
     }
   }

@@ -14,10 +14,6 @@ namespace tandem {
 enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNumDtypes = 3 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumIsas = 4 };
 
-// Rows per online-softmax step: one AVX-512 vector of logits per query, and 16 rows of K+V (8 KiB for
-// bf16, d=128) is small enough to stay in L1 between the logits pass and the V pass.
-constexpr int kTile = 16;
-
 // Storage element tags, so that loaders overload on the pointer type.
 struct bf16_t {
   uint16_t bits;
