@@ -7,6 +7,9 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 POLICIES = ("full", "streaming", "hgca", "quest")
+# quest's device share with the hot tier on CUDA: on the H200 host (55 GB/s PCIe, 90-150 GB/s host read), 8B
+# shape, 0.5-0.7 decoded fastest (benchmarks/results/bench_8b_h200_gpu_share); 0.5 is the batch-16 optimum
+DEFAULT_GPU_SHARE = 0.5
 
 
 def default_cpu_threads() -> int:
@@ -56,6 +59,11 @@ class TandemConfig:
             prefill or append (their mean attention weight starts each entry's MAW).
         prefill_chunk: query tokens per chunk of a prefill/append, so no full attention matrix is built.
         cpu_threads: threads for CPU attention (default: all cores but one).
+        gpu_share: for `quest`, the fraction of each step's selected host blocks that the compute device attends
+            itself, reading them from pinned host memory over PCIe (zero-copy) while the CPU attends the rest
+            (Fluxion's CPU+GPU split), in [0, 1]; 0 = the CPU reads everything. None (default): DEFAULT_GPU_SHARE
+            for `quest` with the hot tier on a CUDA device, else 0. The best value depends on the host's memory
+            and PCIe bandwidths: `tandem bench --set quest.gpu_share=0,0.3,0.5` measures it.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
 
     Example:
@@ -75,6 +83,7 @@ class TandemConfig:
     observation_tokens: int = 32
     prefill_chunk: int = 2048
     cpu_threads: int | None = None
+    gpu_share: float | None = None
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -98,6 +107,10 @@ class TandemConfig:
         if self.cpu_threads is None:
             self.cpu_threads = default_cpu_threads()
         self._check_int("cpu_threads", 1, 4096)
+        if self.gpu_share is not None:
+            self._check_float("gpu_share", 0.0, 1.0, "None or a fraction in [0, 1]", low_open=False)
+        if self.gpu_share and self.policy != "quest":
+            _fail("gpu_share", self.gpu_share, "0 unless policy='quest' (the split needs block ids ranked on the device)")
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -116,6 +129,13 @@ class TandemConfig:
         if not ok:
             _fail(name, value, text)
         setattr(self, name, float(value))
+
+    def gpu_share_on(self, device_type: str) -> float:
+        """The device share in effect with the hot tier on a device of this type ("cuda", "cpu"): resolves the
+        None default."""
+        if self.gpu_share is not None:
+            return self.gpu_share
+        return DEFAULT_GPU_SHARE if self.policy == "quest" and device_type == "cuda" else 0.0
 
     def window_for_prompt(self, prompt_tokens: int) -> int:
         """Window size in tokens once the first prompt's length is known."""

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from tandem.bench.tandem_side import bound_ms
 from tandem.cli import main
 
 
@@ -35,6 +36,30 @@ def test_bench_writes_every_row_and_full_matches_hf(tmp_path, capsys):
     table = (tmp_path / "bench.md").read_text()
     assert "tandem-quest" in table and "hf-offloaded" in table
     assert "tandem-quest" in capsys.readouterr().out
+
+
+def test_bench_device_share_rows_split_the_bytes(tmp_path):
+    """quest with gpu_share: the same rows attended and the same tokens, part of the bytes read by the device
+    (on CPU the torch reference stands in for the zero-copy GPU kernel; no PCIe bandwidth, so no bound)."""
+    assert _run(tmp_path, "--policies", "quest", "--hf", "none", "--set", "quest.gpu_share=0,0.5") == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    for batch in (1, 2):
+        alone, split = (r for r in rows if r["batch"] == batch)
+        assert "gpu_share=0.5" in split["system"] and split["status"] == "ok", split["error"]
+        assert split["tokens"] == alone["tokens"]
+        assert split["attended_fraction"] == alone["attended_fraction"]
+        assert not alone["pcie_bytes_per_step"] and split["pcie_bytes_per_step"] > 0
+        total = split["cpu_bytes_per_step"] + split["pcie_bytes_per_step"]
+        assert total == pytest.approx(alone["cpu_bytes_per_step"])
+        assert split["bound_ms"] is None and alone["bound_ms"] > 0
+
+
+def test_bound_counts_each_reader_at_its_bandwidth():
+    row = {"status": "ok", "cpu_bytes_per_step": 1e9, "pcie_bytes_per_step": 1e9}
+    # weights 3 GB at 3000 GB/s = 1 ms; CPU 1 GB at 100 GB/s = 10 ms; PCIe 1 GB at 50 GB/s = 20 ms
+    assert bound_ms(row, 3e9, 3000.0, 100.0, 50.0) == pytest.approx(20.0)
+    assert bound_ms({**row, "pcie_bytes_per_step": 0.0}, 3e9, 3000.0, 100.0) == pytest.approx(10.0)
+    assert bound_ms(row, 3e9, 3000.0, 100.0, None) is None
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Decode attention of one layer, with the CPU part running while the GPU attends the hot tier.
 
-Order on the GPU stream: the new token's KV into the hot tier -> q into a pinned buffer -> hot-tier attention.
+Order on the GPU stream: the new token's KV into the hot tier -> q into a pinned buffer -> hot-tier attention
+-> (with a device share) attention over the best-ranked host blocks, read by the GPU from pinned memory.
 The CPU starts as soon as q's copy has landed (it waits on that copy, never on the device): the policy selects
 host rows, the CPU kernel attends them, and (out, lse) return through pinned buffers to be merged on the GPU.
-Only q, the CPU output and its LSE cross PCIe.
+Only q, the CPU output and its LSE cross PCIe, plus the device share's selected rows, read in place.
 
 The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back. With a
 `tandem.engine` step being captured, the same order is recorded as a chain of CUDA graphs cut around the
@@ -12,6 +13,7 @@ CPU part (`DecodeStep.split`), so a replay runs the GPU work from graphs and the
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -42,6 +44,7 @@ class DecodeBuffers:
             self.q_copied = torch.cuda.Event()
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
+        self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
 
     def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:
         """Queue the copy of the policy's device-side selection into host memory (same stream as q's)."""
@@ -82,10 +85,12 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
-    bufs.stage(layer.policy.device_select(layer, q3), q.is_cuda)
+    ranked = layer.policy.device_select(layer, q3)
+    bufs.stage(ranked, q.is_cuda)
     if not q.is_cuda:
         bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
         _cpu_part(layer, bufs, scale, pool, step)
     elif step is not None and step.capturing:
         # the step is captured as a chain of CUDA graphs cut at each layer's CPU part; between two graphs
@@ -93,6 +98,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         bufs.q_host.copy_(q3, non_blocking=True)
         step.split(bufs.q_copied.record)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
         step.split(partial(_cpu_part, layer, bufs, scale, pool, step))
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
@@ -101,11 +107,48 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         bufs.q_copied.record()
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
         _cpu_part(layer, bufs, scale, pool, step)
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
     return out[:, :, None]
+
+
+def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, step) -> None:
+    """The device's share of the host tier: attend the best-ranked `policy.device_share(layer)` blocks of each KV
+    head on q's device, reading K/V from pinned host memory in place, and merge them into (out, lse).
+
+    ranked: the policy's device_select result [B, Hkv, k_max], best first, invalid picks >= the block count.
+    The slice read has the fixed width ceil(gpu_share * k_max) (a captured graph keeps its shapes); how many
+    of it count this step is a device tensor: `step.device_blocks`, set by `DecodeStep.prepare`, or
+    `bufs.share_count`, set here when decoding eagerly. The CPU part skips the same ranks.
+    """
+    share = layer.gpu_share
+    if ranked is None or share == 0:
+        return
+    width = min(ranked.shape[-1], math.ceil(share * ranked.shape[-1]))
+    if width == 0:
+        return
+    host = layer.host
+    if step is None:
+        count = bufs.share_count.fill_(layer.policy.device_share(layer))
+        if q.is_cuda and host.last_event is not None:
+            # rows evicted this step are still being copied into host memory on the side stream
+            torch.cuda.current_stream(q.device).wait_event(host.last_event)
+    else:
+        count = step.device_blocks  # DecodeStep.prepare made the stream wait for this step's evictions
+    ids = ranked[..., :width]
+    lengths = torch.minimum((ids < ranked_limit(host)).sum(dim=-1), count)
+    o_dev, lse_dev = ops.host_block_attention(
+        q, host.keys, host.values, ids, lengths, host.block_size, host.valid, scale
+    )
+    ops.merge_lse_(out, lse, o_dev, lse_dev)
+
+
+def ranked_limit(host) -> int:
+    """Block ids at or past this are device_select's invalid picks."""
+    return host.capacity // host.block_size
 
 
 def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step) -> None:
@@ -132,8 +175,13 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     if wait:
         host.wait()
     q_host = bufs.q_host[:, :, None]
-    selection = layer.policy.select(layer, q_host, bufs.from_device)
+    ranked = bufs.from_device
+    skip = layer.policy.device_share(layer) if ranked is not None else 0  # ranks device_part attended
+    selection = layer.policy.select(layer, q_host, ranked, skip)
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])
     bufs.lse_host.copy_(lse[:, :, 0])
-    _record_selection(layer, selection)
+    device_rows = None
+    if skip:
+        device_rows = (ranked[..., :skip] < ranked_limit(host)).sum(dim=-1) * host.block_size
+    _record_selection(layer, selection, device_rows)

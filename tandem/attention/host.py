@@ -60,9 +60,14 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
     return out, lse
 
 
-def _record_selection(layer, selection: Selection) -> None:
+def _record_selection(layer, selection: Selection, device_rows: torch.Tensor | None = None) -> None:
+    """Count this step's attended host rows: the CPU's `selection`, plus `device_rows` [B, Hkv] read by the
+    compute device itself (a device share, counted apart in `rows_attended_device` too)."""
     host = layer.host
     attended = selection.attended_rows(host.rows, host.batch, layer.num_kv_heads)  # [B, Hkv]
+    if device_rows is not None:
+        attended = attended + device_rows
+        layer.rows_attended_device += int(device_rows.sum())
     available = host.valid_rows()[:, None].expand_as(attended)
     layer.rows_attended += int(torch.minimum(attended, available).sum())
     layer.rows_available += int(available.sum())

@@ -212,6 +212,7 @@ def empty_row(system: str, batch: int, context: int, steps: int, warmup: int) ->
         "gpu_kv_bytes": None,
         "host_kv_bytes": None,
         "cpu_bytes_per_step": None,
+        "pcie_bytes_per_step": None,
         "attended_fraction": None,
         "bound_ms": None,
         "tpot_over_bound": None,

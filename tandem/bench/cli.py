@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
                     use_graphs=False if args.no_graphs else "auto",
                     seed=args.seed,
                 )
-                row["bound_ms"] = bound_ms(row, weight_bytes, bw.get("hbm_gbps"), bw["host_read_gbps"])
+                row["bound_ms"] = bound_ms(
+                    row, weight_bytes, bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps")
+                )
                 if row["bound_ms"]:
                     row["tpot_over_bound"] = row["tpot_median_ms"] / row["bound_ms"]
                 _add(result, row, out_dir)

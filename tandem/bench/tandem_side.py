@@ -44,19 +44,32 @@ def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, s
 
 
 def cpu_bytes_per_step(cache: TandemCache) -> float:
-    """Bytes the CPU tier read per decode step, summed over layers: attended K/V rows plus, for quest without
-    a digest mirror on the GPU (a CPU hot tier), every block digest it scores on the CPU."""
+    """Bytes the CPU tier read per decode step, summed over layers: the K/V rows the CPU attended plus, for quest
+    without a digest mirror on a GPU (a CPU hot tier), every block digest it scores on the CPU."""
     total = 0.0
     for layer in cache.tandem_layers():
         if layer.decode_steps == 0 or layer.host is None:
             continue
         host = layer.host
-        row_bytes = 2 * layer.head_dim * host.keys.element_size()  # one K row + one V row
-        total += layer.rows_attended / layer.decode_steps * row_bytes
-        if layer.policy.needs_digest and host.key_min_dev is None:
+        row_bytes = _row_bytes(layer)
+        total += (layer.rows_attended - layer.rows_attended_device) / layer.decode_steps * row_bytes
+        if layer.policy.needs_digest and (host.key_min_dev is None or not host.key_min_dev.is_cuda):
             blocks = host.rows // host.block_size
             total += host.batch * layer.num_kv_heads * blocks * row_bytes  # key_min + key_max
     return total
+
+
+def device_bytes_per_step(cache: TandemCache) -> float:
+    """Bytes of host-tier K/V rows the GPU read in place over PCIe per decode step (a quest `gpu_share`)."""
+    return sum(
+        layer.rows_attended_device / layer.decode_steps * _row_bytes(layer)
+        for layer in cache.tandem_layers()
+        if layer.decode_steps and layer.host is not None
+    )
+
+
+def _row_bytes(layer) -> int:
+    return 2 * layer.head_dim * layer.host.keys.element_size()  # one K row + one V row
 
 
 def run_tandem(
@@ -114,6 +127,7 @@ def run_tandem(
             gpu_kv_bytes=stats["hot_bytes"],
             host_kv_bytes=stats["host_bytes"],
             cpu_bytes_per_step=cpu_bytes_per_step(cache),
+            pcie_bytes_per_step=device_bytes_per_step(cache),
             attended_fraction=stats["mean_fraction_attended"],
             graphs=runner.use_graphs,
             tokens=tokens.tolist(),
@@ -126,10 +140,17 @@ def run_tandem(
     return row
 
 
-def bound_ms(row: dict, weight_bytes: int, hbm_gbps: float | None, host_read_gbps: float) -> float | None:
-    """The issue's bound: max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth)."""
+def bound_ms(
+    row: dict, weight_bytes: int, hbm_gbps: float | None, host_read_gbps: float, pcie_gbps: float | None = None
+) -> float | None:
+    """The issue's bound, max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth), with
+    a third term where the GPU reads part of the host tier itself: those bytes / PCIe bandwidth."""
     if row["status"] != "ok" or row["cpu_bytes_per_step"] is None:
         return None
     gpu_ms = weight_bytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else 0.0
     cpu_ms = row["cpu_bytes_per_step"] / (host_read_gbps * 1e9) * 1e3
-    return max(gpu_ms, cpu_ms)
+    pcie_bytes = row.get("pcie_bytes_per_step") or 0.0
+    if pcie_bytes and not pcie_gbps:
+        return None  # no PCIe measurement (no GPU): no bound for a row that read over PCIe
+    pcie_ms = pcie_bytes / (pcie_gbps * 1e9) * 1e3 if pcie_bytes else 0.0
+    return max(gpu_ms, cpu_ms, pcie_ms)

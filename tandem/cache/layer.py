@@ -39,6 +39,8 @@ class LayerKV:
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
+        self.rows_attended_device = 0  # of rows_attended: read by the compute device (a quest gpu_share)
+        self.gpu_share = 0.0  # the device share in effect (config.gpu_share resolved once the device is known)
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
@@ -62,6 +64,7 @@ class LayerKV:
         window = cfg.window_for_prompt(prompt_len - max_pad)
         ring_blocks = math.ceil(window / cfg.block_size) + 1
         needs_maw = self.policy.needs_maw
+        self.gpu_share = cfg.gpu_share_on(keys.device.type)
         self.hot = HotTier(
             batch,
             num_kv_heads,
@@ -88,7 +91,9 @@ class LayerKV:
             keep_digest=self.policy.needs_digest,
             keep_maw=needs_maw,
             stream=stream,
-            mirror_device=keys.device if keys.is_cuda else None,
+            # on the compute device; also on a CPU one when a device share is asked for, so that the split
+            # decode path (attention.decode.device_part) runs, and is tested, without CUDA
+            mirror_device=keys.device if keys.is_cuda or self.gpu_share > 0 else None,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once

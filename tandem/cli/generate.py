@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import POLICIES, TandemConfig, parse_number
+from ..config import DEFAULT_GPU_SHARE, POLICIES, TandemConfig, parse_number
 
 DESCRIPTION = (
     "Generate text with the KV cache split between the compute device (sinks + recent window) and host memory "
@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--budget", type=float, default=0.05, help="quest: fraction of host entries attended")
     p.add_argument("--beta", type=float, default=1.0, help="hgca: salience threshold factor")
+    p.add_argument(
+        "--gpu-share",
+        type=float,
+        default=None,
+        help="quest: fraction of each step's selected host blocks the GPU reads itself over PCIe while the CPU "
+        f"attends the rest (default: {DEFAULT_GPU_SHARE} with CUDA, else 0)",
+    )
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
     )
@@ -127,6 +134,7 @@ def run(args) -> int:
         block_size=args.block_size,
         budget=args.budget,
         beta=args.beta,
+        gpu_share=args.gpu_share,
         cpu_threads=args.cpu_threads,
     )
     prompt = _read_prompt(args)

@@ -30,6 +30,8 @@ class DecodeStep:
 
     slot:       [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
                 layers store the same tokens with the same geometry)
+    device_blocks: [1] int64 on the model's device: how many ranked host blocks per KV head the device attends
+                itself this step (a quest `gpu_share`; the same in every layer, whose host tiers grow together)
     capturing:  True while `capture` records a step; the layers then cut the recording at their CPU parts
     segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay
     """
@@ -37,6 +39,8 @@ class DecodeStep:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
+        self._device_blocks_value = 0
         self.capturing = False
         self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
         self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
@@ -45,7 +49,9 @@ class DecodeStep:
         self._pool = None
 
     def prepare(self, layers) -> int:
-        """Bookkeeping of one step in every layer (slot, evictions); the slot tensor is updated in stream order."""
+        """Bookkeeping of one step in every layer (slot, evictions, device share); the device tensors are
+        updated in stream order."""
+        events = [layer.host.last_event if layer.host is not None else None for layer in layers]
         slots = {layer.reserve_decode_slot() for layer in layers}
         if len(slots) != 1:
             raise RuntimeError(
@@ -53,6 +59,19 @@ class DecodeStep:
             )
         slot = slots.pop()
         self.slot.fill_(slot)
+        shares = {layer.policy.device_share(layer) for layer in layers}
+        if len(shares) != 1:
+            raise RuntimeError(f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent")
+        share = shares.pop()
+        if share != self._device_blocks_value:
+            self.device_blocks.fill_(share)
+            self._device_blocks_value = share
+        if share and self.device.type == "cuda":
+            # the device reads host rows in place: rows evicted just now must have landed in host memory first
+            stream = torch.cuda.current_stream(self.device)
+            for layer, before in zip(layers, events, strict=True):
+                if layer.host.last_event is not before:
+                    stream.wait_event(layer.host.last_event)
         return slot
 
     # ---- capture as a chain of graphs ------------------------------------------------------------------------

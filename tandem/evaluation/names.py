@@ -13,4 +13,5 @@ SETTABLE = (
     "maw_alpha",
     "span",
     "observation_tokens",
+    "gpu_share",
 )

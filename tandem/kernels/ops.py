@@ -215,6 +215,20 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
     return out_a, lse_a
 
 
+def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, valid, scale: float):
+    """Attention of one query per request on q's device over selected blocks of a host KV store: q [B, Hq, D];
+    keys / values [B, Hkv, T, D] (pinned host memory, read in place by a CUDA q; any CPU tensor otherwise);
+    block_ids [B, Hkv, S] and lengths [B, Hkv] on q's device; valid [B, T] bool next to the keys.
+    Returns (out [B, Hq, D] float32, lse [B, Hq] float32) on q's device."""
+    _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
+    if _triton_on(q.device):
+        from . import gpu
+
+        return gpu.host_block_attention(q, keys, values, block_ids, lengths, block_size, valid, scale)
+    _check_qkv(q[:, :, None], keys, values, "keys", "values")
+    return reference.host_block_attention(q, keys, values, block_ids, lengths, block_size, valid, scale)
+
+
 def block_scores_matmul(q, key_min, key_max, block_valid):
     """Quest bounds of one decode query per request on the digests' device: q [B, Hq, D], key_min / key_max
     [B, Hkv, nblk, D] finite, block_valid [B, nblk] bool -> [B, Hkv, nblk] float32. See

@@ -41,8 +41,11 @@ class Policy:
       device_select(layer, q)          -> None, or a tensor the policy computes on the compute device inside the
                                        decode step (q [B, Hq, D] there; fixed shapes, no host syncs: it may be
                                        captured in a CUDA graph); it reaches select() through a pinned buffer
-      select(layer, q, from_device)    -> Selection for this decode step (q on the host, [B, Hq, 1, D];
-                                       from_device: device_select's result on the host, or None)
+      select(layer, q, from_device, skip)  -> Selection for this decode step (q on the host, [B, Hq, 1, D];
+                                       from_device: device_select's result on the host, or None; skip: how many
+                                       of its ranked entries the device attends itself, see device_share)
+      device_share(layer)              -> how many of device_select's ranked entries (per KV head) the compute
+                                       device attends this step from pinned host memory (0: the CPU does all)
       on_evict(layer, first, n, hot_counts)  rows [first, first+n) are on their way to the host tier; their
                                        data (and the CPU tensor hot_counts [B]) are readable after host.wait()
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
@@ -58,8 +61,13 @@ class Policy:
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def select(self, layer, q: torch.Tensor, from_device: torch.Tensor | None = None) -> Selection:
+    def select(
+        self, layer, q: torch.Tensor, from_device: torch.Tensor | None = None, skip: int = 0
+    ) -> Selection:
         raise NotImplementedError
+
+    def device_share(self, layer) -> int:
+        return 0
 
     def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
         return None

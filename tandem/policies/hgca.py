@@ -28,7 +28,7 @@ class HGCAPolicy(Policy):
         self.lengths: torch.Tensor | None = None  # [B, Hkv] int64
         self._evicted: list[tuple[int, int, torch.Tensor]] = []  # blocks not yet thresholded
 
-    def select(self, layer, q, from_device=None) -> Selection:
+    def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         self._threshold_evicted(layer)
         if self.lengths is None or int(self.lengths.max()) == 0:
             return NONE

@@ -3,6 +3,10 @@
 With the hot tier on a GPU the host tier mirrors its block digests there, and the bound and the top-k run
 on the GPU inside the decode step (a few microseconds over the digests at HBM speed); only the ranked block
 ids travel to the CPU with q. Otherwise the compiled CPU kernels score the host digests.
+
+With `gpu_share` > 0 the best-ranked share of each step's blocks is attended by the compute device itself,
+straight from pinned host memory (`attention.decode.device_part`), and the CPU attends the rest: both read the
+host tier at once, one over PCIe and one from DRAM (Fluxion's CPU+GPU split of the sparse attention).
 """
 
 from __future__ import annotations
@@ -31,18 +35,34 @@ class QuestPolicy(Policy):
         best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
         return ids.masked_fill(best == float("-inf"), num_blocks)  # invalid picks: an id past every block
 
-    def select(self, layer, q, from_device=None) -> Selection:
+    def blocks_this_step(self, layer) -> int:
+        """Blocks each KV head attends this step: ceil(budget * host blocks)."""
         host = layer.host
-        num_blocks = host.rows // host.block_size
-        k = math.ceil(self.config.budget * num_blocks)
-        if k == 0:
+        return math.ceil(self.config.budget * (host.rows // host.block_size))
+
+    def device_share(self, layer) -> int:
+        """How many of the ranked blocks (the best ones) the compute device attends itself: the layer's
+        gpu_share of them."""
+        host = layer.host
+        if layer.gpu_share == 0 or host is None or host.key_min_dev is None:
+            return 0
+        k = self.blocks_this_step(layer)
+        return min(k, math.floor(layer.gpu_share * k + 0.5))
+
+    def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
+        host = layer.host
+        k = self.blocks_this_step(layer)
+        if k - skip <= 0:
             return NONE
         if from_device is not None and from_device.shape[-1] >= k:
-            # ranked on the device; invalid picks carry an id past every block, so they sort last
-            blocks = from_device[..., :k].sort(dim=-1).values
+            # ranked on the device; invalid picks carry an id past every block, so they sort last. The first
+            # `skip` ranks are the device's share (decode.device_part), the CPU attends ranks [skip, k)
+            blocks = from_device[..., skip:k].sort(dim=-1).values
             lengths = (blocks < host.capacity // host.block_size).sum(dim=-1)
-            blocks = blocks.masked_fill(torch.arange(k) >= lengths[..., None], 0)
+            blocks = blocks.masked_fill(torch.arange(k - skip) >= lengths[..., None], 0)
             return Selection("blocks", blocks, lengths, host.block_size)
+        if skip:
+            raise ValueError("quest: a device share needs the device-ranked block ids (from_device)")
         key_min, key_max = host.digest()
         scores = ops.block_scores(q, key_min, key_max, num_threads=self.config.cpu_threads)
         blocks, lengths = ops.topk_blocks(scores, k, num_threads=self.config.cpu_threads)

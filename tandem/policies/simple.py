@@ -10,7 +10,7 @@ class FullPolicy(Policy):
 
     name = "full"
 
-    def select(self, layer, q, from_device=None) -> Selection:
+    def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         return ALL
 
 
@@ -19,5 +19,5 @@ class StreamingPolicy(Policy):
 
     name = "streaming"
 
-    def select(self, layer, q, from_device=None) -> Selection:
+    def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         return NONE
