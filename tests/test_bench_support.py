@@ -135,6 +135,27 @@ def test_hf_baselines_on_cpu(tiny_model):
     assert rows["dynamic"]["tokens"] == rows["offloaded"]["tokens"] == _plain_greedy(tiny_model, 3)
 
 
+def test_hf_baseline_after_a_tandem_row_runs_on_the_models_own_attention(tiny_model, monkeypatch):
+    """A Tandem row switches the model to Tandem's attention; the next HF row must not time Tandem's exact
+    fallback (a masked SDPA) instead of the model's own kernels."""
+    from tandem import TandemCache, TandemConfig
+
+    original = tiny_model.config._attn_implementation
+    TandemCache.for_model(tiny_model, TandemConfig(policy="full"))
+    assert tiny_model.config._attn_implementation == "tandem"
+    seen = []
+    real_decode = baselines.decode
+
+    def spy(model, *args, **kwargs):
+        seen.append(model.config._attn_implementation)
+        return real_decode(model, *args, **kwargs)
+
+    monkeypatch.setattr(baselines, "decode", spy)
+    row = baselines.run_hf_baseline(tiny_model, "dynamic", 1, CONTEXT, STEPS, WARMUP)
+    assert row["status"] == "ok" and seen == [original]
+    assert row["tokens"] == _plain_greedy(tiny_model, 1)
+
+
 def test_fill_synthetic_shapes(tiny_model):
     cache = baselines.make_hf_cache("dynamic", tiny_model)
     baselines.fill_synthetic(cache, tiny_model.config, 2, CONTEXT, "cpu", torch.bfloat16, seed=5)

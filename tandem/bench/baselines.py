@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from tandem.integrations.hf import generate_cache_kwargs
+from tandem.integrations.hf import generate_cache_kwargs, restore_attention
 
 KINDS = ("dynamic", "offloaded")
 # SDPA backends allowed while timing on CUDA. Left to itself, torch 2.11 on an H200 picks cuDNN attention,
@@ -249,6 +249,7 @@ def run_hf_baseline(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = None
+    restore_attention(model)  # a Tandem row before this one left the model on Tandem's attention
     try:
         cache = make_hf_cache(kind, model)
         fill_synthetic(cache, model.config, batch, context, device, dtype, seed)

@@ -143,6 +143,7 @@ class TandemCache(Cache):
         _check_device(model, config)
         register()
         if model.config._attn_implementation != ATTENTION_NAME:
+            model._tandem_previous_attention = model.config._attn_implementation  # for restore_attention
             model.set_attn_implementation(ATTENTION_NAME)
         num_q_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
@@ -260,7 +261,9 @@ def tandem_mask(
 def _sdpa_fallback(query, key, value, attention_mask, scaling):
     """Exact causal SDPA with the 2-D padding mask, for models set to 'tandem' but run with another cache."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is not None and attention_mask.dim() == 4:
+    if attention_mask is None and q_len == 1:
+        mask = None  # one new token, no padding: it attends every key (and SDPA may pick a flash kernel)
+    elif attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
     else:
         if attention_mask is None:
@@ -272,6 +275,14 @@ def _sdpa_fallback(query, key, value, attention_mask, scaling):
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def restore_attention(model: PreTrainedModel) -> None:
+    """Switch a model that `TandemCache.for_model` set to Tandem's attention back to the implementation it had
+    (e.g. 'sdpa'), so other caches run on the model's own kernels rather than on Tandem's exact fallback."""
+    previous = getattr(model, "_tandem_previous_attention", None)
+    if previous is not None and model.config._attn_implementation == ATTENTION_NAME:
+        model.set_attn_implementation(previous)
 
 
 def register() -> None:
