@@ -7,14 +7,12 @@ memory, inside captured CUDA graphs for the engine."""
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem import TandemCache, TandemConfig
 from tandem.config import DEFAULT_GPU_SHARE
-from tandem.engine import TandemRunner
 from tandem.policies.quest import QuestPolicy
+from tests.test_engine import _hf_greedy, _run, _tiny
 from tests.test_quest_device import _host, _Layer
-from tests.tiny import tiny_model
 
 DEVICES = [
     "cpu",
@@ -65,31 +63,6 @@ def test_device_and_cpu_shares_split_the_selection(share):
         assert cpu.kind == "none"
 
 
-def _tiny(device):
-    model = tiny_model("Llama", num_key_value_heads=2).to(device)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _hf(model, ids, mask, new_tokens, cache):
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        **generate_cache_kwargs(model, cache),
-    )
-    return out[:, ids.shape[1] :].cpu()
-
-
-def _engine(model, ids, mask, config, new_tokens):
-    runner = TandemRunner(model, TandemCache.for_model(model, config))
-    first = runner.prefill(ids, mask, chunk_tokens=32, max_new_tokens=new_tokens).argmax(-1)
-    tokens, _ = runner.decode(first, new_tokens - 1)
-    return torch.cat([first.cpu()[:, None], tokens], dim=1), runner.cache
-
-
 def _config(**extra):
     return TandemConfig(policy="quest", sink_tokens=4, window_tokens=12, block_size=4, **extra)
 
@@ -99,13 +72,14 @@ def _config(**extra):
 def test_split_at_full_budget_matches_dynamic_cache(device, share):
     """Every block attended, half (or all) of them by the device: greedy tokens equal DynamicCache's, through
     the engine (graphs on CUDA) and through model.generate (eager), for a left-padded batch."""
-    model = _tiny(device)
+    model = _tiny(device=device)
     ids = torch.randint(0, 128, (2, 83), generator=torch.Generator().manual_seed(2)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
-    base = _hf(model, ids, mask, 24, DynamicCache())
-    ours, cache = _engine(model, ids, mask, _config(budget=1.0, gpu_share=share), 24)
+    base = _hf_greedy(model, ids, mask, 24)
+    ours, runner = _run(model, ids, mask, _config(budget=1.0, gpu_share=share), 24, chunk_tokens=32)
     assert torch.equal(base, ours)
+    cache = runner.cache
     layers = cache.tandem_layers()
     device_rows = sum(layer.rows_attended_device for layer in layers)
     all_rows = sum(layer.rows_attended for layer in layers)
@@ -113,7 +87,7 @@ def test_split_at_full_budget_matches_dynamic_cache(device, share):
     assert (device_rows == all_rows) == (share == 1.0)
     assert cache.stats()["mean_fraction_attended"] == 1.0
     eager = TandemCache.for_model(model, _config(budget=1.0, gpu_share=share))
-    assert torch.equal(base, _hf(model, ids, mask, 24, eager))
+    assert torch.equal(base, _hf_greedy(model, ids, mask, 24, eager))
     assert sum(layer.rows_attended_device for layer in eager.tandem_layers()) > 0
 
 
@@ -121,11 +95,12 @@ def test_split_at_full_budget_matches_dynamic_cache(device, share):
 def test_split_attends_what_the_cpu_alone_attends(device):
     """At a sparse budget the split reads the same blocks as the CPU alone: same fraction attended and the same
     greedy tokens (only the order of the exact merges differs)."""
-    model = _tiny(device)
+    model = _tiny(device=device)
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(6)).to(device)
     mask = torch.ones_like(ids)
-    alone, alone_cache = _engine(model, ids, mask, _config(budget=0.3, gpu_share=0), 16)
-    split, split_cache = _engine(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 16)
+    alone, alone_runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0), 16, chunk_tokens=32)
+    split, split_runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 16, chunk_tokens=32)
+    alone_cache, split_cache = alone_runner.cache, split_runner.cache
     assert torch.equal(alone, split)
     assert split_cache.stats()["mean_fraction_attended"] == alone_cache.stats()["mean_fraction_attended"] < 1.0
     assert sum(layer.rows_attended_device for layer in split_cache.tandem_layers()) > 0

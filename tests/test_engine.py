@@ -27,14 +27,15 @@ def _tiny(arch="Llama", num_kv_heads=2, device="cpu"):
     return model
 
 
-def _hf_greedy(model, ids, mask, new_tokens):
+def _hf_greedy(model, ids, mask, new_tokens, cache=None):
+    """model.generate's greedy tokens with `cache` (default: a new DynamicCache)."""
     out = model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
-        **generate_cache_kwargs(model, DynamicCache()),
+        **generate_cache_kwargs(model, DynamicCache() if cache is None else cache),
     )
     return out[:, ids.shape[1] :].cpu()
 
