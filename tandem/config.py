@@ -110,7 +110,11 @@ class TandemConfig:
         if self.gpu_share is not None:
             self._check_float("gpu_share", 0.0, 1.0, "None or a fraction in [0, 1]", low_open=False)
         if self.gpu_share and self.policy != "quest":
-            _fail("gpu_share", self.gpu_share, "0 unless policy='quest' (the split needs block ids ranked on the device)")
+            _fail(
+                "gpu_share",
+                self.gpu_share,
+                "0 unless policy='quest' (the split needs block ids ranked on the device)",
+            )
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())

@@ -56,7 +56,9 @@ def test_device_and_cpu_shares_split_the_selection(share):
     for b in range(2):
         for h in range(2):
             device_ids = {i for i in ranked[b, h, :skip].tolist() if i < limit}
-            cpu_ids = set(cpu.indices[b, h, : int(cpu.lengths[b, h])].tolist()) if cpu.kind == "blocks" else set()
+            cpu_ids = (
+                set(cpu.indices[b, h, : int(cpu.lengths[b, h])].tolist()) if cpu.kind == "blocks" else set()
+            )
             assert not device_ids & cpu_ids
             assert device_ids | cpu_ids == set(every.indices[b, h, : int(every.lengths[b, h])].tolist())
     if share == 1.0:
@@ -102,6 +104,8 @@ def test_split_attends_what_the_cpu_alone_attends(device):
     split, split_runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 16, chunk_tokens=32)
     alone_cache, split_cache = alone_runner.cache, split_runner.cache
     assert torch.equal(alone, split)
-    assert split_cache.stats()["mean_fraction_attended"] == alone_cache.stats()["mean_fraction_attended"] < 1.0
+    assert (
+        split_cache.stats()["mean_fraction_attended"] == alone_cache.stats()["mean_fraction_attended"] < 1.0
+    )
     assert sum(layer.rows_attended_device for layer in split_cache.tandem_layers()) > 0
     assert sum(layer.rows_attended_device for layer in alone_cache.tandem_layers()) == 0

@@ -141,7 +141,11 @@ def run_tandem(
 
 
 def bound_ms(
-    row: dict, weight_bytes: int, hbm_gbps: float | None, host_read_gbps: float, pcie_gbps: float | None = None
+    row: dict,
+    weight_bytes: int,
+    hbm_gbps: float | None,
+    host_read_gbps: float,
+    pcie_gbps: float | None = None,
 ) -> float | None:
     """The issue's bound, max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth), with
     a third term where the GPU reads part of the host tier itself: those bytes / PCIe bandwidth."""

@@ -40,7 +40,9 @@ class LayerKV:
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
         self.rows_attended_device = 0  # of rows_attended: read by the compute device (a quest gpu_share)
-        self.gpu_share = 0.0  # the device share in effect (config.gpu_share resolved once the device is known)
+        self.gpu_share = (
+            0.0  # the device share in effect (config.gpu_share resolved once the device is known)
+        )
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)

@@ -61,7 +61,9 @@ class DecodeStep:
         self.slot.fill_(slot)
         shares = {layer.policy.device_share(layer) for layer in layers}
         if len(shares) != 1:
-            raise RuntimeError(f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent")
+            raise RuntimeError(
+                f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent"
+            )
         share = shares.pop()
         if share != self._device_blocks_value:
             self.device_blocks.fill_(share)
