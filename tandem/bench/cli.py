@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="POLICY.KEY=V1,V2",
-        help="Tandem settings, as in `tandem eval` (e.g. quest.budget=0.05, window_tokens=512); repeatable",
+        help="Tandem settings, as in `tandem eval` (e.g. quest.budget=0.05, quest.gpu_share=0,0.5, "
+        "window_tokens=512); repeatable",
     )
     p.add_argument(
         "--fill",
