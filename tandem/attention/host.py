@@ -15,10 +15,10 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
     """Attention of q_host [B, Hq, Lq, D] (CPU) over the host rows named by `selection`: (out, lse) fp32."""
     host = layer.host
     batch, num_q_heads, q_len, head_dim = q_host.shape
-    out = torch.zeros(batch, num_q_heads, q_len, head_dim)
-    lse = torch.full((batch, num_q_heads, q_len), float("-inf"))
     if selection.kind == "none" or host.rows == 0:
-        return out, lse
+        return torch.zeros(batch, num_q_heads, q_len, head_dim), torch.full(
+            (batch, num_q_heads, q_len), float("-inf")
+        )
     threads = layer.config.cpu_threads
     if selection.kind != "all" and ops.native_cpu_available():
         # the compiled kernel splits (request, head, chunk) work over its own threads
@@ -33,6 +33,8 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
             block_size=selection.block_size,
             num_threads=threads,
         )
+    out = torch.zeros(batch, num_q_heads, q_len, head_dim)
+    lse = torch.full((batch, num_q_heads, q_len), float("-inf"))
     group = num_q_heads // layer.num_kv_heads
     keys, values, valid = host.live()
 

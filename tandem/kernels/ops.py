@@ -87,18 +87,21 @@ def sparse_attention_lse(
         )
     if block_size is not None:
         _check(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+    if lengths.numel():
+        low, high = (int(x) for x in torch.aminmax(lengths))
+        _check(
+            low >= 0 and high <= indices.shape[2],
+            f"lengths must lie in [0, {indices.shape[2]}] (the width of indices), got [{low}, {high}]",
+        )
+    native = native_cpu_available() and not q.is_cuda and not k_store.is_cuda
     rows = k_store.shape[2] // (block_size or 1)
-    if indices.numel():
-        low, high = int(indices.min()), int(indices.max())
+    if indices.numel() and not native:  # the compiled kernel checks the ids it reads and names them itself
+        low, high = (int(x) for x in torch.aminmax(indices))
         _check(
             low >= 0 and high < rows,
             f"indices must lie in [0, {rows}) ({'blocks' if block_size else 'rows'} of k_store), got [{low}, {high}]",
         )
-    _check(
-        lengths.numel() == 0 or (int(lengths.min()) >= 0 and int(lengths.max()) <= indices.shape[2]),
-        f"lengths must lie in [0, {indices.shape[2]}] (the width of indices)",
-    )
-    if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
+    if native:
         return _native.sparse_attention_lse(
             q,
             k_store,
