@@ -28,9 +28,9 @@ import torch
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C++ `Dtype` enum
 ABI_VERSION = 1
-# Prefetch distance (rows), locality hint and line step: the best of a sweep on the 16-core Xeon GPU host
-# (benchmarks/results/cpu_attention_sweep_*.json, docs/cpu-kernels.md). Without prefetch the kernel runs
-# at less than half the speed; 64 rows of prefetcht0 ahead edged out prefetcht2 and longer distances.
+# Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
+# the 16-core Xeon GPU host (docs/cpu-kernels.md, "Prefetch sweeps"): 192 rows ahead into L2 (prefetcht2) ran
+# 20% faster than 64 rows into L1; 128 and 256 rows were within 10% of it (256 faster at batch 1, slower at 8).
 DEFAULT_PREFETCH = (192, 1, 64)
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"

@@ -35,7 +35,7 @@ struct AttendArgs {
   const int64_t* lengths;   // [B, Hkv] valid entries of `indices`
   const uint8_t* key_mask;  // [B, cap] 0 = never attend, or null
   int64_t batch, num_kv_heads, nq, head_dim, width, cap, block_size;
-  int64_t prefetch_rows;    // rows resolved and prefetched ahead of the tile being computed
+  int64_t prefetch_rows;    // rows prefetched ahead of the row a pass computes (at most a span)
   int64_t prefetch_hint;    // locality 0..3 as __builtin_prefetch (3 = into L1, 1 = L2/L3), -1 = none
   int64_t prefetch_step;    // bytes between prefetched lines: 64, or 128 to leave the pair line to the
                             // L2 spatial prefetcher (half the line-fill buffers per row)
