@@ -1,19 +1,27 @@
 """Where a Tandem decode step's time goes, on a random-weight model of a real shape (GPU host).
 
-For each context: the engine's step with the CPU part trivial (`streaming`: the GPU side, host-node
-round trips and bookkeeping), the same with `quest` (plus the CPU attention), and `quest` without CUDA
-graphs; with the seconds spent inside the CPU parts, which threads ran them, and the CPU part of one layer
-timed on the main thread for comparison.
+For each context and configuration (`streaming`: the CPU part is trivial, so the step is the GPU side plus
+launches and bookkeeping; `quest` at a device share), the engine decodes with CUDA graphs and this prints:
 
-    python benchmarks/profile_decode_step.py --model llama-3.1-8b --contexts 16k,64k
+- host side, per step (wall clock on the Python thread): graph launches, waits for q's copy, and inside the
+  CPU parts the policy's selection, the compiled kernel, the Python around it and the statistics;
+- GPU side, per step (a torch.profiler trace of a few steps): busy time by kernel kind (matmuls, hot-tier
+  attention, the device share's UVA attention, merges, top-k, copies, the rest) and the idle time, i.e.
+  where the GPU waited for the host;
+- the same CPU part timed back to back on the main thread after the run (the kernel's isolated cost).
+
+    python benchmarks/profile_decode_step.py --model llama-3.1-8b --contexts 64k,128k --configs streaming,quest:0,quest:0.5
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import platform
 import statistics
-import threading
+import tempfile
 import time
 
 import torch
@@ -24,6 +32,168 @@ from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
+from tandem.engine import runner as runner_module
+from tandem.kernels import ops
+from tandem.kernels.cpu import ops as cpu_ops
+from tandem.policies.quest import QuestPolicy
+
+TIMERS: collections.Counter = collections.Counter()
+MARK_STEPS = False
+PER_STEP: list[dict] = []
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMERS[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+class _TimedLib:
+    """The compiled library, with its attention entry point timed (the kernel alone, GIL released)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.tandem_sparse_attention = timed("kernel", lib.tandem_sparse_attention)
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def instrument() -> None:
+    native = cpu_ops._native
+    cache = {}
+
+    def timed_native():
+        lib = native()
+        if lib is None:
+            return None
+        if id(lib) not in cache:
+            cache[id(lib)] = _TimedLib(lib)
+        return cache[id(lib)]
+
+    cpu_ops._native = timed_native
+    decode.host_part = timed("cpu_part", decode.host_part)
+    decode.host_attention = timed("attend", decode.host_attention)
+    decode._record_selection = timed("statistics", decode._record_selection)
+    QuestPolicy.select = timed("select", QuestPolicy.select)
+    ops.sparse_attention_lse = timed("attend_ops", ops.sparse_attention_lse)
+
+    def q_wait(bufs):
+        return bufs.q_copied.synchronize()
+
+    original_cpu_part = decode._cpu_part
+
+    def cpu_part(layer, bufs, scale, pool, step):
+        if bufs.q_copied is not None:
+            start = time.perf_counter()
+            bufs.q_copied.synchronize()
+            TIMERS["q_wait"] += time.perf_counter() - start
+        saved, bufs.q_copied = bufs.q_copied, None
+        try:
+            original_cpu_part(layer, bufs, scale, pool, step)
+        finally:
+            bufs.q_copied = saved
+
+    decode._cpu_part = cpu_part
+
+    def replay(self):
+        if MARK_STEPS:
+            torch.cuda._sleep(1)  # a `spin_kernel` on the stream: the trace's step boundary
+        for graph, after in self.segments:
+            start = time.perf_counter()
+            graph.replay()
+            middle = time.perf_counter()
+            TIMERS["launch"] += middle - start
+            if after is not None:
+                after()
+                TIMERS["after"] += time.perf_counter() - middle
+
+    runner_module.DecodeStep.replay = replay
+    prepare = runner_module.DecodeStep.prepare
+
+    def timed_prepare(self, layers):
+        PER_STEP.append(dict(TIMERS))
+        TIMERS.clear()
+        start = time.perf_counter()
+        try:
+            return prepare(self, layers)
+        finally:
+            TIMERS["prepare"] += time.perf_counter() - start
+
+    runner_module.DecodeStep.prepare = timed_prepare
+
+
+KINDS = (
+    ("hot_attention", ("hot_decode",)),
+    ("device_share", ("block_attention", "combine_splits")),
+    ("merge", ("merge_lse",)),
+    ("topk", ("topk", "sort", "radix", "gatherTopK", "bitonic")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "matmul", "dot_kernel")),
+)
+
+
+def kind_of(name: str, category: str) -> str:
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k.lower() in low for k in keys):
+            return kind
+    return "other"
+
+
+def gpu_profile(runner, first, steps: int) -> dict:
+    """Busy ms per step by kernel kind and idle ms per step, from a torch.profiler trace of the graph-replayed
+    steps among `steps` (each replay starts with a marker kernel; the windows between markers are steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    global MARK_STEPS
+    MARK_STEPS = True
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.decode(first, steps)
+    finally:
+        MARK_STEPS = False
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    os.unlink(path)
+    spans, marks = [], []
+    for ev in trace.get("traceEvents", []):
+        cat = ev.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
+            if "spin_kernel" in ev.get("name", ""):
+                marks.append(float(ev["ts"]))
+            else:
+                spans.append((float(ev["ts"]), float(ev["dur"]), kind_of(ev.get("name", ""), cat)))
+    marks.sort()
+    if len(marks) < 2:
+        return {"gpu_trace_error": f"{len(marks)} step markers in the trace"}
+    spans = sorted(s for s in spans if marks[0] <= s[0] < marks[-1])
+    windows = len(marks) - 1
+    by_kind: collections.Counter = collections.Counter()
+    busy = 0.0
+    cur_s = cur_e = marks[0]
+    for s, d, kind in spans:
+        by_kind[kind] += d
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, s + d
+        else:
+            cur_e = max(cur_e, s + d)
+    busy += cur_e - cur_s
+    out = {f"gpu_{k}_ms": round(v / windows / 1e3, 3) for k, v in sorted(by_kind.items())}
+    out["gpu_step_ms"] = round((marks[-1] - marks[0]) / windows / 1e3, 3)
+    out["gpu_busy_ms"] = round(busy / windows / 1e3, 3)
+    out["gpu_kernels_per_step"] = round(len(spans) / windows, 1)
+    return out
 
 
 @torch.inference_mode()
@@ -31,55 +201,67 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--contexts", default="16k,64k")
+    p.add_argument("--contexts", default="64k,128k")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--configs", default="streaming,quest:0,quest:0.5", help="policy[:gpu_share], comma-separated"
+    )
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--no-gpu-trace", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = build_random_model(args.model, "cuda", torch.bfloat16, num_layers=args.layers)
     model.config.max_position_embeddings = 1 << 20
-    threads_seen: set[int] = set()
-    original = decode.host_part
-
-    def traced(*a, **k):
-        threads_seen.add(threading.get_ident())
-        return original(*a, **k)
-
-    decode.host_part = traced
+    instrument()
+    machine = {
+        "gpu": torch.cuda.get_device_name(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "torch": torch.__version__,
+    }
+    print(json.dumps(machine), flush=True)
     results = []
+    first = torch.zeros(args.batch, dtype=torch.long)
     for text in args.contexts.split(","):
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-        for policy, graphs in (("streaming", True), ("streaming", False), ("quest", True), ("quest", False)):
-            threads_seen.clear()
-            cache = TandemCache.for_model(model, TandemConfig(policy=policy))
-            runner = TandemRunner(model, cache, use_graphs=graphs)
-            fill_tandem_synthetic(cache, model, 1, context)
-            runner.set_positions(torch.full((1,), context))
-            _, seconds = runner.decode(torch.zeros(1, dtype=torch.long), 4 + args.steps)
-            step_ms = statistics.median(seconds[4:]) * 1e3
-            host_ms = statistics.median(runner.host_seconds[4:]) * 1e3
+        for spec in args.configs.split(","):
+            policy, _, share = spec.partition(":")
+            config = TandemConfig(policy=policy, gpu_share=float(share) if share else None)
+            cache = TandemCache.for_model(model, config)
+            runner = TandemRunner(model, cache)
+            fill_tandem_synthetic(cache, model, args.batch, context)
+            runner.set_positions(torch.full((args.batch,), context))
+            PER_STEP.clear()
+            TIMERS.clear()
+            _, seconds = runner.decode(first, 4 + args.steps)
+            PER_STEP.append(dict(TIMERS))
+            TIMERS.clear()
+            steps = PER_STEP[1:][4:]  # PER_STEP[i + 1] holds step i's timers; skip warm-up and capture
+            row = {"context": context, "batch": args.batch, "config": spec}
+            row["step_ms"] = round(statistics.median(seconds[4:]) * 1e3, 2)
+            keys = sorted({k for s in steps for k in s})
+            for key in keys:
+                row[f"host_{key}_ms"] = round(statistics.median(s.get(key, 0.0) for s in steps) * 1e3, 3)
             layer = cache.tandem_layers()[0]
             bufs = layer.decode_buffers
+            TIMERS.clear()
             start = time.perf_counter()
             for _ in range(20):
-                original(layer, bufs, layer.head_dim**-0.5, cache.pool, True)
-            main_ms = (time.perf_counter() - start) / 20 * 1e3
-            row = {
-                "context": context,
-                "policy": policy,
-                "graphs": graphs,
-                "step_ms": round(step_ms, 2),
-                "cpu_parts_ms": round(host_ms, 2),
-                "cpu_part_threads": len(threads_seen),
-                "one_layer_cpu_part_on_main_thread_ms": round(main_ms, 3),
-                "layers": len(cache.tandem_layers()),
-            }
+                decode.host_part(layer, bufs, layer.head_dim**-0.5, cache.pool, True)
+            row["one_cpu_part_back_to_back_ms"] = round((time.perf_counter() - start) / 20 * 1e3, 3)
+            row["one_kernel_back_to_back_ms"] = round(TIMERS["kernel"] / 20 * 1e3, 3)
+            TIMERS.clear()
+            if not args.no_gpu_trace:
+                row.update(gpu_profile(runner, torch.zeros(args.batch, dtype=torch.long), 9))
+            row["layers"] = len(cache.tandem_layers())
             print(json.dumps(row), flush=True)
             results.append(row)
             del cache, runner, bufs, layer
             release_memory(torch.device("cuda"))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"machine": machine, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

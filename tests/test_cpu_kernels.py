@@ -155,6 +155,72 @@ def test_bad_input_names_the_argument():
         cpu.sparse_attention_lse(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, indices, lengths, 0.1)
 
 
+def make_ranked(batch, num_kv_heads, num_blocks, width, seed=0):
+    """Best-first block ids [B, Hkv, width]: distinct picks, some invalid (>= num_blocks, as quest's
+    device_select pads), ragged per (request, KV head)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_blocks + 5, generator=gen)[:width] for _ in range(batch * num_kv_heads)]
+    return torch.stack(rows).view(batch, num_kv_heads, width)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize(("skip", "count"), [(0, 13), (4, 13), (6, 6), (0, 0), (13, 13)])
+def test_ranked_attention_matches_reference(isa, dtype, group, skip, count):
+    batch, num_kv_heads, block_size, cap = 2, 2, 16, 16 * 27 + 5  # a partial block at the end of the store
+    q, k, v, _, _ = make_case(batch, group * num_kv_heads, num_kv_heads, 1, 64, cap, 1, dtype, seed=group)
+    ranked = make_ranked(batch, num_kv_heads, cap // block_size, 13, seed=skip)
+    key_mask = torch.rand(batch, cap, generator=torch.Generator().manual_seed(1)) > 0.2
+    q = q.to(dtype)
+    out, lse, lengths = cpu.ranked_block_attention(q, k, v, ranked, skip, count, 0.125, block_size, key_mask)
+    ref_out, ref_lse, ref_lengths = reference.ranked_block_attention(
+        q, k, v, ranked, skip, count, 0.125, block_size, key_mask
+    )
+    assert torch.equal(lengths, ref_lengths)
+    assert_close(lse, ref_lse, dtype, "lse")
+    assert_close(out, ref_out, dtype, "out")
+
+
+@needs_native
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_ranked_attention_in_place_with_counts(num_threads):
+    """The prepared call writes out / lse in place and counts what _record_selection would count."""
+    batch, num_kv_heads, block_size, cap = 3, 2, 16, 16 * 61
+    q, k, v, _, _ = make_case(batch, 8, num_kv_heads, 1, 128, cap, 1, torch.bfloat16)
+    q = q[:, :, 0].to(torch.bfloat16).contiguous()  # the decode buffers' [B, Hq, D]
+    ranked = make_ranked(batch, num_kv_heads, cap // block_size, 40)
+    key_mask = torch.ones(batch, cap, dtype=torch.bool)
+    key_mask[1, : 16 * 50] = False  # request 1: 11 blocks of real rows
+    out, lse = torch.empty(batch, 8, 128), torch.empty(batch, 8)
+    call = cpu.RankedAttention(q, k, v, ranked, 0.125, block_size, out, lse, key_mask, num_threads)
+    available = key_mask.sum(dim=1)
+    for skip, count in ((10, 40), (0, 25), (25, 25)):
+        attended, device, total = call(skip, count, available)
+        ref_out, ref_lse, _ = reference.ranked_block_attention(
+            q[:, :, None], k, v, ranked, skip, count, 0.125, block_size, key_mask
+        )
+        assert_close(out, ref_out[:, :, 0], torch.bfloat16, "out")
+        assert_close(lse, ref_lse[:, :, 0], torch.bfloat16, "lse")
+        _, lengths = reference.ranked_blocks(ranked, 0, count, cap // block_size)
+        _, before = reference.ranked_blocks(ranked, 0, skip, cap // block_size)
+        assert attended == int(torch.minimum(lengths * block_size, available[:, None]).sum())
+        assert device == int(before.sum()) * block_size
+        assert total == int(available.sum()) * num_kv_heads
+    with pytest.raises(ValueError, match="skip / count"):
+        call(5, 41)
+    with pytest.raises(ValueError, match="skip / count"):
+        call(6, 5)
+    with pytest.raises(ValueError, match="available"):
+        call(0, 5, available.int())
+    with pytest.raises(ValueError, match="out: "):
+        cpu.RankedAttention(q, k, v, ranked, 0.125, block_size, out[:, :4], lse, key_mask)
+    with pytest.raises(ValueError, match="ranked: "):
+        cpu.RankedAttention(q, k, v, ranked.int(), 0.125, block_size, out, lse, key_mask)
+    with pytest.raises(ValueError, match="ranked: must be contiguous"):
+        cpu.RankedAttention(q, k, v, ranked.mT.contiguous().mT, 0.125, block_size, out, lse, key_mask)
+
+
 def make_digests(batch, num_kv_heads, num_blocks, head_dim, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     center = torch.randn(batch, num_kv_heads, num_blocks, head_dim, generator=gen)

@@ -109,3 +109,34 @@ def test_split_attends_what_the_cpu_alone_attends(device):
     )
     assert sum(layer.rows_attended_device for layer in split_cache.tandem_layers()) > 0
     assert sum(layer.rows_attended_device for layer in alone_cache.tandem_layers()) == 0
+
+
+def test_compiled_ranked_call_equals_select_then_attend(monkeypatch):
+    """The decode path's one-call CPU part (`cpu.RankedAttention`: sort the CPU's ranks, attend, count) gives the
+    tokens and statistics of the policy's select() followed by host_attention."""
+    from tandem.kernels import ops
+
+    if not ops.native_cpu_available():
+        pytest.skip("CPU kernels unavailable")
+    model = _tiny(device="cpu")
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+
+    def run():
+        tokens, runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 12, chunk_tokens=32)
+        stats = [
+            (layer.rows_attended, layer.rows_attended_device, layer.rows_available, layer.decode_steps)
+            for layer in runner.cache.tandem_layers()
+        ]
+        return tokens, stats
+
+    calls = []
+    original = ops.ranked_attention_call
+    monkeypatch.setattr(ops, "ranked_attention_call", lambda *a, **k: calls.append(1) or original(*a, **k))
+    fused = run()
+    assert calls
+    monkeypatch.setattr(QuestPolicy, "ranked_range", lambda self, layer, ranked, skip: None)
+    plain = run()
+    assert torch.equal(fused[0], plain[0])
+    assert fused[1] == plain[1]

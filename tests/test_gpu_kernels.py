@@ -205,6 +205,41 @@ def test_host_block_attention_skips_padding_only_blocks():
     assert torch.all(lse == float("-inf")) and torch.all(out == 0)
 
 
+def score_case(batch, num_kv_heads, group, num_blocks, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(batch, num_kv_heads * group, head_dim, dtype=dtype, gen=gen)
+    center = torch.randn(batch, num_kv_heads, num_blocks, head_dim, generator=gen)
+    spread = torch.rand(batch, num_kv_heads, num_blocks, head_dim, generator=gen)
+    key_min = (center - spread).to(DEVICE, dtype)
+    key_max = (center + spread).to(DEVICE, dtype)
+    block_valid = (torch.rand(batch, num_blocks, generator=gen) > 0.2).to(DEVICE)
+    return q, key_min, key_max, block_valid
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("batch", "num_kv_heads", "group", "num_blocks", "head_dim"), [
+    (1, 1, 1, 27, 64), (2, 2, 4, 61, 128), (1, 2, 7, 130, 64), (2, 1, 8, 113, 96),
+])  # fmt: skip
+def test_block_scores_match_reference(batch, num_kv_heads, group, num_blocks, head_dim, dtype):
+    q, key_min, key_max, block_valid = score_case(batch, num_kv_heads, group, num_blocks, head_dim, dtype)
+    scores = gpu.block_scores(q, key_min, key_max, block_valid)
+    expected = reference.block_scores_matmul(q, key_min, key_max, block_valid)
+    assert scores.dtype == torch.float32
+    assert_close(scores, expected, dtype, "scores")
+    # blocks without a real row are never picked
+    assert torch.isneginf(scores[~block_valid[:, None].expand_as(scores)]).all()
+
+
+def test_block_scores_strided_digests_and_preallocated_out():
+    q, key_min, key_max, block_valid = score_case(2, 2, 4, 70, 64, torch.float32, seed=3)
+    out = torch.full((2, 2, 61), 7.0, device=DEVICE)
+    # a prefix of a larger digest store (the host tier's capacity), as the decode step passes it
+    scores = gpu.block_scores(q, key_min[:, :, :61], key_max[:, :, :61], block_valid[:, :61], out=out)
+    assert scores.data_ptr() == out.data_ptr()
+    expected = reference.block_scores_matmul(q, key_min[:, :, :61], key_max[:, :, :61], block_valid[:, :61])
+    assert_close(out, expected, torch.float32, "scores")
+
+
 def test_triton_available():
     assert gpu.triton_available(DEVICE)
     assert gpu.triton_available("cpu") == gpu.interpreted()
@@ -354,6 +389,38 @@ BAD_CALLS = {
         "values must have shape",
     ),
     "block num_splits": (gpu.host_block_attention, _block_args, lambda a: {"num_splits": 0}, "num_splits"),
+    "scores q shape": (
+        gpu.block_scores,
+        lambda: dict(
+            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
+        ),
+        lambda a: {"q": a["q"][:, :, None]},
+        r"q must have shape \[B, Hq, D\]",
+    ),
+    "scores group": (
+        gpu.block_scores,
+        lambda: dict(
+            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 3, 1, 30, 64, torch.float32))
+        ),
+        lambda a: {"q": a["q"][:, :2]},
+        "multiple of key_min's 3 KV heads",
+    ),
+    "scores key_max shape": (
+        gpu.block_scores,
+        lambda: dict(
+            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
+        ),
+        lambda a: {"key_max": a["key_max"][:, :, 1:]},
+        "key_max must have shape",
+    ),
+    "scores block_valid dtype": (
+        gpu.block_scores,
+        lambda: dict(
+            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
+        ),
+        lambda a: {"block_valid": a["block_valid"].long()},
+        "block_valid.dtype must be bool",
+    ),
     "merge shape": (
         gpu.merge_lse_,
         _merge_args,

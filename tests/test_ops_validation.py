@@ -267,3 +267,25 @@ def test_dispatching_launcher_names_the_bad_argument(case, path):
     launcher, build, pattern = PATH_CASES[case]
     with pytest.raises(ValueError, match=pattern):
         getattr(ops, launcher)(**build())
+
+
+@pytest.mark.parametrize("path", ["native", "reference"], indirect=True)
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"ranked": torch.zeros(B, HKV + 1, 4, dtype=torch.long)}, "ranked must be"),
+        ({"ranked": torch.zeros(B, HKV, 4, dtype=torch.int32)}, "ranked must be int64"),
+        ({"skip": 3, "count": 2}, "skip / count"),
+        ({"count": 5}, r"skip / count must satisfy 0 <= skip <= count <= 4"),
+        ({"block_size": 0}, "block_size"),
+        ({"v_store": f32(B, HKV, T + 1, D)}, "v_store"),
+    ],
+)
+def test_ranked_block_attention_refuses(path, changes, match):
+    args = dict(
+        q=f32(B, HQ, 1, D), k_store=f32(B, HKV, 32, D), v_store=f32(B, HKV, 32, D),
+        ranked=torch.tensor([0, 3, 9, 1]).repeat(B, HKV, 1), skip=1, count=3, scale=0.3, block_size=4,
+    )  # fmt: skip
+    args.update(changes)
+    with pytest.raises(ValueError, match=match):
+        ops.ranked_block_attention(**args)

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from ..kernels import ops
-from .host import _record_selection, host_attention
+from .host import _record_counts, _record_selection, host_attention
 
 
 class DecodeBuffers:
@@ -45,6 +45,7 @@ class DecodeBuffers:
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
+        self._ranked_call, self._ranked_key = None, None
 
     def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:
         """Queue the copy of the policy's device-side selection into host memory (same stream as q's)."""
@@ -55,6 +56,19 @@ class DecodeBuffers:
             # allocated in the eager warm-up steps; a captured step finds it (same shape, same address)
             self.from_device = torch.empty(selected.shape, dtype=selected.dtype, pin_memory=self.pin)
         self.from_device.copy_(selected, non_blocking=non_blocking)
+
+    def ranked_call(self, layer, scale: float):
+        """The compiled attention over ranks of `from_device`, prepared for these buffers and the layer's host
+        tier (rebuilt when either moves), or None without the compiled kernels."""
+        host = layer.host
+        key = (id(host), host.generation, self.from_device.data_ptr(), self.from_device.shape, scale)
+        if key != self._ranked_key:
+            self._ranked_call = ops.ranked_attention_call(
+                self.q_host, host.keys, host.values, self.from_device, scale, host.block_size,
+                self.out_host, self.lse_host, host.valid, layer.config.cpu_threads,
+            )  # fmt: skip
+            self._ranked_key = key
+        return self._ranked_call
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
@@ -177,6 +191,13 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
     skip = layer.policy.device_share(layer) if ranked is not None else 0  # ranks device_part attended
+    ranks = layer.policy.ranked_range(layer, ranked, skip) if ranked is not None else None
+    call = bufs.ranked_call(layer, scale) if ranks is not None else None
+    if call is not None:
+        # the policy keeps ranks [skip, count) of the device's ranking: one compiled call sorts them, attends
+        # them into out/lse_host and counts the rows (the same as select + host_attention below, less Python)
+        _record_counts(layer, *call(*ranks, host.valid_rows()))
+        return
     selection = layer.policy.select(layer, q_host, ranked, skip)
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])

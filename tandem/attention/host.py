@@ -76,6 +76,14 @@ def _record_selection(layer, selection: Selection, device_rows: torch.Tensor | N
     layer.decode_steps += 1
 
 
+def _record_counts(layer, attended: int, device: int, available: int) -> None:
+    """`_record_selection` from totals a compiled call counted itself (`cpu.RankedAttention`)."""
+    layer.rows_attended += attended
+    layer.rows_attended_device += device
+    layer.rows_available += available
+    layer.decode_steps += 1
+
+
 def dense_lse_chunked(q, k, v, scale, key_mask, key_chunk: int = KEY_CHUNK):
     """Dense attention with LSE over many keys, `key_chunk` at a time (online merge).
 

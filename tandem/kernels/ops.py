@@ -116,6 +116,43 @@ def sparse_attention_lse(
     return reference.sparse_attention_lse(q, k_store, v_store, indices, lengths, scale, key_mask, block_size)
 
 
+def ranked_block_attention(
+    q, k_store, v_store, ranked, skip: int, count: int, scale: float, block_size: int, key_mask=None,
+    num_threads=None,
+):  # fmt: skip
+    """Attention over ranks [skip, count) of best-first block ids: (out, lse, lengths).
+    See `reference.ranked_block_attention`."""
+    _check_qkv(q, k_store, v_store, "k_store", "v_store")
+    _check(
+        ranked.dim() == 3 and tuple(ranked.shape[:2]) == tuple(k_store.shape[:2]),
+        f"ranked must be [B, Hkv, W] = [{k_store.shape[0]}, {k_store.shape[1]}, W], got {tuple(ranked.shape)}",
+    )
+    _check(ranked.dtype == torch.long, f"ranked must be int64, got {ranked.dtype}")
+    _check(
+        0 <= skip <= count <= ranked.shape[2],
+        f"skip / count must satisfy 0 <= skip <= count <= {ranked.shape[2]} (ranked's width), got {skip} / {count}",
+    )
+    _check(isinstance(block_size, int) and block_size >= 1, f"block_size must be >= 1, got {block_size}")
+    if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
+        return _native.ranked_block_attention(
+            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, num_threads
+        )
+    return reference.ranked_block_attention(
+        q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask
+    )
+
+
+def ranked_attention_call(q, k_store, v_store, ranked, scale: float, block_size: int, out, lse, key_mask=None,
+                          num_threads=None):  # fmt: skip
+    """`ranked_block_attention` prepared for fixed buffers (`cpu.RankedAttention`: out / lse written in place,
+    a call costs microseconds), or None where the compiled kernels are unavailable."""
+    if not native_cpu_available():
+        return None
+    return _native.RankedAttention(
+        q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask, num_threads
+    )
+
+
 def block_scores(q, key_min, key_max, num_threads=None):
     """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
     _check(key_min.dim() == 4, f"key_min must be [B, Hkv, nblk, D], got {tuple(key_min.shape)}")
@@ -251,4 +288,8 @@ def block_scores_matmul(q, key_min, key_max, block_valid):
         block_valid.dtype == torch.bool and tuple(block_valid.shape) == (key_min.shape[0], key_min.shape[2]),
         f"block_valid must be bool [B, nblk] = {(key_min.shape[0], key_min.shape[2])}, got {tuple(block_valid.shape)}",
     )
+    if _triton_on(q.device):
+        from . import gpu
+
+        return gpu.block_scores(q, key_min, key_max, block_valid)
     return reference.block_scores_matmul(q, key_min, key_max, block_valid)

@@ -129,6 +129,38 @@ def sparse_attention_lse(
     return out, lse.reshape(batch, num_kv_heads * group, q_len)
 
 
+def ranked_blocks(ranked: torch.Tensor, skip: int, count: int, num_blocks: int):
+    """Ranks [skip, count) of best-first block ids [B, Hkv, W] as a block selection: (ids [B, Hkv, count - skip]
+    ascending, padded with 0 past `lengths` [B, Hkv]). Ids outside [0, num_blocks) are invalid picks, dropped."""
+    picks = ranked[..., skip:count]
+    keep = (picks >= 0) & (picks < num_blocks)
+    lengths = keep.sum(dim=-1)
+    ids = torch.where(keep, picks, torch.full_like(picks, num_blocks)).sort(dim=-1).values
+    live = torch.arange(picks.shape[-1], device=ranked.device) < lengths[..., None]
+    return ids.masked_fill(~live, 0), lengths
+
+
+def ranked_block_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    ranked: torch.Tensor,
+    skip: int,
+    count: int,
+    scale: float,
+    block_size: int,
+    key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention over ranks [skip, count) of best-first block ids (Quest's device-ranked top-k).
+
+    ranked: [B, Hkv, W] int64, ids >= cap // block_size (or < 0) are invalid picks. Returns out [B, Hq, Lq, D]
+    float32, lse [B, Hq, Lq] float32 and lengths [B, Hkv] (the valid ids attended), as sparse_attention_lse.
+    """
+    ids, lengths = ranked_blocks(ranked, skip, count, k_store.shape[2] // block_size)
+    out, lse = sparse_attention_lse(q, k_store, v_store, ids, lengths, scale, key_mask, block_size)
+    return out, lse, lengths
+
+
 def coarsen_digest(
     key_min: torch.Tensor, key_max: torch.Tensor, factor: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

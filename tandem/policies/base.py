@@ -46,6 +46,10 @@ class Policy:
                                        of its ranked entries the device attends itself, see device_share)
       device_share(layer)              -> how many of device_select's ranked entries (per KV head) the compute
                                        device attends this step from pinned host memory (0: the CPU does all)
+      ranked_range(layer, from_device, skip) -> (skip, count) when select() would pick exactly ranks [skip,
+                                       count) of from_device (as blocks of host.block_size), so the decode path
+                                       can attend them in one compiled call (`ops.ranked_attention_call`);
+                                       None otherwise
       on_evict(layer, first, n, hot_counts)  rows [first, first+n) are on their way to the host tier; their
                                        data (and the CPU tensor hot_counts [B]) are readable after host.wait()
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
@@ -68,6 +72,9 @@ class Policy:
 
     def device_share(self, layer) -> int:
         return 0
+
+    def ranked_range(self, layer, from_device: torch.Tensor | None, skip: int) -> tuple[int, int] | None:
+        return None
 
     def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
         return None

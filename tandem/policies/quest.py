@@ -49,6 +49,14 @@ class QuestPolicy(Policy):
         k = self.blocks_this_step(layer)
         return min(k, math.floor(layer.gpu_share * k + 0.5))
 
+    def ranked_range(self, layer, from_device, skip: int) -> tuple[int, int] | None:
+        """select() with device-ranked ids keeps ranks [skip, ceil(budget * blocks)) (the invalid picks dropped,
+        the rest sorted): that is `reference.ranked_blocks`, done by the compiled call in one go."""
+        k = self.blocks_this_step(layer)
+        if from_device is None or from_device.shape[-1] < k:
+            return None
+        return min(skip, k), k
+
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         host = layer.host
         k = self.blocks_this_step(layer)

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels: sparse attention with LSE, block scoring + top-k, HGCA threshold selection.
+"""Compiled CPU kernels: sparse attention with LSE (over selected rows, or over ranks of device-ranked
+blocks), block scoring + top-k, HGCA threshold selection.
 
 Plain C++ with OpenMP, built with the system compiler on first use and cached (see `_library`), with
 run-time SIMD dispatch (AVX-512-BF16 -> AVX-512F -> AVX2/FMA -> portable). Every function matches its
@@ -13,7 +14,9 @@ from __future__ import annotations
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import default_num_threads
 from tandem.kernels.cpu.ops import (
+    RankedAttention,
     block_scores,
+    ranked_block_attention,
     read_sum,
     score_topk,
     sparse_attention_lse,
@@ -40,10 +43,12 @@ def supported_isas() -> tuple[str, ...]:
 
 
 __all__ = [
+    "RankedAttention",
     "block_scores",
     "default_num_threads",
     "is_available",
     "isa",
+    "ranked_block_attention",
     "read_sum",
     "score_topk",
     "sparse_attention_lse",

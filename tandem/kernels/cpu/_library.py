@@ -96,6 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_abi_version": (ctypes.c_int, []),
         "tandem_isa_supported": (ctypes.c_int, [i32]),
         "tandem_sparse_attention": (i64, [i32, i32, p, p, p, i32]),
+        "tandem_ranked_attention": (i64, [i32, i32, p, i32, p, i64, i64, i64, p, p, p, p, p, p, i32]),
         "tandem_score_topk": (i64, [i32, i32, p, p, i64, p, p, i32]),
         "tandem_topk": (None, [p, i64, i64, i64, p, p, i32]),
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),

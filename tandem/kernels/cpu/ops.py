@@ -151,6 +151,119 @@ def sparse_attention_lse(
     return out, lse
 
 
+class RankedAttention:
+    """Attention over ranks [skip, count) of device-ranked block ids, with every argument checked and laid out
+    once for fixed buffers: one decode layer's q, ranked ids, out and lse, and its host store. A call passes only
+    the ranks and the per-request available rows, so it costs a few microseconds of Python (the decode path
+    makes one call per layer and step). The kept ids of each (request, KV head) are sorted in C++.
+
+    q:        [B, Hq, D] or [B, Hq, Lq, D] float32 / bfloat16 / float16, contiguous
+    k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
+    ranked:   [B, Hkv, W] int64 contiguous, best first; ids outside [0, cap // block_size) are skipped
+    out:      float32 q's shape, lse float32 q's shape without D; both contiguous, written in place
+    Calling returns (attended, device, available): rows of all `count` ranks' valid ids, clamped per
+    (request, KV head) to `available[b]`; rows of the first `skip` ranks' valid ids; sum of `available[b]`
+    over (request, KV head).
+    """
+
+    def __init__(
+        self, q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask=None, num_threads=None
+    ) -> None:
+        _check_tensor("q", q, q.dim() if q.dim() in (3, 4) else 4, _FLOAT_DTYPES)
+        batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
+        _check_tensor("k_store", k_store, 4, tuple(DTYPE_CODES), (batch, None, None, head_dim))
+        num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+        _check_tensor("v_store", v_store, 4, (k_store.dtype,), tuple(k_store.shape))
+        if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+            raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+        _rows_contiguous("k_store", k_store)
+        _rows_contiguous("v_store", v_store)
+        _check_tensor("ranked", ranked, 3, (torch.int64,), (batch, num_kv_heads, None))
+        if key_mask is not None:
+            _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: must be finite, got {scale}")
+        _check_tensor("out", out, q.dim(), (torch.float32,), tuple(q.shape))
+        _check_tensor("lse", lse, q.dim() - 1, (torch.float32,), tuple(q.shape[:-1]))
+        for name, t in (("q", q), ("ranked", ranked), ("out", out), ("lse", lse), ("key_mask", key_mask)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name}: must be contiguous (written or read in place), got {t.stride()}")
+        self.threads = _threads(num_threads)
+        self.lib = _native()
+        if self.lib is None:
+            raise RuntimeError(f"the compiled CPU kernels are unavailable ({_library.unavailable_reason()})")
+        q_len = q.shape[2] if q.dim() == 4 else 1
+        self.tensors = (q, k_store, v_store, ranked, out, lse, key_mask)  # keeps the addresses alive
+        self.batch, self.num_kv_heads, self.width = batch, num_kv_heads, ranked.shape[2]
+        self.indices = torch.empty(batch, num_kv_heads, self.width, dtype=torch.int64)
+        self.lengths = torch.zeros(batch, num_kv_heads, dtype=torch.int64)
+        self.stats = (ctypes.c_int64 * 3)()
+        self.args = AttendArgs(
+            _ptr(q), scale * LOG2E, _ptr(k_store), _ptr(v_store),  # the kernel works in base 2
+            *k_store.stride()[:3], *v_store.stride()[:3],
+            None, None, _ptr(key_mask),
+            batch, num_kv_heads, (num_q_heads // num_kv_heads) * q_len, head_dim,
+            0, cap, block_size, *_library.prefetch_config(),
+        )  # fmt: skip
+        self.call_args = (
+            _library.isa_code(), DTYPE_CODES[k_store.dtype], ctypes.byref(self.args), DTYPE_CODES[q.dtype],
+            _ptr(ranked), self.width,
+        )  # fmt: skip
+        self.tail = (_ptr(self.indices), _ptr(self.lengths))
+        self.outputs = (self.stats, _ptr(out), _ptr(lse), self.threads)
+
+    def __call__(self, skip: int, count: int, available: torch.Tensor | None = None) -> tuple[int, int, int]:
+        """Attend ranks [skip, count) (0 <= skip <= count <= W); `available`: [B] int64 contiguous, or None."""
+        if available is not None and (
+            available.dtype != torch.int64
+            or available.shape != (self.batch,)
+            or not available.is_contiguous()
+        ):
+            raise ValueError(
+                f"available: expected [{self.batch}] int64 contiguous, got {tuple(available.shape)} {available.dtype}"
+            )
+        bad = self.lib.tandem_ranked_attention(
+            *self.call_args, skip, count, *self.tail, _ptr(available), *self.outputs
+        )
+        if bad == -2:
+            raise ValueError(f"skip / count: need 0 <= skip <= count <= {self.width}, got {skip} / {count}")
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
+        if bad:
+            raise ValueError(f"ranked: {bad} selected rows fall outside the store; check the block ids")
+        return self.stats[0], self.stats[1], self.stats[2]
+
+
+def ranked_block_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    ranked: torch.Tensor,
+    skip: int,
+    count: int,
+    scale: float,
+    block_size: int,
+    key_mask: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention over ranks [skip, count) of best-first block ids. See `reference.ranked_block_attention`."""
+    if _native() is None:
+        return reference.ranked_block_attention(
+            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask
+        )
+    _check_tensor("q", q, 4, _FLOAT_DTYPES)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32)
+    call = RankedAttention(
+        q.contiguous(), k_store, v_store, ranked.contiguous(), scale, block_size, out, lse,
+        None if key_mask is None else key_mask.contiguous(), num_threads,
+    )  # fmt: skip
+    call(skip, count)
+    return out, lse, call.lengths
+
+
 def _score(q, key_min, key_max, factor, k, num_threads):
     _check_tensor("q", q, 4, _FLOAT_DTYPES)
     batch, num_q_heads, _, head_dim = q.shape

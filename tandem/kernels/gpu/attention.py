@@ -31,6 +31,7 @@ MAX_HEAD_DIM = 256  # padded up to a power of two >= 16 inside the kernels (what
 BLOCK_S = 64  # hot-tier slots per tile
 BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a large one)
 MAX_SPLITS = 64
+SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
 
 
 def interpreted() -> bool:
@@ -398,6 +399,65 @@ def host_block_attention(
                 num_warps=4,
             )
     return out, lse
+
+
+def block_scores(q, key_min, key_max, block_valid, out=None):
+    """Quest's upper bound of q.k for every block of a digest store, one decode query per request.
+
+    Parameters
+    ----------
+    q : [B, Hq, D] float16 / bfloat16 / float32 on CUDA; D <= MAX_HEAD_DIM
+    key_min, key_max : [B, Hkv, NB, D] per-block key minima / maxima, finite, on q's device (q's dtype or any
+        float dtype: q is rounded to theirs, as the reference does); stride 1 along D
+    block_valid : [B, NB] bool on q's device, False at blocks with no real row
+    out : optional preallocated [B, Hkv, NB] float32
+
+    Returns [B, Hkv, NB] float32: max over each KV head's query group of sum_d max(q_d min_d, q_d max_d), -inf
+    at invalid blocks. See `reference.block_scores_matmul`.
+    """
+    device = _run_device("q", q)
+    _check_tensor("q", q, "[B, Hq, D]", (None, None, None), FLOAT_DTYPES)
+    batch, num_q_heads, head_dim = q.shape
+    _check(head_dim <= MAX_HEAD_DIM, f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
+    _check_tensor("key_min", key_min, "[B, Hkv, NB, D]", (batch, None, None, head_dim), FLOAT_DTYPES)
+    num_kv_heads, num_blocks = key_min.shape[1], key_min.shape[2]
+    _check_tensor("key_max", key_max, "[B, Hkv, NB, D] (key_min's shape)", tuple(key_min.shape), FLOAT_DTYPES)
+    _check(
+        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+        f"q's {num_q_heads} heads must be a multiple of key_min's {num_kv_heads} KV heads",
+    )
+    _check_tensor("block_valid", block_valid, "[B, NB]", (batch, num_blocks), (torch.bool,))
+    for name, t in (("key_min", key_min), ("key_max", key_max), ("block_valid", block_valid)):
+        _check_on(name, t, device)
+    q = _unit_last_stride("q", q, may_copy=True)
+    key_min = _unit_last_stride("key_min", key_min, may_copy=True)
+    key_max = _unit_last_stride("key_max", key_max, may_copy=True)
+    out = _output("out", out, (batch, num_kv_heads, num_blocks), "[B, Hkv, NB]", device)
+    if batch == 0 or num_blocks == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    with _guard(device):
+        _kernels.block_scores_kernel[(batch, num_kv_heads, triton.cdiv(num_blocks, SCORE_BLOCK_N))](
+            q,
+            key_min,
+            key_max,
+            block_valid.view(torch.uint8),
+            out,
+            num_blocks,
+            group,
+            *q.stride()[:2],
+            *key_min.stride()[:3],
+            *key_max.stride()[:3],
+            block_valid.stride(0),
+            *out.stride()[:2],
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            GROUP_PAD=_group_pad(group),
+            BLOCK_N=SCORE_BLOCK_N,
+            **_dot_options(key_max.dtype),
+            num_warps=4,
+        )
+    return out
 
 
 def merge_lse_(out_a, lse_a, out_b, lse_b):

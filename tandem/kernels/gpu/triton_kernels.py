@@ -320,3 +320,59 @@ def merge_lse_kernel(
     part_b = tl.where(w_b[:, None] > 0.0, out_b * w_b[:, None], 0.0)
     tl.store(out_a_ptr + offs, (part_a + part_b) / norm[:, None], mask=mask)
     tl.store(lse_a_ptr + r, tl.where(empty, float("-inf"), m_safe + tl.log(norm)), mask=r_ok)
+
+
+@triton.jit
+def block_scores_kernel(
+    q_ptr,  # [B, Hq, D]
+    min_ptr,  # [B, Hkv, NB, D] per-block key minima
+    max_ptr,  # [B, Hkv, NB, D] per-block key maxima
+    valid_ptr,  # [B, NB] uint8
+    out_ptr,  # [B, Hkv, NB] fp32
+    num_blocks,
+    group,
+    stride_qb,
+    stride_qh,
+    stride_nb,
+    stride_nh,
+    stride_nn,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_vb,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Quest's bound of BLOCK_N blocks for one (request, KV head): max over the group's query heads of
+    sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min (two tensor-core dots), -inf at
+    invalid blocks. Grid: (B, Hkv, cdiv(NB, BLOCK_N))."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d[None, :] < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + (h * group + rows)[:, None] * stride_qh + d[None, :],
+        mask=(rows[:, None] < group) & d_ok,
+        other=0.0,
+    )
+    n_ok = n < num_blocks
+    tile = n[:, None] * stride_nn + d[None, :]
+    low = tl.load(min_ptr + b * stride_nb + h * stride_nh + tile, mask=n_ok[:, None] & d_ok, other=0.0)
+    tile = n[:, None] * stride_xn + d[None, :]
+    high = tl.load(max_ptr + b * stride_xb + h * stride_xh + tile, mask=n_ok[:, None] & d_ok, other=0.0)
+    positive = tl.maximum(q, 0.0).to(high.dtype)
+    negative = tl.minimum(q, 0.0).to(low.dtype)
+    bound = _dot(positive, tl.trans(high), DOT_PRECISION, UPCAST)
+    bound += _dot(negative, tl.trans(low), DOT_PRECISION, UPCAST)  # [GROUP_PAD, BLOCK_N]
+    bound = tl.where(rows[:, None] < group, bound, float("-inf"))
+    best = tl.max(bound, axis=0)
+    ok = tl.load(valid_ptr + b * stride_vb + n, mask=n_ok, other=0) != 0
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + n, tl.where(ok, best, float("-inf")), mask=n_ok)

@@ -50,28 +50,19 @@ void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int
   }
 }
 
-}  // namespace
-}  // namespace tandem
-
-extern "C" {
-
-// out: [B, Hkv, NQ, D] fp32, lse: [B, Hkv, NQ] fp32. Returns the number of out-of-range row ids met
-// (those rows are skipped), or -1 if `isa` / `dtype` is not available.
-int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* args, float* out, float* lse,
-                                int num_threads) {
-  using namespace tandem;
-  const KernelTable* table = table_for(isa);
-  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes) return -1;
-  AttendArgs a = *args;
+// The driver of both entry points: `a.q` is the raw fp32 query [B, Hkv, NQ, D] (scaled and laid out here).
+int64_t attend_all(const KernelTable* table, int dtype, AttendArgs a, float* out, float* lse, int num_threads) {
   const AttendFn attend = table->attend[dtype];
   const int64_t nseg = a.batch * a.num_kv_heads;
   const int64_t nq = a.nq, head_dim = a.head_dim;
-  std::vector<float> q_scaled(args->q, args->q + nseg * nq * head_dim);
+  static thread_local std::vector<float> q_scaled;
+  q_scaled.assign(a.q, a.q + nseg * nq * head_dim);
   for (float& x : q_scaled) x *= a.q_scale;
   table->layout[dtype](q_scaled.data(), nseg * nq, head_dim, 0);
   a.q = q_scaled.data();
 
-  std::vector<int64_t> offsets(nseg + 1, 0);  // expanded-row offsets of each segment
+  static thread_local std::vector<int64_t> offsets;  // expanded-row offsets of each segment
+  offsets.assign(nseg + 1, 0);
   for (int64_t i = 0; i < nseg; ++i) {
     const int64_t len = std::min(std::max<int64_t>(a.lengths[i], 0), a.width);
     offsets[i + 1] = offsets[i] + len * a.block_size;
@@ -88,6 +79,7 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
   const size_t scratch_floats = static_cast<size_t>((nchunks + nseg) * slot_floats);
   if (scratch_buffer.size() < scratch_floats) scratch_buffer.resize(scratch_floats);
   float* const scratch = scratch_buffer.data();
+  const int64_t* const offs = offsets.data();
   int64_t bad_rows = 0;
 
 #pragma omp parallel num_threads(nt) reduction(+ : bad_rows)
@@ -95,10 +87,10 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < nchunks; ++c) {
       const int64_t lo = c * chunk, hi = std::min(total, lo + chunk);
-      int64_t seg = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
-      for (; seg < nseg && offsets[seg] < hi; ++seg) {
-        const int64_t s0 = std::max(lo, offsets[seg]) - offsets[seg];
-        const int64_t s1 = std::min(hi, offsets[seg + 1]) - offsets[seg];
+      int64_t seg = std::upper_bound(offs, offs + nseg + 1, lo) - offs - 1;
+      for (; seg < nseg && offs[seg] < hi; ++seg) {
+        const int64_t s0 = std::max(lo, offs[seg]) - offs[seg];
+        const int64_t s1 = std::min(hi, offs[seg + 1]) - offs[seg];
         if (s1 > s0) attend(a, seg, s0, s1, scratch + (c + seg) * slot_floats, &bad_rows);
       }
     }
@@ -106,17 +98,98 @@ int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* ar
     for (int64_t seg = 0; seg < nseg; ++seg) {
       float* o = out + seg * nq * head_dim;
       float* l = lse + seg * nq;
-      if (offsets[seg + 1] == offsets[seg]) {
+      if (offs[seg + 1] == offs[seg]) {
         std::fill(o, o + nq * head_dim, 0.f);
         std::fill(l, l + nq, -INFINITY);
         continue;
       }
-      const int64_t c0 = offsets[seg] / chunk, c1 = (offsets[seg + 1] - 1) / chunk;
+      const int64_t c0 = offs[seg] / chunk, c1 = (offs[seg + 1] - 1) / chunk;
       merge_segment(scratch, slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
       table->layout[dtype](o, nq, head_dim, 1);
     }
   }
   return bad_rows;
+}
+
+// q of any storage dtype to fp32 (n values).
+void query_to_f32(const void* src, int src_dtype, int64_t n, float* dst) {
+  if (src_dtype == kF32) {
+    std::copy(static_cast<const float*>(src), static_cast<const float*>(src) + n, dst);
+  } else if (src_dtype == kBF16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(static_cast<const bf16_t*>(src)[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(static_cast<const f16_t*>(src)[i]);
+  }
+}
+
+}  // namespace
+}  // namespace tandem
+
+extern "C" {
+
+// out: [B, Hkv, NQ, D] fp32, lse: [B, Hkv, NQ] fp32. Returns the number of out-of-range row ids met
+// (those rows are skipped), or -1 if `isa` / `dtype` is not available.
+int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* args, float* out, float* lse,
+                                int num_threads) {
+  using namespace tandem;
+  const KernelTable* table = table_for(isa);
+  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes) return -1;
+  return attend_all(table, dtype, *args, out, lse, num_threads);
+}
+
+// Attention over ranks [skip, count) of device-ranked block ids (Quest's top-k, best first), in one call:
+// ranked [B, Hkv, ranked_width] int64, ids >= cap / block_size are invalid picks and skipped. The kept ids
+// of each (request, KV head) are sorted ascending into `indices` ([B, Hkv, count - skip] scratch, so rows
+// stream in address order) with their number in `lengths` [B, Hkv]; `args` carries the query as
+// `q_dtype` data (fp32 / bf16 / fp16, [B, Hkv, NQ, D]), the store and the mask; its indices, lengths and
+// width are set here. Then as tandem_sparse_attention.
+//
+// stats (nullable) gets, with available [B] the non-padding rows of each request (nullable = no clamp):
+//   stats[0] = sum over (b, h) of min(rows of all `count` ranks' valid ids, available[b])
+//   stats[1] = rows of the valid ids among the first `skip` ranks (attended elsewhere: the device share)
+//   stats[2] = sum over (b, h) of available[b]
+// Returns the out-of-range row ids met, -1 if isa / dtype is unavailable, -2 if not 0 <= skip <= count <=
+// ranked_width.
+int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
+                                const int64_t* ranked, int64_t ranked_width, int64_t skip, int64_t count,
+                                int64_t* indices, int64_t* lengths, const int64_t* available, int64_t* stats,
+                                float* out, float* lse, int num_threads) {
+  using namespace tandem;
+  const KernelTable* table = table_for(isa);
+  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes || q_dtype < 0 || q_dtype >= kNumDtypes) return -1;
+  if (skip < 0 || skip > count || count > ranked_width) return -2;
+  AttendArgs a = *args;
+  const int64_t nseg = a.batch * a.num_kv_heads, width = count - skip;
+  const int64_t limit = a.cap / a.block_size;
+  int64_t attended = 0, device = 0, avail_total = 0;
+  for (int64_t seg = 0; seg < nseg; ++seg) {
+    const int64_t* r = ranked + seg * ranked_width;
+    int64_t* ids = indices + seg * width;
+    int64_t n = 0, before = 0;
+    for (int64_t j = 0; j < skip; ++j) before += (r[j] >= 0 && r[j] < limit);
+    for (int64_t j = skip; j < count; ++j) {
+      if (r[j] >= 0 && r[j] < limit) ids[n++] = r[j];
+    }
+    std::sort(ids, ids + n);
+    lengths[seg] = n;
+    const int64_t avail = available ? available[seg / a.num_kv_heads] : INT64_MAX;
+    attended += std::min((n + before) * a.block_size, avail);
+    device += before * a.block_size;
+    avail_total += available ? avail : 0;
+  }
+  if (stats != nullptr) {
+    stats[0] = attended;
+    stats[1] = device;
+    stats[2] = avail_total;
+  }
+  a.indices = indices;
+  a.lengths = lengths;
+  a.width = width;
+  static thread_local std::vector<float> q32;
+  q32.resize(nseg * a.nq * a.head_dim);
+  query_to_f32(static_cast<const void*>(a.q), q_dtype, static_cast<int64_t>(q32.size()), q32.data());
+  a.q = q32.data();
+  return attend_all(table, dtype, a, out, lse, num_threads);
 }
 
 }  // extern "C"
