@@ -240,6 +240,55 @@ def test_block_scores_strided_digests_and_preallocated_out():
     assert_close(out, expected, torch.float32, "scores")
 
 
+def tied_scores(rows, num_blocks, seed=0):
+    """Scores with the cases a top-k meets: -inf blocks (a row of them), ties across the k-th score, negative
+    zero and the extremes."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, num_blocks, generator=gen) * 10
+    scores[0, : num_blocks // 3] = float("-inf")
+    scores[-1, 3 : 3 + num_blocks // 4] = 1.25  # a long tie
+    scores[-1, 1] = -0.0
+    scores[-1, 2] = 0.0
+    if rows > 2:
+        scores[1] = float("-inf")
+        scores[2, 0] = torch.finfo(torch.float32).max
+        scores[2, 1] = -torch.finfo(torch.float32).max
+    return scores.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_blocks", "width", "k"),
+    [
+        (3, 100, 20, 13),
+        (4, 1000, 60, 60),
+        (1, 37, 10, 0),
+        (2, 50, 50, 50),
+        (4, 300, 40, 17),
+        (3, 4100, 300, 211),
+    ],
+)
+def test_top_blocks_match_reference(rows, num_blocks, width, k):
+    scores = tied_scores(rows, num_blocks, seed=k)
+    ids = gpu.top_blocks(scores, torch.tensor([k], device=DEVICE), width)
+    assert ids.dtype == torch.int64 and ids.shape == (rows, width)
+    assert torch.equal(ids, reference.top_blocks(scores, k, width))
+    # as a set: the kept blocks are the k best (ties to the lower id), ascending, padded with num_blocks
+    for r in range(rows):
+        kept = ids[r][ids[r] < num_blocks]
+        assert torch.equal(kept, kept.sort().values) and kept.numel() <= k
+        rest = scores[r][~torch.isin(torch.arange(num_blocks, device=DEVICE), kept)]
+        if kept.numel() and rest.numel():
+            assert scores[r, kept].min() >= rest.max()
+
+
+def test_top_blocks_leading_dims_and_preallocated_out():
+    scores = tied_scores(6, 130, seed=4).view(2, 3, 130)
+    out = torch.empty(2, 3, 16, dtype=torch.int64, device=DEVICE)
+    ids = gpu.top_blocks(scores, torch.tensor([9], device=DEVICE), 16, out=out)
+    assert ids.data_ptr() == out.data_ptr()
+    assert torch.equal(out, reference.top_blocks(scores, 9, 16))
+
+
 def test_triton_available():
     assert gpu.triton_available(DEVICE)
     assert gpu.triton_available("cpu") == gpu.interpreted()
@@ -421,6 +470,30 @@ BAD_CALLS = {
         lambda a: {"block_valid": a["block_valid"].long()},
         "block_valid.dtype must be bool",
     ),
+    "top k dtype": (
+        gpu.top_blocks,
+        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        lambda a: {"k": a["k"].int()},
+        r"k.dtype must be int64",
+    ),
+    "top scores dtype": (
+        gpu.top_blocks,
+        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        lambda a: {"scores": a["scores"].double()},
+        r"scores.dtype must be float32",
+    ),
+    "top width": (
+        gpu.top_blocks,
+        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        lambda a: {"width": 0},
+        "width must be a positive int",
+    ),
+    "top too many blocks": (
+        gpu.top_blocks,
+        lambda: {"scores": tied_scores(1, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        lambda a: {"scores": torch.zeros(1, 40000, device=DEVICE)},
+        "at most 32768",
+    ),
     "merge shape": (
         gpu.merge_lse_,
         _merge_args,
@@ -447,6 +520,32 @@ def test_launchers_refuse_bad_input(case):
 
 
 # ---- CUDA only: zero-copy reads of a pinned host store, CUDA-graph capture -------------------------------------
+
+
+@pytest.mark.cuda
+@no_cuda_skip
+def test_scores_and_top_blocks_replay_with_a_new_k():
+    """Quest's selection as the decode step records it: the graph reads q, the digests and k at replay."""
+    q, key_min, key_max, block_valid = score_case(2, 8, 4, 8300, 128, torch.bfloat16, seed=12)
+    k = torch.tensor([400], device="cuda")
+    gpu.top_blocks(gpu.block_scores(q, key_min, key_max, block_valid), k, 415)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids = gpu.top_blocks(gpu.block_scores(q, key_min, key_max, block_valid), k, 415)
+    new_q = score_case(2, 8, 4, 8300, 128, torch.bfloat16, seed=13)[0]
+    q.copy_(new_q)
+    k.fill_(407)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference.top_blocks(
+        reference.block_scores_matmul(new_q, key_min, key_max, block_valid), 407, 415
+    )
+    # the reference rounds its bounds to bf16, the kernel does not: compare the sets, allowing near-ties
+    same = sum(
+        len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids.view(-1, 415), expected.view(-1, 415))
+    )
+    assert same >= 0.97 * expected.numel()
+    assert (ids[..., 407:] == 8300).all()
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:

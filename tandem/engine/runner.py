@@ -59,6 +59,8 @@ class DecodeStep:
             )
         slot = slots.pop()
         self.slot.fill_(slot)
+        for layer in layers:
+            layer.policy.prepare_step(layer)
         shares = {layer.policy.device_share(layer) for layer in layers}
         if len(shares) != 1:
             raise RuntimeError(

@@ -255,6 +255,27 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
     return out_a, lse_a
 
 
+def top_blocks_available(scores) -> bool:
+    """Whether `top_blocks` runs without reading `k` on the host (Triton on the scores' CUDA device), or on CPU
+    tensors: then a captured graph may hold it."""
+    return _triton_on(scores.device) or not scores.is_cuda
+
+
+def top_blocks(scores, k, width: int):
+    """The k best-scoring blocks of each row as a set: scores [..., NB] float32, k [1] int64 on their device ->
+    [..., width] int64 (ids ascending, then NB). See `reference.top_blocks`."""
+    _check(scores.dtype == torch.float32, f"scores must be float32, got {scores.dtype}")
+    if _triton_on(scores.device):
+        from . import gpu
+
+        return gpu.top_blocks(scores, k, width)
+    _check(
+        isinstance(width, int) and 0 <= int(k) <= width,
+        f"k must lie in [0, width={width}], got {int(k)}",
+    )
+    return reference.top_blocks(scores, int(k), width)
+
+
 def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, valid, scale: float):
     """Attention of one query per request on q's device over selected blocks of a host KV store: q [B, Hq, D];
     keys / values [B, Hkv, T, D] (pinned host memory, read in place by a CUDA q; any CPU tensor otherwise);

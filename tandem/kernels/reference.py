@@ -129,6 +129,20 @@ def sparse_attention_lse(
     return out, lse.reshape(batch, num_kv_heads * group, q_len)
 
 
+def top_blocks(scores: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """The `k` best-scoring blocks of each row as a set: [..., NB] float32 -> [..., width] int64 holding the kept
+    ids ascending, then NB (an invalid pick). Blocks scoring -inf are never kept; ties at the k-th score go to
+    the lower ids (a stable sort). 0 <= k <= width."""
+    num_blocks = scores.shape[-1]
+    k = min(k, num_blocks)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    best = scores.gather(-1, order)
+    ids = order.masked_fill(best == NEG_INF, num_blocks).sort(dim=-1).values
+    out = torch.full((*scores.shape[:-1], width), num_blocks, dtype=torch.long, device=scores.device)
+    out[..., :k] = ids
+    return out
+
+
 def ranked_blocks(ranked: torch.Tensor, skip: int, count: int, num_blocks: int):
     """Ranks [skip, count) of best-first block ids [B, Hkv, W] as a block selection: (ids [B, Hkv, count - skip]
     ascending, padded with 0 past `lengths` [B, Hkv]). Ids outside [0, num_blocks) are invalid picks, dropped."""

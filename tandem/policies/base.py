@@ -46,6 +46,8 @@ class Policy:
                                        of its ranked entries the device attends itself, see device_share)
       device_share(layer)              -> how many of device_select's ranked entries (per KV head) the compute
                                        device attends this step from pinned host memory (0: the CPU does all)
+      prepare_step(layer)              before each decode step, on the host: refresh device tensors that
+                                       device_select's kernels read (a recorded graph replays without calling it)
       ranked_range(layer, from_device, skip) -> (skip, count) when select() would pick exactly ranks [skip,
                                        count) of from_device (as blocks of host.block_size), so the decode path
                                        can attend them in one compiled call (`ops.ranked_attention_call`);
@@ -72,6 +74,9 @@ class Policy:
 
     def device_share(self, layer) -> int:
         return 0
+
+    def prepare_step(self, layer) -> None:
+        return None
 
     def ranked_range(self, layer, from_device: torch.Tensor | None, skip: int) -> tuple[int, int] | None:
         return None

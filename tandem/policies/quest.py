@@ -1,10 +1,10 @@
 """Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (fluxion.txt 2.1).
 
 With the hot tier on a GPU the host tier mirrors its block digests there, and the bound and the top-k run
-on the GPU inside the decode step (a few microseconds over the digests at HBM speed); only the ranked block
+on the GPU inside the decode step (Triton kernels over the digests at HBM speed); only the selected block
 ids travel to the CPU with q. Otherwise the compiled CPU kernels score the host digests.
 
-With `gpu_share` > 0 the best-ranked share of each step's blocks is attended by the compute device itself,
+With `gpu_share` > 0 a share of each step's selected blocks is attended by the compute device itself,
 straight from pinned host memory (`attention.decode.device_part`), and the CPU attends the rest: both read the
 host tier at once, one over PCIe and one from DRAM (Fluxion's CPU+GPU split of the sparse attention).
 """
@@ -23,17 +23,45 @@ class QuestPolicy(Policy):
     name = "quest"
     needs_digest = True
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._k: torch.Tensor | None = None  # blocks_this_step on the digests' device (device_select reads it)
+        self._k_value: int | None = None
+
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
-        """Block ids [B, Hkv, k_max] by descending bound, k_max = ceil(budget * capacity blocks), so the
-        shape stays fixed while the host tier fills; `select` keeps the first ceil(budget * blocks)."""
+        """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
+        host tier fills, whose first k = ceil(budget * blocks) entries are this step's top-k (`select` keeps
+        those); invalid picks carry an id past every block.
+
+        With Triton the top-k is a set (`ops.top_blocks`: ids ascending, the rest invalid picks) for the k held
+        in a device tensor that `prepare_step` updates before each step, so a recorded graph follows the host
+        tier's growth. Without it, torch.topk ranks k_max blocks best first (any k's top-k is a prefix)."""
         host = layer.host
         if host is None or host.key_min_dev is None:
             return None
         scores = ops.block_scores_matmul(q, host.key_min_dev, host.key_max_dev, host.block_valid_dev)
         num_blocks = scores.shape[-1]
         k_max = min(num_blocks, math.ceil(self.config.budget * num_blocks))
+        if ops.top_blocks_available(scores):
+            return ops.top_blocks(scores, self._step_blocks(layer, scores.device), k_max)
         best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
         return ids.masked_fill(best == float("-inf"), num_blocks)  # invalid picks: an id past every block
+
+    def _step_blocks(self, layer, device) -> torch.Tensor:
+        """[1] int64 on `device`: blocks_this_step, refreshed here unless a graph is being recorded (the
+        engine's `DecodeStep.prepare` refreshes it through `prepare_step` before every step)."""
+        if self._k is None or self._k.device != device:
+            self._k, self._k_value = torch.zeros(1, dtype=torch.long, device=device), None
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.prepare_step(layer)
+        return self._k
+
+    def prepare_step(self, layer) -> None:
+        if self._k is not None:
+            value = self.blocks_this_step(layer)
+            if value != self._k_value:
+                self._k.fill_(value)
+                self._k_value = value
 
     def blocks_this_step(self, layer) -> int:
         """Blocks each KV head attends this step: ceil(budget * host blocks)."""
@@ -41,8 +69,8 @@ class QuestPolicy(Policy):
         return math.ceil(self.config.budget * (host.rows // host.block_size))
 
     def device_share(self, layer) -> int:
-        """How many of the ranked blocks (the best ones) the compute device attends itself: the layer's
-        gpu_share of them."""
+        """How many of this step's selected blocks (the first entries of device_select's ids) the compute device
+        attends itself: the layer's gpu_share of them."""
         host = layer.host
         if layer.gpu_share == 0 or host is None or host.key_min_dev is None:
             return 0
@@ -63,8 +91,8 @@ class QuestPolicy(Policy):
         if k - skip <= 0:
             return NONE
         if from_device is not None and from_device.shape[-1] >= k:
-            # ranked on the device; invalid picks carry an id past every block, so they sort last. The first
-            # `skip` ranks are the device's share (decode.device_part), the CPU attends ranks [skip, k)
+            # selected on the device; invalid picks carry an id past every block, so they sort last. The first
+            # `skip` entries are the device's share (decode.device_part), the CPU attends entries [skip, k)
             blocks = from_device[..., skip:k].sort(dim=-1).values
             lengths = (blocks < host.capacity // host.block_size).sum(dim=-1)
             blocks = blocks.masked_fill(torch.arange(k - skip) >= lengths[..., None], 0)

@@ -1,5 +1,5 @@
 """Triton GPU kernels: hot-tier decode attention (with HGCA's moving average), zero-copy attention over
-selected blocks of a pinned host store, Quest's block bounds over the digests, and an in-place LSE merge.
+selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, and an in-place LSE merge.
 
 `triton_kernels` holds only the `@triton.jit` functions; `attention` holds their launchers, which validate
 inputs and launch. Importing this package never fails: without triton, `triton_available` is False and the
@@ -12,6 +12,7 @@ from .attention import (
     hot_decode_attention,
     interpreted,
     merge_lse_,
+    top_blocks,
     triton_available,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "host_block_attention",
     "interpreted",
     "merge_lse_",
+    "top_blocks",
     "triton_available",
 ]

@@ -32,6 +32,7 @@ BLOCK_S = 64  # hot-tier slots per tile
 BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a large one)
 MAX_SPLITS = 64
 SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
+MAX_TOP_BLOCKS = 32768  # `top_blocks` holds a row in registers (512K tokens of 16-token blocks)
 
 
 def interpreted() -> bool:
@@ -160,10 +161,12 @@ def _unit_last_stride(name: str, t: torch.Tensor, may_copy: bool) -> torch.Tenso
     return t.contiguous()
 
 
-def _output(name: str, t, shape: tuple, layout: str, device: torch.device) -> torch.Tensor:
+def _output(
+    name: str, t, shape: tuple, layout: str, device: torch.device, dtype=torch.float32
+) -> torch.Tensor:
     if t is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    _check_tensor(name, t, layout, shape, (torch.float32,))
+        return torch.empty(shape, dtype=dtype, device=device)
+    _check_tensor(name, t, layout, shape, (dtype,))
     _check_on(name, t, device)
     return _unit_last_stride(name, t, may_copy=False)
 
@@ -456,6 +459,55 @@ def block_scores(q, key_min, key_max, block_valid, out=None):
             BLOCK_N=SCORE_BLOCK_N,
             **_dot_options(key_max.dtype),
             num_warps=4,
+        )
+    return out
+
+
+def top_blocks(scores, k, width: int, out=None):
+    """The `k` best-scoring blocks of each row as a set, for Quest's selection inside a captured decode step.
+
+    Parameters
+    ----------
+    scores : [..., NB] float32 on CUDA, NB <= MAX_TOP_BLOCKS, stride 1 along NB
+    k : [1] int64 tensor on scores' device (read at run time, so a recorded graph follows it), 0 <= k <= width
+    width : int >= 1, the output's fixed width (the most blocks any step keeps)
+    out : optional preallocated [..., width] int64
+
+    Returns [..., width] int64: the kept ids ascending, then NB (an invalid pick) up to `width`. Blocks scoring
+    -inf are never kept; ties at the k-th score go to the lower ids. See `reference.top_blocks`.
+    """
+    device = _run_device("scores", scores)
+    _check_tensor("scores", scores, "[..., NB]", tuple(scores.shape), (torch.float32,))
+    _check(scores.dim() >= 1, "scores must have shape [..., NB], got a 0-d tensor")
+    num_blocks = scores.shape[-1]
+    _check(
+        num_blocks <= MAX_TOP_BLOCKS,
+        f"scores has {num_blocks} blocks; top_blocks keeps a row in registers: at most {MAX_TOP_BLOCKS}",
+    )
+    _check_tensor("k", k, "[1]", (1,), (torch.int64,))
+    _check_on("k", k, device)
+    _check(_positive_int(width), f"width must be a positive int, got {width!r}")
+    lead = tuple(scores.shape[:-1])
+    out = _output("out", out, (*lead, width), "[..., width]", device, dtype=torch.int64)
+    _check(out.is_contiguous(), f"out must be contiguous (written in place), got strides {out.stride()}")
+    rows = (
+        scores.reshape(-1, num_blocks) if scores.is_contiguous() else scores.contiguous().view(-1, num_blocks)
+    )
+    if rows.shape[0] == 0 or num_blocks == 0:
+        return out.fill_(num_blocks)
+    block = max(16, triton.next_power_of_2(num_blocks))
+    with _guard(device):
+        _kernels.top_blocks_kernel[(rows.shape[0],)](
+            rows,
+            k,
+            out.view(-1, width),
+            num_blocks,
+            width,
+            rows.stride(0),
+            width,
+            BLOCK=block,
+            WIDTH_PAD=triton.next_power_of_2(width),
+            num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
         )
     return out
 

@@ -376,3 +376,57 @@ def block_scores_kernel(
     best = tl.max(bound, axis=0)
     ok = tl.load(valid_ptr + b * stride_vb + n, mask=n_ok, other=0) != 0
     tl.store(out_ptr + b * stride_ob + h * stride_oh + n, tl.where(ok, best, float("-inf")), mask=n_ok)
+
+
+@triton.jit
+def top_blocks_kernel(
+    scores_ptr,  # [R, NB] fp32
+    k_ptr,  # [1] int64: how many blocks to keep this step
+    out_ptr,  # [R, W] int64
+    num_blocks,
+    width,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+):
+    """The k best-scoring blocks of one row as a set: their ids ascending in out[:n], then num_blocks (an invalid
+    pick) up to `width`. Blocks scoring -inf are never kept; ties at the k-th score go to the lower ids.
+
+    Radix select over the scores' order-preserving int32 keys, a byte per pass (a 256-bin histogram of the
+    candidates still tied on the bytes above), with the whole row in registers. Grid: (R,)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    live = offs < num_blocks
+    x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int32 in the floats' order
+    ukey = key ^ -2147483648  # the same order read as unsigned: its bytes are the radix digits
+    k = tl.minimum(tl.load(k_ptr), width).to(tl.int32)  # never more than the output holds
+    remaining = k
+    prefix = tl.zeros((), dtype=tl.int32)  # the unsigned key bytes fixed so far
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        if p == 0:
+            candidate = live
+        else:
+            candidate = live & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = (ukey >> shift) & 0xFF
+        hist = tl.histogram(digit, 256, mask=candidate)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # candidates with digit >= bin
+        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        prefix = prefix | (chosen << shift)
+    threshold = prefix ^ -2147483648  # the k-th best key, signed
+    tie = live & (key == threshold)
+    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
+    keep = live & (x != float("-inf")) & ((key > threshold) | (tie & (tie_rank < remaining)))
+    keep = keep & (k > 0)
+    slots = tl.arange(0, WIDTH_PAD)
+    tl.store(
+        out_ptr + row * stride_o + slots, tl.zeros((WIDTH_PAD,), tl.int64) + num_blocks, mask=slots < width
+    )
+    tl.debug_barrier()  # the padding lands before the kept ids overwrite their slots
+    position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row * stride_o + position, offs.to(tl.int64), mask=keep)
