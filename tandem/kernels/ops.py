@@ -256,9 +256,16 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
 
 
 def top_blocks_available(scores) -> bool:
-    """Whether `top_blocks` runs without reading `k` on the host (Triton on the scores' CUDA device), or on CPU
-    tensors: then a captured graph may hold it."""
-    return _triton_on(scores.device) or not scores.is_cuda
+    """Whether Quest should select with `top_blocks`: on CPU tensors, or with Triton on the scores' CUDA device
+    (then a captured graph may hold it: `k` is read on the device) for rows where it beat torch.topk
+    (`gpu.FAST_TOP_BLOCKS`)."""
+    if not scores.is_cuda:
+        return True
+    if not _triton_on(scores.device):
+        return False
+    from . import gpu
+
+    return scores.shape[-1] <= gpu.FAST_TOP_BLOCKS
 
 
 def top_blocks(scores, k, width: int):

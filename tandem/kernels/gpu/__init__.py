@@ -7,6 +7,7 @@ callers use `tandem.kernels.reference` instead.
 """
 
 from .attention import (
+    FAST_TOP_BLOCKS,
     block_scores,
     host_block_attention,
     hot_decode_attention,
@@ -17,6 +18,7 @@ from .attention import (
 )
 
 __all__ = [
+    "FAST_TOP_BLOCKS",
     "block_scores",
     "hot_decode_attention",
     "host_block_attention",
