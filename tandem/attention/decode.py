@@ -1,7 +1,7 @@
 """Decode attention of one layer, with the CPU part running while the GPU attends the hot tier.
 
 Order on the GPU stream: the new token's KV into the hot tier -> q into a pinned buffer -> hot-tier attention
--> (with a device share) attention over the best-ranked host blocks, read by the GPU from pinned memory.
+-> (with a device share) attention over a share of the selected host blocks, read by the GPU from pinned memory.
 The CPU starts as soon as q's copy has landed (it waits on that copy, never on the device): the policy selects
 host rows, the CPU kernel attends them, and (out, lse) return through pinned buffers to be merged on the GPU.
 Only q, the CPU output and its LSE cross PCIe, plus the device share's selected rows, read in place.
@@ -130,10 +130,11 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
 
 
 def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, step) -> None:
-    """The device's share of the host tier: attend the best-ranked `policy.device_share(layer)` blocks of each KV
-    head on q's device, reading K/V from pinned host memory in place, and merge them into (out, lse).
+    """The device's share of the host tier: attend the first `policy.device_share(layer)` selected blocks of each
+    KV head on q's device, reading K/V from pinned host memory in place, and merge them into (out, lse).
 
-    ranked: the policy's device_select result [B, Hkv, k_max], best first, invalid picks >= the block count.
+    ranked: the policy's device_select result [B, Hkv, k_max] (this step's selection first), invalid picks >= the
+    block count.
     The slice read has the fixed width ceil(gpu_share * k_max) (a captured graph keeps its shapes); how many
     of it count this step is a device tensor: `step.device_blocks`, set by `DecodeStep.prepare`, or
     `bufs.share_count`, set here when decoding eagerly. The CPU part skips the same ranks.

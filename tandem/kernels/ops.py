@@ -300,7 +300,7 @@ def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, v
 def block_scores_matmul(q, key_min, key_max, block_valid):
     """Quest bounds of one decode query per request on the digests' device: q [B, Hq, D], key_min / key_max
     [B, Hkv, nblk, D] finite, block_valid [B, nblk] bool -> [B, Hkv, nblk] float32. See
-    `reference.block_scores_matmul`."""
+    `reference.block_scores_matmul` (Triton's `gpu.block_scores` on CUDA)."""
     _check(q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}")
     _check(
         key_min.dim() == 4 and key_max.shape == key_min.shape,

@@ -33,9 +33,9 @@ BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a lar
 MAX_SPLITS = 64
 SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
 MAX_TOP_BLOCKS = 32768  # `top_blocks` holds a row in registers (512K tokens of 16-token blocks)
-# Rows up to this many blocks are where `top_blocks` beat torch.topk(sorted=True) on the H200 (8 rows: 4160
-# blocks 25 vs 43 us, 16 x 8 rows of 2112: 14 vs 29 us); at 8256 blocks (a 16384-wide register row) it took
-# 103 us against 60 us, so callers that may use either pick torch.topk above it.
+# Rows up to this many blocks are where `top_blocks` beat torch.topk(sorted=True) on the H200 (8 rows of 4160
+# blocks: 25.5 vs 42.2 us; 16 x 8 rows of 2112: 14.5 vs 27.8 us); 8 rows of 8256 blocks (a 16384-wide register
+# row) took 103 vs 58 us (benchmarks/results/quest_selection_h200/), so callers pick torch.topk above it.
 FAST_TOP_BLOCKS = 8192
 
 
