@@ -77,6 +77,19 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def _check_store(q, k_store, v_store) -> tuple[int, int]:
+    """K/V stores [B, Hkv, cap, D] for q [B, Hq, ..., D]: same batch and head_dim, Hq a multiple of Hkv, rows
+    contiguous. Returns (Hkv, cap)."""
+    _check_tensor("k_store", k_store, 4, tuple(DTYPE_CODES), (q.shape[0], None, None, q.shape[-1]))
+    num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+    _check_tensor("v_store", v_store, 4, (k_store.dtype,), tuple(k_store.shape))
+    if num_kv_heads == 0 or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of {num_kv_heads} KV heads")
+    _rows_contiguous("k_store", k_store)
+    _rows_contiguous("v_store", v_store)
+    return num_kv_heads, cap
+
+
 def sparse_attention_lse(
     q: torch.Tensor,
     k_store: torch.Tensor,
@@ -104,13 +117,7 @@ def sparse_attention_lse(
     """
     _check_tensor("q", q, 4, _FLOAT_DTYPES)
     batch, num_q_heads, q_len, head_dim = q.shape
-    _check_tensor("k_store", k_store, 4, tuple(DTYPE_CODES), (batch, None, None, head_dim))
-    num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
-    _check_tensor("v_store", v_store, 4, (k_store.dtype,), tuple(k_store.shape))
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    _rows_contiguous("k_store", k_store)
-    _rows_contiguous("v_store", v_store)
+    num_kv_heads, cap = _check_store(q, k_store, v_store)
     _check_tensor("indices", indices, 3, _INT_DTYPES, (batch, num_kv_heads, None))
     _check_tensor("lengths", lengths, 2, _INT_DTYPES, (batch, num_kv_heads))
     if key_mask is not None:
@@ -171,13 +178,7 @@ class RankedAttention:
     ) -> None:
         _check_tensor("q", q, q.dim() if q.dim() in (3, 4) else 4, _FLOAT_DTYPES)
         batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
-        _check_tensor("k_store", k_store, 4, tuple(DTYPE_CODES), (batch, None, None, head_dim))
-        num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
-        _check_tensor("v_store", v_store, 4, (k_store.dtype,), tuple(k_store.shape))
-        if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-            raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-        _rows_contiguous("k_store", k_store)
-        _rows_contiguous("v_store", v_store)
+        num_kv_heads, cap = _check_store(q, k_store, v_store)
         _check_tensor("ranked", ranked, 3, (torch.int64,), (batch, num_kv_heads, None))
         if key_mask is not None:
             _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
