@@ -25,9 +25,8 @@ class QuestPolicy(Policy):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self._k: torch.Tensor | None = (
-            None  # blocks_this_step on the digests' device (device_select reads it)
-        )
+        # blocks_this_step on the digests' device (read by device_select's kernels) and its value on the host
+        self._k: torch.Tensor | None = None
         self._k_value: int | None = None
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
