@@ -368,6 +368,7 @@ def block_scores_kernel(
     low = tl.load(min_ptr + b * stride_nb + h * stride_nh + tile, mask=n_ok[:, None] & d_ok, other=0.0)
     tile = n[:, None] * stride_xn + d[None, :]
     high = tl.load(max_ptr + b * stride_xb + h * stride_xh + tile, mask=n_ok[:, None] & d_ok, other=0.0)
+    q = q.to(tl.float32)  # (Triton 3.9's interpreter takes max / min of bfloat16 bit patterns as integers)
     positive = tl.maximum(q, 0.0).to(high.dtype)
     negative = tl.minimum(q, 0.0).to(low.dtype)
     bound = _dot(positive, tl.trans(high), DOT_PRECISION, UPCAST)
@@ -422,7 +423,6 @@ def top_blocks_kernel(
     tie = live & (key == threshold)
     tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
     keep = live & (x != float("-inf")) & ((key > threshold) | (tie & (tie_rank < remaining)))
-    keep = keep & (k > 0)
     slots = tl.arange(0, WIDTH_PAD)
     tl.store(
         out_ptr + row * stride_o + slots, tl.zeros((WIDTH_PAD,), tl.int64) + num_blocks, mask=slots < width
