@@ -318,6 +318,19 @@ def _block_args(**change):
     return args
 
 
+def _score_args(num_kv_heads=2, group=4):
+    return dict(
+        zip(
+            ("q", "key_min", "key_max", "block_valid"),
+            score_case(1, num_kv_heads, group, 30, 64, torch.float32),
+        )
+    )
+
+
+def _top_args():
+    return {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8}
+
+
 def _merge_args(**change):
     args = dict(
         out_a=torch.zeros(2, 3, 64, device=DEVICE),
@@ -440,57 +453,49 @@ BAD_CALLS = {
     "block num_splits": (gpu.host_block_attention, _block_args, lambda a: {"num_splits": 0}, "num_splits"),
     "scores q shape": (
         gpu.block_scores,
-        lambda: dict(
-            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
-        ),
+        _score_args,
         lambda a: {"q": a["q"][:, :, None]},
         r"q must have shape \[B, Hq, D\]",
     ),
     "scores group": (
         gpu.block_scores,
-        lambda: dict(
-            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 3, 1, 30, 64, torch.float32))
-        ),
+        lambda: _score_args(3, 1),
         lambda a: {"q": a["q"][:, :2]},
         "multiple of key_min's 3 KV heads",
     ),
     "scores key_max shape": (
         gpu.block_scores,
-        lambda: dict(
-            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
-        ),
+        _score_args,
         lambda a: {"key_max": a["key_max"][:, :, 1:]},
         "key_max must have shape",
     ),
     "scores block_valid dtype": (
         gpu.block_scores,
-        lambda: dict(
-            zip(("q", "key_min", "key_max", "block_valid"), score_case(1, 2, 4, 30, 64, torch.float32))
-        ),
+        _score_args,
         lambda a: {"block_valid": a["block_valid"].long()},
         "block_valid.dtype must be bool",
     ),
     "top k dtype": (
         gpu.top_blocks,
-        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        _top_args,
         lambda a: {"k": a["k"].int()},
         r"k.dtype must be int64",
     ),
     "top scores dtype": (
         gpu.top_blocks,
-        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        _top_args,
         lambda a: {"scores": a["scores"].double()},
         r"scores.dtype must be float32",
     ),
     "top width": (
         gpu.top_blocks,
-        lambda: {"scores": tied_scores(2, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        _top_args,
         lambda a: {"width": 0},
         "width must be a positive int",
     ),
     "top too many blocks": (
         gpu.top_blocks,
-        lambda: {"scores": tied_scores(1, 40), "k": torch.tensor([3], device=DEVICE), "width": 8},
+        _top_args,
         lambda a: {"scores": torch.zeros(1, 40000, device=DEVICE)},
         "at most 32768",
     ),
