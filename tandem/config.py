@@ -65,6 +65,10 @@ class TandemConfig:
             for `quest` with the hot tier on a CUDA device, else 0. The best value depends on the host's memory
             and PCIe bandwidths: `tandem bench --set quest.gpu_share=0,0.3,0.5` measures it.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
+        huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
+            "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
+            13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
+            (`tandem.cache.memory`). False: plain (pinned) allocations.
 
     Example:
         >>> cfg = TandemConfig(policy="quest", budget=0.05, window_tokens=512)
@@ -85,6 +89,7 @@ class TandemConfig:
     cpu_threads: int | None = None
     gpu_share: float | None = None
     device: str = "auto"
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -120,6 +125,9 @@ class TandemConfig:
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):
             _fail("device", self.device, '"auto", "cpu", "cuda" or "cuda:N"')
+        if self.huge_pages not in (True, False):  # 1 / 0 too: `--set quest.huge_pages=0,1`
+            _fail("huge_pages", self.huge_pages, "True or False (1 or 0)")
+        self.huge_pages = bool(self.huge_pages)
 
     def _check_int(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)

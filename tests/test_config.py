@@ -61,6 +61,9 @@ BAD_VALUES = [
     ("device", "cuda:"),
     ("device", "cuda:x"),
     ("device", None),
+    ("huge_pages", 2),
+    ("huge_pages", "yes"),
+    ("huge_pages", None),
 ]
 
 
@@ -87,6 +90,12 @@ def test_booleans_are_not_numbers(field):
     # True == 1 would otherwise pass every range check
     with pytest.raises(ValueError, match=field):
         TandemConfig(**{field: True})
+
+
+@pytest.mark.parametrize(("value", "expected"), [(True, True), (False, False), (1, True), (0, False)])
+def test_huge_pages_takes_bools_and_their_command_line_digits(value, expected):
+    # `--set quest.huge_pages=0,1` arrives as ints
+    assert TandemConfig(huge_pages=value).huge_pages is expected
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tandem.cache import memory
 from tandem.cache.host import HostMemoryError, HostTier
 from tandem.cache.hot import HotTier
 from tandem.cache.layer import LayerKV
@@ -150,6 +151,102 @@ def test_host_tier_allocator_runtime_error_becomes_host_memory_error(monkeypatch
     assert "simulated" in message and ("pinned host memory" in message) == pin
     assert isinstance(info.value.__cause__, RuntimeError)
     assert (host.rows, host.capacity, host.keys) == (0, 0, None)
+
+
+# ---- host memory --------------------------------------------------------------------------------------------
+
+HUGE = memory.HUGE_PAGE
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls; `register_error` is what register returns."""
+
+    def __init__(self, register_error=0):
+        self.register_error, self.registered, self.unregistered = register_error, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered.append((ptr, nbytes, flags))
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+needs_thp = pytest.mark.skipif(not memory.huge_pages_supported(), reason="no transparent huge pages here")
+
+
+@needs_thp
+def test_host_empty_maps_large_stores_and_frees_them_with_the_last_view(monkeypatch):
+    freed = []
+    monkeypatch.setattr(memory._Mapping, "__del__", lambda self: freed.append(len(self)))
+    t = memory.host_empty((3, HUGE // 4), torch.bfloat16, pin=False)
+    assert t.shape == (3, HUGE // 4) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % 4096 == 0
+    t.copy_(torch.arange(t.numel()).view(t.shape))  # writable, every byte
+    assert torch.equal(t.flatten()[-3:].float(), torch.arange(t.numel())[-3:].bfloat16().float())
+    view = t[1:, 5:]
+    del t
+    assert freed == []  # a view keeps the mapping
+    del view
+    assert freed == [3 * HUGE // 2]
+
+
+def test_host_empty_small_or_not_huge_is_a_plain_tensor(monkeypatch):
+    monkeypatch.setattr(memory, "_Mapping", None)  # any use of the mapping path would fail
+    assert memory.host_empty((4, 16), torch.float32, pin=False).shape == (4, 16)
+    assert memory.host_empty((HUGE,), torch.float32, pin=False, huge=False).shape == (HUGE,)
+
+
+@needs_thp
+def test_host_empty_pinned_registers_the_mapping_until_the_last_view_dies(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    t = memory.host_empty((2, HUGE), torch.float16, pin=True)
+    ptr = t.data_ptr()
+    assert cudart.registered == [(ptr, 4 * HUGE, 3)] and cudart.unregistered == []  # mapped + portable
+    view = t[1]
+    del t
+    assert cudart.unregistered == []
+    del view
+    assert cudart.unregistered == [ptr]
+
+
+@needs_thp
+def test_host_tier_failed_registration_becomes_host_memory_error(monkeypatch):
+    cudart = FakeCudart(register_error=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host = HostTier(1, 8, 8, 128, torch.bfloat16, 16, pin=True, keep_digest=False, keep_maw=False)
+    with pytest.raises(HostMemoryError, match=r"pinned host memory .*cudaHostRegister") as info:
+        host.reserve(HUGE // 256)
+    assert (host.rows, host.capacity, host.keys) == (0, 0, None)
+    assert isinstance(info.value.__cause__, MemoryError)
+    assert len(cudart.registered) == 1 and cudart.unregistered == []  # the failed one was never registered
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_layer_passes_huge_pages_to_its_host_tier(huge_pages):
+    cfg = TandemConfig(
+        policy="quest", device="cpu", sink_tokens=4, window_tokens=8, block_size=BLOCK, huge_pages=huge_pages
+    )
+    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    keys = torch.randn(1, NUM_KV_HEADS, 40, HEAD_DIM)
+    layer.append(keys, keys.clone(), torch.ones(1, 40, dtype=torch.bool))
+    assert layer.host is not None and layer.host.huge_pages is huge_pages
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_host_tier_on_huge_pages_or_not_keeps_the_same_content(huge_pages):
+    gen = torch.Generator().manual_seed(3)
+    host = HostTier(1, 8, 8, 128, torch.bfloat16, 16, pin=False, keep_digest=True, keep_maw=False,
+                    huge_pages=huge_pages)  # fmt: skip
+    keys, values = (torch.randn(1, 8, 3000, 128, generator=gen).bfloat16() for _ in range(2))
+    valid = torch.ones(1, 3000, dtype=torch.bool)
+    host.append(keys[:, :, :2048], values[:, :, :2048], valid[:, :2048])
+    host.append(keys[:, :, 2048:2992], values[:, :, 2048:2992], valid[:, 2048:2992])  # grows past 2 MiB
+    assert host.keys.numel() * 2 >= HUGE
+    assert torch.equal(host.keys[:, :, :2992], keys[:, :, :2992])
+    assert torch.equal(host.values[:, :, :2992], values[:, :, :2992])
 
 
 # ---- hot tier ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from contextlib import nullcontext
 
 import torch
 
+from tandem.cache.memory import host_empty
+
 
 class HostMemoryError(MemoryError):
     """The host tier could not grow: host memory (or pinned memory) is exhausted."""
@@ -16,7 +18,8 @@ class HostTier:
     """Offloaded KV of one layer, growable by whole blocks with amortized O(1) appends.
 
     Storage (capacity `cap` rows, the first `rows` live; rows are always a whole number of blocks):
-        keys, values: [B, Hkv, cap, D]   model dtype, pinned when the hot tier is on CUDA
+        keys, values: [B, Hkv, cap, D]   model dtype, pinned when the hot tier is on CUDA, on huge pages
+                                         when `huge_pages` (`tandem.cache.memory`)
         valid:        [B, cap] bool      False for padding rows (left padding of ragged batches)
         key_min/max:  [B, Hkv, cap // block_size, D]  per-block per-dim key digest (quest)
         maw:          [B, Hq, cap] float32            moving average of attention weights (hgca)
@@ -38,10 +41,12 @@ class HostTier:
         keep_maw: bool,
         stream: torch.cuda.Stream | None = None,
         mirror_device: torch.device | None = None,
+        huge_pages: bool = True,
     ) -> None:
         self.batch, self.num_kv_heads, self.num_q_heads = batch, num_kv_heads, num_q_heads
         self.head_dim, self.dtype, self.block_size = head_dim, dtype, block_size
         self.pin, self.keep_digest, self.keep_maw = pin, keep_digest, keep_maw
+        self.huge_pages = huge_pages
         self.stream = stream
         self.rows = 0
         self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
@@ -60,8 +65,8 @@ class HostTier:
     # ---- storage -------------------------------------------------------------------------------------------
     def _empty(self, shape, dtype) -> torch.Tensor:
         try:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        except RuntimeError as err:  # pinned allocations fail with RuntimeError, not MemoryError
+            return host_empty(shape, dtype, pin=self.pin, huge=self.huge_pages)
+        except (RuntimeError, MemoryError) as err:  # CUDA's pinned allocator raises RuntimeError
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             raise HostMemoryError(
                 f"cannot allocate {nbytes / 2**30:.2f} GiB of {'pinned ' if self.pin else ''}host memory for "

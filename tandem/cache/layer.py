@@ -96,6 +96,7 @@ class LayerKV:
             # on the compute device; also on a CPU one when a device share is asked for, so that the split
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
             mirror_device=keys.device if keys.is_cuda or self.gpu_share > 0 else None,
+            huge_pages=cfg.huge_pages,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once

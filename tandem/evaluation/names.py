@@ -14,4 +14,5 @@ SETTABLE = (
     "span",
     "observation_tokens",
     "gpu_share",
+    "huge_pages",
 )
