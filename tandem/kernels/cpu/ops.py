@@ -61,14 +61,21 @@ def _check_tensor(name, t, dim, dtypes=None, shape=None):
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name}: dtype {t.dtype} not supported; allowed: {allowed}")
-    if shape is not None and any(
-        want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-    ):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} (None = any), got {tuple(t.shape)}")
+    if shape is not None:
+        for got, want in zip(t.shape, shape, strict=True):  # a plain loop: any() over a generator costs more
+            if want is not None and got != want:
+                raise ValueError(f"{name}: expected shape {tuple(shape)} (None = any), got {tuple(t.shape)}")
 
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of `dtype`, without a call into torch when it already is one (per-layer path)."""
+    if t.dtype is dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
 
 
 def _rows_contiguous(name: str, t: torch.Tensor) -> None:
@@ -133,9 +140,7 @@ def sparse_attention_lse(
             q, k_store, v_store, indices.long(), lengths.long(), scale, key_mask, block_size
         )
 
-    q = q.to(torch.float32).contiguous()
-    indices = indices.to(torch.int64).contiguous()
-    lengths = lengths.to(torch.int64).contiguous()
+    q, indices, lengths = _as(q, torch.float32), _as(indices, torch.int64), _as(lengths, torch.int64)
     key_mask = None if key_mask is None else key_mask.contiguous()
     out = torch.empty(batch, num_q_heads, q_len, head_dim, dtype=torch.float32)
     lse = torch.empty(batch, num_q_heads, q_len, dtype=torch.float32)

@@ -132,15 +132,25 @@ inline void logit_block(const float* q, int64_t D, const T* const* krows, int r0
   }
 }
 
-// Pass 1 of a span: the logits of its n rows for QB queries, prefetching K rows ahead.
+// Pass 1 of a span: the logits of its n rows for QB queries. One prefetch stream runs `ahead` rows in front of
+// the row being read: K rows, then on into the V rows that pass 2 starts with, so neither pass begins with a
+// burst of misses (pf null: the rows are in cache already).
 template <class V, class T, int QB>
-inline void logits_pass(const float* q, int64_t D, const T* const* krows, int n, float* logits,
-                        const Prefetch& pf) {
+inline void logits_pass(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int n,
+                        float* logits, const Prefetch* pf) {
   constexpr int RB = logit_rows<V, QB>();
   int r = 0;
   for (; r + RB <= n; r += RB) {
-    for (int i = 0; i < RB; ++i)
-      if (r + i + pf.ahead < n) pf.row(krows[r + i + pf.ahead]);
+    if (pf != nullptr) {
+      for (int i = 0; i < RB; ++i) {
+        const int64_t j = r + i + pf->ahead;
+        if (j < n) {
+          pf->row(krows[j]);
+        } else if (j < 2 * static_cast<int64_t>(n)) {
+          pf->row(vrows[j - n]);
+        }
+      }
+    }
     logit_block<V, T, QB, RB>(q, D, krows, r, logits);
   }
   for (; r < n; ++r) logit_block<V, T, QB, 1>(q, D, krows, r, logits);
@@ -227,14 +237,14 @@ inline void pv_strips(int64_t D, int64_t d, const T* const* vrows, int n, const 
 // ahead (whole rows), the later ones find them in cache.
 template <class V, class T, int QB>
 inline void pv_pass(int64_t D, const T* const* vrows, int n, const float* p, const float* alpha, float* acc,
-                    const Prefetch& pf) {
+                    const Prefetch* pf) {
   constexpr int CB = pv_strips_per_pass<V, QB>();
   const int64_t strip = 2 * V::W;
   const int64_t d2 = D / strip * strip;
   int64_t d = 0;
   for (; d + CB * strip <= d2; d += CB * strip)
-    pv_strips<V, T, QB, CB>(D, d, vrows, n, p, alpha, acc, d == 0 ? &pf : nullptr);
-  for (; d < d2; d += strip) pv_strips<V, T, QB, 1>(D, d, vrows, n, p, alpha, acc, d == 0 ? &pf : nullptr);
+    pv_strips<V, T, QB, CB>(D, d, vrows, n, p, alpha, acc, d == 0 ? pf : nullptr);
+  for (; d < d2; d += strip) pv_strips<V, T, QB, 1>(D, d, vrows, n, p, alpha, acc, d == 0 ? pf : nullptr);
   for (int64_t e = d2; e < D; ++e) {
     for (int j = 0; j < QB; ++j) {
       float o = acc[j * D + e] * alpha[j];
@@ -245,13 +255,14 @@ inline void pv_pass(int64_t D, const T* const* vrows, int n, const float* p, con
 }
 
 // Both passes of one span for queries [0, QB) of q (m, l, acc offset to them by the caller).
+// `first`: the span's first query block, the one that streams its rows in (later blocks find them in cache).
 template <class V, class T, int QB>
 inline void span_queries(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int n,
-                         float* m, float* l, float* acc, float* logits, const Prefetch& pf) {
+                         float* m, float* l, float* acc, float* logits, const Prefetch& pf, bool first) {
   float alpha[QB];
-  logits_pass<V, T, QB>(q, D, krows, n, logits, pf);
+  logits_pass<V, T, QB>(q, D, krows, vrows, n, logits, first ? &pf : nullptr);
   softmax_span<V, QB>(logits, n, m, l, alpha);
-  pv_pass<V, T, QB>(D, vrows, n, logits, alpha, acc, pf);
+  pv_pass<V, T, QB>(D, vrows, n, logits, alpha, acc, first ? &pf : nullptr);
 }
 
 template <class V, class T>
@@ -287,23 +298,24 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
       if (mask && !mask[row]) continue;
       krows[n] = k_base + row * a.k_stride_row;
       vrows[n] = v_base + row * a.v_stride_row;
-      if (n < pf.ahead) pf.row(krows[n]);  // the first rows of pass 1 (later ones: inside the pass)
+      if (n < pf.ahead) pf.row(krows[n]);  // the lead of the prefetch stream (the rest: inside the passes)
       ++n;
     }
     if (n == 0) continue;
-    for (int r = 0; r < n && r < pf.ahead; ++r) pf.row(vrows[r]);  // the first rows of pass 2
     // query blocks of 8/4/2/1 keep each block's accumulators in registers
     int64_t j = 0;
-    for (; j + 8 <= nq; j += 8) span_queries<V, T, 8>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+    for (; j + 8 <= nq; j += 8)
+      span_queries<V, T, 8>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
     if (nq - j >= 4) {
-      span_queries<V, T, 4>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+      span_queries<V, T, 4>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
       j += 4;
     }
     if (nq - j >= 2) {
-      span_queries<V, T, 2>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+      span_queries<V, T, 2>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
       j += 2;
     }
-    if (nq - j >= 1) span_queries<V, T, 1>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf);
+    if (nq - j >= 1)
+      span_queries<V, T, 1>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
   }
 }
 

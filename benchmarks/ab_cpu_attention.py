@@ -1,0 +1,120 @@
+"""Same-process A/B timing of two versions of the CPU attention kernel (two csrc trees).
+
+The GPU host's memory bandwidth moves with other tenants by up to 1.5x within minutes, so two versions timed
+in two processes a minute apart cannot be told apart at a few percent. This builds both trees as separate
+libraries, loads both, and alternates their calls (order flipped every iteration) over rotated 128K-token
+Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and batch 1 and 8.
+
+    cp -r tandem/kernels/cpu/csrc /tmp/csrc_old     # before editing the kernel
+    PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc
+
+Prints median ms per call and the ratio b/a per configuration. A diagnostic, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.cache.memory import host_empty
+from tandem.kernels import cpu
+from tandem.kernels.cpu import _library
+from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CONTEXT = 32, 8, 128, 131072
+
+
+def build(source_dir: str, target: Path) -> ctypes.CDLL:
+    _library._SOURCE_DIR = Path(source_dir).resolve()
+    _library._compile(_library._compiler(), target)
+    lib = ctypes.CDLL(str(target))
+    _library._declare(lib)
+    return lib
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="csrc directory of version a")
+    p.add_argument("b", help="csrc directory of version b")
+    p.add_argument("--calls", type=int, default=60, help="calls per version and configuration")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    libs = {"a": build(args.a, tmp / "a.so"), "b": build(args.b, tmp / "b.so")}
+    threads, isa, prefetch = cpu.default_num_threads(), _library.isa_code(), _library.prefetch_config()
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1, NUM_KV_HEADS, 4096, HEAD_DIM).bfloat16()
+    for batch, num_stores in ((1, 24), (8, 3)):
+        shape = (batch, NUM_KV_HEADS, CONTEXT, HEAD_DIM)
+        stores = []
+        for _ in range(num_stores):
+            k, v = (host_empty(shape, torch.bfloat16, pin=False) for _ in range(2))
+            for s in range(0, CONTEXT, 4096):
+                k[:, :, s : s + 4096], v[:, :, s : s + 4096] = base, base.flip(-1)
+            stores.append((k, v))
+        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+        out, lse = torch.empty(batch, NUM_Q_HEADS, 1, HEAD_DIM), torch.empty(batch, NUM_Q_HEADS, 1)
+        for selection, block in (("token", 1), ("block16", 16), ("block64", 64)):
+            units = CONTEXT // block
+            count = round(0.05 * units)
+            # two disjoint selections per store: version b reads the other one of the store a just read
+            perms = [
+                torch.randperm(units, generator=gen)[: 2 * count].view(2, count)
+                for _ in range(batch * NUM_KV_HEADS)
+            ]
+            picks = [
+                torch.stack([p[i].sort().values for p in perms]).view(batch, NUM_KV_HEADS, count)
+                for i in range(2)
+            ]
+            lengths = torch.full((batch, NUM_KV_HEADS), count)
+            calls = [
+                AttendArgs(
+                    q.data_ptr(),
+                    0.1,
+                    k.data_ptr(),
+                    v.data_ptr(),
+                    *k.stride()[:3],
+                    *v.stride()[:3],
+                    idx.data_ptr(),
+                    lengths.data_ptr(),
+                    None,
+                    batch,
+                    NUM_KV_HEADS,
+                    4,
+                    HEAD_DIM,
+                    count,
+                    CONTEXT,
+                    block,
+                    *prefetch,
+                )  # fmt: skip
+                for idx in picks
+                for k, v in stores
+            ]
+            times = {"a": [], "b": []}
+            for i in range(args.calls):
+                for name in ("a", "b") if i % 2 else ("b", "a"):
+                    call = calls[(i + (len(calls) // 2 if name == "b" else 0)) % len(calls)]
+                    start = time.perf_counter()
+                    libs[name].tandem_sparse_attention(
+                        isa,
+                        DTYPE_CODES[torch.bfloat16],
+                        ctypes.byref(call),
+                        out.data_ptr(),
+                        lse.data_ptr(),
+                        threads,
+                    )
+                    times[name].append(time.perf_counter() - start)
+            ms = {n: statistics.median(t[4:]) * 1e3 for n, t in times.items()}
+            mb = batch * NUM_KV_HEADS * count * block * HEAD_DIM * 4 / 1e6
+            print(f"batch {batch} {selection:8s}: a {ms['a']:.3f} ms ({mb / ms['a']:.0f} GB/s)  "
+                  f"b {ms['b']:.3f} ms ({mb / ms['b']:.0f} GB/s)  b/a {ms['b'] / ms['a']:.3f}", flush=True)  # fmt: skip
+        del stores
+
+
+if __name__ == "__main__":
+    main()
