@@ -3,10 +3,19 @@
 One run measures the read bandwidth (a STREAM-like read of a 2 GiB buffer, same thread count), then for
 the Llama-3.1-8B layer shape (32 query / 8 KV heads, head_dim 128, bf16) times
   * sparse attention (kernel 1) at each context x budget x selection (token rows, blocks of 16 / 64) x
-    batch, against the torch-gather reference, with caches flushed before every timed call;
+    batch, against the torch-gather reference;
   * block scoring + top-k (kernel 2) over all 16-token digests, at logical blocks of 16 and 64.
 It prints a table (ms per layer, GB/s, % of measured read bandwidth, speedup over torch) and writes
 benchmarks/results/cpu_attention_<machine>.{json,md}. This is a program, not a test.
+
+Every timed call reads its K/V (or digests) from DRAM, as a decode step does. By default (`--cold layers`)
+each call reads another of several layers' stores (up to the 32 of the 8B model, within `--store-gib`), and
+within a store a selection disjoint from its earlier ones, so that at least twice the last-level cache of
+other rows is read before any row is read again; the code, the call's small arguments and the thread team
+stay warm, as between the layers of a step. `--cold flush` instead reads 1 GiB through the cache before
+every call, which also evicts the interpreter and the kernel's own state (the method of the results before
+2026-11-26, about 0.2 ms per call slower on the GPU host). Stores are allocated like the host tier's
+(`tandem.cache.memory`, on transparent huge pages unless `--pages 4k`).
 
     python benchmarks/bench_cpu_attention.py                                 # the full grid
     python benchmarks/bench_cpu_attention.py --contexts 32k --batches 1      # a small machine
@@ -18,9 +27,10 @@ Run from the repository root; where tandem is not installed, with PYTHONPATH=. s
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
+import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -28,14 +38,23 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.bandwidth import host_read_bandwidth, machine_info, machine_slug
+from tandem.bench.bandwidth import host_read_bandwidth, last_level_cache_bytes, machine_info, machine_slug
+from tandem.cache.memory import host_empty
 from tandem.kernels import cpu, reference
 from tandem.kernels.cpu import _library
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 PHYSICAL_BLOCK = 16  # digest granularity of the host cache
 FLUSH_BYTES = 1 << 30  # over 3x the largest LLC we run on (300 MiB): each timed call starts from DRAM
-HUGE_PAGE = 2 << 20
+PROBE_BYTES = 1 << 30
+MODEL_LAYERS = 32  # Llama-3.1-8B: a decode step reads this many layers' stores
+COLD_TEXT = {
+    "layers": "each timed call reads another layer's store (and, within a store, a selection disjoint from "
+    "its earlier ones: stores x selections per row in the JSON's `rotation`), so its rows come from DRAM while "
+    f"code and arguments stay warm, as between the layers of a decode step (LLC {last_level_cache_bytes() >> 20} "
+    "MiB)",
+    "flush": "all caches flushed (1 GiB read) before every timed call",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,8 +68,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed calls per kernel row (median)")
     p.add_argument("--torch-reps", type=int, default=3, help="timed calls of the torch baseline")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
-    p.add_argument("--sweep", action="store_true", help="only sweep prefetch settings and ISAs")
-    p.add_argument("--huge-pages", action="store_true", help="back the KV store with transparent huge pages")
+    p.add_argument(
+        "--sweep", action="store_true", help="only sweep prefetch settings and ISAs (caches flushed per call)"
+    )
+    p.add_argument(
+        "--pages",
+        choices=["huge", "4k"],
+        default="huge",
+        help="back the stores with transparent huge pages, as the host tier does (default), or 4 KiB pages",
+    )
+    p.add_argument(
+        "--cold",
+        choices=["layers", "flush"],
+        default="layers",
+        help="how each call starts from DRAM: rotate over layers' stores (default) or flush all caches",
+    )
+    p.add_argument(
+        "--store-gib",
+        type=float,
+        default=None,
+        help="memory for the rotated stores (default: min(16, a third of RAM))",
+    )
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--name", default=None, help="machine name in the file names (default: from the CPU)")
     p.add_argument("--note", default="", help="a line of context written into the .md (e.g. machine load)")
@@ -62,38 +100,35 @@ def tokens(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def timed(fn, reps: int, flush=None) -> float:
-    """Median seconds of `fn()` over `reps` calls after one warm-up, `flush()` before each call."""
-    fn()
+def timed(fns, reps: int, flush=None) -> float:
+    """Median seconds of a call over `reps` calls after one warm-up; call i runs `fns[i % len(fns)]` (another
+    layer's data each time), `flush()` before each call where given."""
+    fns = fns if isinstance(fns, (list, tuple)) else [fns]
+    fns[-1]()
     times = []
-    for _ in range(reps):
+    for i in range(reps):
         if flush is not None:
             flush()
         start = time.perf_counter()
-        fn()
+        fns[i % len(fns)]()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def empty(shape, dtype: torch.dtype, huge: bool) -> torch.Tensor:
-    """torch.empty, optionally madvise(MADV_HUGEPAGE)d before first touch (THP in "madvise" mode)."""
-    t = torch.empty(shape, dtype=dtype)
-    if huge:
-        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            if libc.madvise(start, end - start, 14) != 0:  # MADV_HUGEPAGE
-                print(f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}")
-    return t
+def rotation(store_bytes: int, call_bytes: int, budget_bytes: float) -> tuple[int, int]:
+    """(stores, disjoint selections per store) so that rows come back only after 2x the LLC of other reads: as
+    many stores as a decode step's layers where memory allows (at least 2), then selections to make up the
+    rest. A flushing run needs one of each."""
+    stores = max(2, min(MODEL_LAYERS, int(budget_bytes // max(store_bytes, 1))))
+    needed = math.ceil(2 * last_level_cache_bytes() / max(call_bytes, 1))
+    return stores, max(1, math.ceil(needed / stores))
 
 
 def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False):
     # random rows repeated along the context: real values (never zeros) without minutes of RNG
     base = torch.randn(batch, NUM_KV_HEADS, 4096, HEAD_DIM).to(dtype)
-    k = empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, huge)
-    v = empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, huge)
+    k = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
+    v = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
     for start in range(0, context, 4096):
         n = min(4096, context - start)
         k[:, :, start : start + n] = base[:, :, :n]
@@ -101,18 +136,63 @@ def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False)
     return k, v
 
 
-def make_selection(batch: int, units: int, count: int, gen: torch.Generator) -> torch.Tensor:
-    # sorted distinct ids per (request, KV head), as the selection policies produce them
-    picks = [torch.randperm(units, generator=gen)[:count].sort().values for _ in range(batch * NUM_KV_HEADS)]
-    return torch.stack(picks).view(batch, NUM_KV_HEADS, count)
+def make_selections(
+    batch: int, units: int, count: int, sets: int, gen: torch.Generator
+) -> list[torch.Tensor]:
+    """`sets` selections of `count` sorted distinct ids per (request, KV head), as the selection policies make
+    them, pairwise disjoint where `sets * count <= units` (each [batch, NUM_KV_HEADS, count])."""
+    sets = max(1, min(sets, units // count))
+    picks = [
+        torch.randperm(units, generator=gen)[: sets * count].view(sets, count)
+        for _ in range(batch * NUM_KV_HEADS)
+    ]
+    return [
+        torch.stack([p[i].sort().values for p in picks]).view(batch, NUM_KV_HEADS, count) for i in range(sets)
+    ]
 
 
-def attention_rows(args, threads, bandwidth, flush, gen) -> list[dict]:
+class ReadProbe:
+    """The host's read bandwidth around one row: other tenants of a VM move it by up to 1.5x within minutes
+    (98.6 and 146.6 GB/s in one session on the GPU host), so each row is compared with the best of a read
+    just before and one just after it (1 GiB, the kernels' thread count, best of 3 each)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.data = torch.ones(PROBE_BYTES // 4)
+        self.seen: list[float] = []
+
+    def read(self) -> float:
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            cpu.read_sum(self.data, num_threads=self.threads)
+            best = min(best, time.perf_counter() - start)
+        self.seen.append(PROBE_BYTES / best / 1e9)
+        return self.seen[-1]
+
+    def around(self, fn):
+        before = self.read()
+        result = fn()
+        return result, max(before, self.read())
+
+
+def store_budget(args) -> float:
+    if args.store_gib is not None:
+        return args.store_gib * 2**30
+    return min(16 * 2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 3)
+
+
+def attention_rows(args, threads, probe, flush, gen) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
     for context in map(tokens, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
-            k, v = make_store(batch, context, dtype, args.huge_pages)
+            store_bytes = 2 * batch * NUM_KV_HEADS * context * HEAD_DIM * dtype.itemsize
+            smallest_call = (
+                max(1, round(min(map(float, args.budgets.split(","))) * context)) * store_bytes // context
+            )
+            num_stores, sets = (1, 1) if flush else rotation(store_bytes, smallest_call, store_budget(args))
+            stores = [make_store(batch, context, dtype, args.pages == "huge") for _ in range(num_stores)]
             q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
             scale = HEAD_DIM**-0.5
             for budget in map(float, args.budgets.split(",")):
@@ -120,47 +200,56 @@ def attention_rows(args, threads, bandwidth, flush, gen) -> list[dict]:
                     block = None if selection == "token" else int(selection.removeprefix("block"))
                     units = context // (block or 1)
                     count = max(1, round(budget * units))
-                    idx = make_selection(batch, units, count, gen)
+                    selections = make_selections(batch, units, count, sets, gen)
                     lengths = torch.full((batch, NUM_KV_HEADS), count)
                     row_count = count * (block or 1)
-                    nbytes = batch * NUM_KV_HEADS * (row_count * HEAD_DIM * k.element_size() * 2 + count * 8)
-
-                    call = (q, k, v, idx, lengths, scale)
-                    native = functools.partial(
-                        cpu.sparse_attention_lse, *call, block_size=block, num_threads=threads
-                    )
-                    baseline = functools.partial(reference.sparse_attention_lse, *call, block_size=block)
-                    native_s = timed(native, args.reps, flush)
+                    nbytes = batch * NUM_KV_HEADS * (row_count * HEAD_DIM * dtype.itemsize * 2 + count * 8)
+                    # call i: store i % S, selection (i // S) % len(selections)
+                    calls = [
+                        (q, k, v, idx, lengths, scale)
+                        for idx, (k, v) in itertools.product(selections, stores)
+                    ]
+                    native = [
+                        functools.partial(cpu.sparse_attention_lse, *c, block_size=block, num_threads=threads)
+                        for c in calls
+                    ]
+                    baseline = [
+                        functools.partial(reference.sparse_attention_lse, *c, block_size=block) for c in calls
+                    ]
+                    native_s, bandwidth = probe.around(functools.partial(timed, native, args.reps, flush))
                     torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
                     label = (context, batch, budget, selection, row_count, nbytes)
                     rows.append(row("attention", *label, native_s, torch_s, bandwidth))
+                    rows[-1]["rotation"] = [len(stores), len(selections)]
                     print_row(rows[-1])
-            del k, v
+            del stores
     return rows
 
 
-def scoring_rows(args, threads, bandwidth, flush, gen) -> list[dict]:
+def scoring_rows(args, threads, probe, flush, gen) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
     for context in map(tokens, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             num_blocks = context // PHYSICAL_BLOCK
-            center = torch.randn(batch, NUM_KV_HEADS, num_blocks, HEAD_DIM, generator=gen)
-            key_min, key_max = (center - 0.5).to(dtype), (center + 0.5).to(dtype)
+            nbytes = 2 * batch * NUM_KV_HEADS * num_blocks * HEAD_DIM * dtype.itemsize
+            copies = 1 if flush else max(2, math.ceil(2 * last_level_cache_bytes() / nbytes) + 1)
+            digests = []
+            for _ in range(copies):
+                center = torch.randn(batch, NUM_KV_HEADS, num_blocks, HEAD_DIM, generator=gen)
+                digests.append(((center - 0.5).to(dtype), (center + 0.5).to(dtype)))
             q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
-            nbytes = 2 * key_min.numel() * key_min.element_size()
             for logical in (16, 64):
                 factor = logical // PHYSICAL_BLOCK
                 top = max(1, round(0.05 * num_blocks / factor))
-
-                call = (q, key_min, key_max, top, factor)
-                native_s = timed(
-                    functools.partial(cpu.score_topk, *call, num_threads=threads), args.reps, flush
-                )
-                baseline = functools.partial(torch_score_topk, *call)
+                calls = [(q, key_min, key_max, top, factor) for key_min, key_max in digests]
+                native = [functools.partial(cpu.score_topk, *c, num_threads=threads) for c in calls]
+                native_s, bandwidth = probe.around(functools.partial(timed, native, args.reps, flush))
+                baseline = [functools.partial(torch_score_topk, *c) for c in calls]
                 torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
                 label = (context, batch, None, f"block{logical}", num_blocks // factor, nbytes)
                 rows.append(row("score+top5%", *label, native_s, torch_s, bandwidth))
+                rows[-1]["rotation"] = [copies, 1]
                 print_row(rows[-1])
     return rows
 
@@ -182,6 +271,7 @@ def row(kernel, context, batch, budget, selection, units, nbytes, native_s, torc
         "mbytes": round(nbytes / 1e6, 2),
         "ms": round(native_s * 1e3, 4),
         "gbps": round(gbps, 2),
+        "read_bw_gbps": round(bandwidth, 1),
         "pct_read_bw": round(100 * gbps / bandwidth, 1),
         "torch_ms": None if torch_s is None else round(torch_s * 1e3, 3),
         "speedup": None if torch_s is None else round(torch_s / native_s, 1),
@@ -189,8 +279,8 @@ def row(kernel, context, batch, budget, selection, units, nbytes, native_s, torc
 
 
 HEADER = (
-    "| kernel | context | batch | budget | selection | rows/head | MB | ms | GB/s | % read BW | torch ms "
-    "| speedup |"
+    "| kernel | context | batch | budget | selection | rows/head | MB | ms | GB/s | read BW GB/s | % read BW "
+    "| torch ms | speedup |"
 )
 
 
@@ -200,7 +290,7 @@ def format_row(r: dict) -> str:
     speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
     return (
         f"| {r['kernel']} | {r['context'] // 1024}K | {r['batch']} | {budget} | {r['selection']} | "
-        f"{r['rows_per_head']} | {r['mbytes']:.1f} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+        f"{r['rows_per_head']} | {r['mbytes']:.1f} | {r['ms']:.3f} | {r['gbps']:.1f} | {r['read_bw_gbps']:.0f} | "
         f"{r['pct_read_bw']:.0f}% | {torch_ms} | {speedup} |"
     )
 
@@ -238,7 +328,7 @@ def sweep(args, threads, bandwidth, flush, gen) -> dict:
             k, v = make_store(batch, context, dtype, huge)
             q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
             count = round(0.05 * context)
-            idx = make_selection(batch, context, count, gen)
+            idx = make_selections(batch, context, count, 1, gen)[0]
             lengths = torch.full((batch, NUM_KV_HEADS), count)
             nbytes = batch * NUM_KV_HEADS * count * (HEAD_DIM * k.element_size() * 2 + 8)
             call = functools.partial(
@@ -293,7 +383,7 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     bandwidth = host_read_bandwidth(threads)
     print(f"measured read bandwidth ({threads} threads, 2 GiB): {bandwidth:.1f} GB/s", flush=True)
-    flush_buffer = torch.ones(FLUSH_BYTES // 4)
+    flush_buffer = torch.ones(FLUSH_BYTES // 4) if args.sweep or args.cold == "flush" else None
 
     def flush():
         cpu.read_sum(flush_buffer, num_threads=threads)
@@ -313,25 +403,31 @@ def main() -> None:
         return
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
-    rows = attention_rows(args, threads, bandwidth, flush, gen) + scoring_rows(
-        args, threads, bandwidth, flush, gen
+    each_call = flush if args.cold == "flush" else None
+    probe = ReadProbe(threads)
+    rows = attention_rows(args, threads, probe, each_call, gen) + scoring_rows(
+        args, threads, probe, each_call, gen
     )
+    low, high = min(probe.seen), max(probe.seen)
 
-    name = args.name or machine_slug(info) + ("-thp" if args.huge_pages else "")
+    suffix = ("-4k" if args.pages == "4k" else "") + ("-flush" if args.cold == "flush" else "")
+    name = args.name or machine_slug(info) + suffix
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"machine": info, "read_bandwidth_gbps": round(bandwidth, 2), "dtype": args.dtype,
-              "huge_pages": args.huge_pages, "note": args.note, "rows": rows}  # fmt: skip
+    result = {"machine": info, "read_bandwidth_gbps": round(bandwidth, 2),
+              "probe_range_gbps": [round(low, 1), round(high, 1)], "dtype": args.dtype,
+              "pages": args.pages, "cold": args.cold, "note": args.note, "rows": rows}  # fmt: skip
     (out_dir / f"cpu_attention_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# CPU kernels on {info['cpu_model']} ({info['cores']} cores, host `{info['hostname']}`)",
         "",
         f"Threads {threads}, ISA `{info['isa']}`, prefetch {info['prefetch']}, {args.dtype} KV "
-        f"({'transparent huge pages' if args.huge_pages else '4 KiB pages'}), torch "
-        f"{info['torch']}, {info['compiler']}. Measured read bandwidth: **{bandwidth:.1f} GB/s** "
-        "(2 GiB read, same threads). Llama-3.1-8B layer: 32 q / 8 KV heads, head_dim 128; caches flushed "
-        "before every timed call; medians. MB = K+V rows (+ ids) read for attention, all min+max digests "
-        "for scoring. Speedup is over the torch-gather reference (`tandem.kernels.reference`).",
+        f"({'transparent huge pages' if args.pages == 'huge' else '4 KiB pages'}), torch "
+        f"{info['torch']}, {info['compiler']}. Read bandwidth at the start: **{bandwidth:.1f} GB/s** (2 GiB read, "
+        "same threads); `read BW` is the best of a 1 GiB read just before and one just after each row (this "
+        f"run: {low:.0f}-{high:.0f} GB/s) and `% read BW` compares the row with it. Llama-3.1-8B layer: 32 q / 8 KV "
+        f"heads, head_dim 128; {COLD_TEXT[args.cold]}; medians. MB = K+V rows (+ ids) read for attention, all "
+        "min+max digests for scoring. Speedup is over the torch-gather reference (`tandem.kernels.reference`).",
         "",
         *([args.note, ""] if args.note else []),
         HEADER,

@@ -196,10 +196,18 @@ def test_summarize():
     assert baselines.summarize([]) == (None, None)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("32768K", 32 << 20), ("300M", 300 << 20), ("1G\n", 1 << 30), ("512", 512), ("x", None)],
+)
+def test_parse_cache_size(text, expected):
+    assert bandwidth.parse_cache_size(text) == expected
+
+
 def test_host_read_bandwidth_small_buffer():
     assert bandwidth.host_read_bandwidth(threads=1, nbytes=16 << 20, reps=2) > 0
     info = bandwidth.machine_info(threads=1)
-    assert {"cpu_model", "cores", "gpu", "transformers"} <= info.keys()
+    assert {"cpu_model", "cores", "gpu", "transformers", "llc_mb"} <= info.keys() and info["llc_mb"] > 0
     assert bandwidth.machine_slug(info).endswith(f"-{info['cores']}c")
 
 

@@ -101,6 +101,26 @@ def pcie_h2d_bandwidth(device="cuda", nbytes: int = GIB, reps: int = 5) -> float
     return nbytes / seconds / 1e9
 
 
+def parse_cache_size(text: str) -> int | None:
+    """Bytes of a sysfs cache size ("32768K", "300M", "1024"); None if it is not one."""
+    text = text.strip()
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper())
+    digits = text[:-1] if scale else text
+    return int(digits) * (scale or 1) if digits.isdigit() else None
+
+
+def last_level_cache_bytes(default: int = 256 << 20) -> int:
+    """Size of the CPU's largest cache (Linux sysfs); `default` where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            sizes.append(parse_cache_size((index / "size").read_text()))
+        except OSError:
+            continue
+    return max((s for s in sizes if s), default=default)
+
+
 def machine_info(threads: int) -> dict:
     """Host CPU, memory, kernel settings and software versions; the GPU (name, memory, CUDA) when present."""
     model = platform.processor() or platform.machine()
@@ -122,6 +142,7 @@ def machine_info(threads: int) -> dict:
         "cpu_model": model,
         "cores": cores,
         "memory_gb": round(mem_gb, 1),
+        "llc_mb": round(last_level_cache_bytes() / 2**20),
         "threads": threads,
         "isa": cpu.isa(),
         "prefetch": list(_library.prefetch_config()),
