@@ -7,7 +7,8 @@ replays) and prints and saves (JSON + markdown) microseconds per layer:
 - bounds: `reference.block_scores_matmul` (two cuBLAS matmuls + elementwise) against `gpu.block_scores` (Triton),
   with the digest bytes read per microsecond as a fraction of the HBM read bandwidth measured in the same run;
 - top-k: `torch.topk(sorted=True)` (ranked), `torch.topk(sorted=False)` then a sort of the picks, and
-  `gpu.top_blocks` (a set, k read on the device), checking it equals `reference.top_blocks`.
+  `gpu.top_blocks` (a set, k read on the device) with each of its kernels, the row in registers and the row
+  read in tiles, checking each equals `reference.top_blocks`.
 
     python benchmarks/bench_quest_selection.py --out benchmarks/results/quest_selection_h200
 """
@@ -23,6 +24,7 @@ import torch
 
 from tandem.bench.bandwidth import hbm_bandwidth
 from tandem.kernels import gpu, reference
+from tandem.kernels.gpu import attention as gpu_attention
 
 
 def per_call_us(fn, replays: int = 50, per_graph: int = 10) -> float:
@@ -71,10 +73,16 @@ def measure(batch: int, context: int, budget: float, hbm: float) -> dict:
     row["bounds_triton_pct_hbm"] = 100 * digest_bytes / (row["bounds_triton_us"] * 1e3) / hbm  # hbm in GB/s
     row["topk_sorted_us"] = per_call_us(lambda: torch.topk(scores, k, dim=-1, sorted=True))
     row["topk_unsorted_then_sort_us"] = per_call_us(lambda: ranked_then_sorted(scores, k))
-    row["top_blocks_triton_us"] = per_call_us(lambda: gpu.top_blocks(scores, k_dev, k))
-    row["top_blocks_equals_reference"] = bool(
-        torch.equal(gpu.top_blocks(scores, k_dev, k), reference.top_blocks(scores, k, k))
-    )
+    expected = reference.top_blocks(scores, k, k)
+    register_limit = gpu_attention.REGISTER_TOP_BLOCKS
+    for kind, limit in (("registers", max(register_limit, 1 << 20)), ("tiles", 0)):
+        # each kernel at every shape (the launcher picks the register one up to REGISTER_TOP_BLOCKS)
+        gpu_attention.REGISTER_TOP_BLOCKS = limit
+        try:
+            row[f"top_blocks_{kind}_us"] = per_call_us(lambda: gpu.top_blocks(scores, k_dev, k))
+            row[f"top_blocks_{kind}_equal"] = bool(torch.equal(gpu.top_blocks(scores, k_dev, k), expected))
+        finally:
+            gpu_attention.REGISTER_TOP_BLOCKS = register_limit
     return {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
 
 

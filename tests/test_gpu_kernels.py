@@ -13,6 +13,7 @@ from tolerances import assert_close
 pytest.importorskip("triton")
 
 from tandem.kernels import gpu, reference  # noqa: E402
+from tandem.kernels.gpu import attention as gpu_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -285,7 +286,11 @@ def tied_scores(rows, num_blocks, seed=0):
         (3, 4100, 300, 211),
     ],
 )
-def test_top_blocks_match_reference(rows, num_blocks, width, k):
+@pytest.mark.parametrize("tiled", [False, True], ids=["registers", "tiles"])
+def test_top_blocks_match_reference(rows, num_blocks, width, k, tiled, monkeypatch):
+    if tiled:  # every row through the tiled kernel, several 64-block tiles each (rows and padding)
+        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
+        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
     scores = tied_scores(rows, num_blocks, seed=k)
     ids = gpu.top_blocks(scores, torch.tensor([k], device=DEVICE), width)
     assert ids.dtype == torch.int64 and ids.shape == (rows, width)
@@ -297,6 +302,19 @@ def test_top_blocks_match_reference(rows, num_blocks, width, k):
         rest = scores[r][~torch.isin(torch.arange(num_blocks, device=DEVICE), kept)]
         if kept.numel() and rest.numel():
             assert scores[r, kept].min() >= rest.max()
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["registers", "tiles"])
+def test_top_blocks_ties_across_tiles_go_to_the_lower_ids(tiled, monkeypatch):
+    if tiled:
+        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
+        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
+    scores = torch.ones(3, 200, device=DEVICE)  # one tie over four tiles, cut by k
+    scores[1, ::7] = float("-inf")
+    scores[2, 150:] = 2.0
+    ids = gpu.top_blocks(scores, torch.tensor([150], device=DEVICE), 170)
+    assert torch.equal(ids, reference.top_blocks(scores, 150, 170))
+    assert torch.equal(ids[0, :150], torch.arange(150, device=DEVICE))
 
 
 def test_top_blocks_leading_dims_and_preallocated_out():
@@ -510,12 +528,6 @@ BAD_CALLS = {
         _top_args,
         lambda a: {"width": 0},
         "width must be a positive int",
-    ),
-    "top too many blocks": (
-        gpu.top_blocks,
-        _top_args,
-        lambda a: {"scores": torch.zeros(1, 40000, device=DEVICE)},
-        "at most 32768",
     ),
     "merge shape": (
         gpu.merge_lse_,

@@ -7,7 +7,6 @@ callers use `tandem.kernels.reference` instead.
 """
 
 from .attention import (
-    FAST_TOP_BLOCKS,
     block_scores,
     host_block_attention,
     hot_decode_attention,
@@ -18,7 +17,6 @@ from .attention import (
 )
 
 __all__ = [
-    "FAST_TOP_BLOCKS",
     "block_scores",
     "hot_decode_attention",
     "host_block_attention",

@@ -32,11 +32,13 @@ BLOCK_S = 64  # hot-tier slots per tile
 BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a large one)
 MAX_SPLITS = 64
 SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
-MAX_TOP_BLOCKS = 32768  # `top_blocks` holds a row in registers (512K tokens of 16-token blocks)
-# Rows up to this many blocks are where `top_blocks` beat torch.topk(sorted=True) on the H200 (8 rows of 4160
-# blocks: 25.5 vs 42.2 us; 16 x 8 rows of 2112: 14.5 vs 27.8 us); 8 rows of 8256 blocks (a 16384-wide register
-# row) took 103 vs 58 us (benchmarks/results/quest_selection_h200/), so callers pick torch.topk above it.
-FAST_TOP_BLOCKS = 8192
+# `top_blocks` holds rows of up to this many blocks (padded to a power of two) in registers; longer ones are read
+# in tiles of TOP_BLOCKS_TILE (`top_blocks_tiled_kernel`), any length. On the H200, 8 rows of 8256 blocks (128K)
+# took 44.1 us in tiles, 103 us in a (spilling) 16384-wide register row and 58.5 us with torch.topk(sorted=True);
+# the register kernel is the faster one up to 8192 (4160 blocks: 25.5 vs 30.2 tiled vs 42.5 torch; 16 x 8 rows of
+# 2112: 14.3 vs 17.0 vs 27.7; benchmarks/results/quest_selection_h200/).
+REGISTER_TOP_BLOCKS = 8192
+TOP_BLOCKS_TILE = 4096
 
 
 def interpreted() -> bool:
@@ -472,7 +474,7 @@ def top_blocks(scores, k, width: int, out=None):
 
     Parameters
     ----------
-    scores : [..., NB] float32 on CUDA, NB <= MAX_TOP_BLOCKS, stride 1 along NB
+    scores : [..., NB] float32 on CUDA, stride 1 along NB (rows over REGISTER_TOP_BLOCKS are read in tiles)
     k : [1] int64 tensor on scores' device (read at run time, so a recorded graph follows it), 0 <= k <= width
     width : int >= 1, the output's fixed width (the most blocks any step keeps)
     out : optional preallocated [..., width] int64
@@ -484,10 +486,6 @@ def top_blocks(scores, k, width: int, out=None):
     _check_tensor("scores", scores, "[..., NB]", tuple(scores.shape), (torch.float32,))
     _check(scores.dim() >= 1, "scores must have shape [..., NB], got a 0-d tensor")
     num_blocks = scores.shape[-1]
-    _check(
-        num_blocks <= MAX_TOP_BLOCKS,
-        f"scores has {num_blocks} blocks; top_blocks keeps a row in registers: at most {MAX_TOP_BLOCKS}",
-    )
     _check_tensor("k", k, "[1]", (1,), (torch.int64,))
     _check_on("k", k, device)
     _check(_positive_int(width), f"width must be a positive int, got {width!r}")
@@ -500,19 +498,17 @@ def top_blocks(scores, k, width: int, out=None):
     if rows.shape[0] == 0 or num_blocks == 0:
         return out.fill_(num_blocks)
     block = max(16, triton.next_power_of_2(num_blocks))
+    args = (rows, k, out.view(-1, width), num_blocks, width, rows.stride(0), width)
     with _guard(device):
-        _kernels.top_blocks_kernel[(rows.shape[0],)](
-            rows,
-            k,
-            out.view(-1, width),
-            num_blocks,
-            width,
-            rows.stride(0),
-            width,
-            BLOCK=block,
-            WIDTH_PAD=triton.next_power_of_2(width),
-            num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
-        )
+        if block <= REGISTER_TOP_BLOCKS:
+            _kernels.top_blocks_kernel[(rows.shape[0],)](
+                *args,
+                BLOCK=block,
+                WIDTH_PAD=triton.next_power_of_2(width),
+                num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
+            )
+        else:
+            _kernels.top_blocks_tiled_kernel[(rows.shape[0],)](*args, TILE=TOP_BLOCKS_TILE, num_warps=8)
     return out
 
 

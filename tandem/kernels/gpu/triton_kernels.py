@@ -430,3 +430,72 @@ def top_blocks_kernel(
     tl.debug_barrier()  # the padding lands before the kept ids overwrite their slots
     position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * stride_o + position, offs.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def _order_keys(x):
+    """(signed, unsigned) int32 keys in the order of the fp32 scores x; the unsigned one's bytes are radix digits."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return key, key ^ -2147483648
+
+
+@triton.jit
+def top_blocks_tiled_kernel(
+    scores_ptr,  # [R, NB] fp32
+    k_ptr,  # [1] int64
+    out_ptr,  # [R, W] int64
+    num_blocks,
+    width,
+    stride_s,
+    stride_o,
+    TILE: tl.constexpr,
+):
+    """`top_blocks_kernel` for rows too long for registers: the same radix select and output, with the row read
+    in tiles of TILE scores (from L2 after the first pass), once per byte of the key and once more to write the
+    kept ids. Each pass carries its histogram across the tiles; the last one carries how many ids and how many
+    ties at the threshold earlier tiles kept, so ids stay ascending and ties go to the lower ids. Grid: (R,)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_s
+    offs = tl.arange(0, TILE)
+    k = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining = k
+    prefix = tl.zeros((), dtype=tl.int32)
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros((256,), dtype=tl.int32)
+        for start in range(0, num_blocks, TILE):
+            live = start + offs < num_blocks
+            x = tl.load(base + start + offs, mask=live, other=float("-inf"))
+            key, ukey = _order_keys(x)
+            if p == 0:
+                candidate = live
+            else:
+                candidate = live & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram((ukey >> shift) & 0xFF, 256, mask=candidate)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        prefix = prefix | (chosen << shift)
+    threshold = prefix ^ -2147483648
+    for start in range(0, width, TILE):
+        tl.store(
+            out_ptr + row * stride_o + start + offs,
+            tl.zeros((TILE,), tl.int64) + num_blocks,
+            mask=start + offs < width,
+        )
+    tl.debug_barrier()  # the padding lands before the kept ids overwrite their slots
+    kept = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for start in range(0, num_blocks, TILE):
+        live = start + offs < num_blocks
+        x = tl.load(base + start + offs, mask=live, other=float("-inf"))
+        key, ukey = _order_keys(x)
+        tie = live & (key == threshold)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        keep = live & (x != float("-inf")) & ((key > threshold) | (tie & (tie_rank < remaining)))
+        position = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + row * stride_o + position, (start + offs).to(tl.int64), mask=keep)
+        kept += tl.sum(keep.to(tl.int32), axis=0)
+        ties += tl.sum(tie.to(tl.int32), axis=0)
