@@ -302,6 +302,8 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
       ++n;
     }
     if (n == 0) continue;
+    // a span shorter than the lead: the stream's lead reaches into its V rows as well
+    for (int r = 0; r < n && n + r < pf.ahead; ++r) pf.row(vrows[r]);
     // query blocks of 8/4/2/1 keep each block's accumulators in registers
     int64_t j = 0;
     for (; j + 8 <= nq; j += 8)
