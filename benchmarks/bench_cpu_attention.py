@@ -38,7 +38,13 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.bandwidth import host_read_bandwidth, last_level_cache_bytes, machine_info, machine_slug
+from tandem.bench.bandwidth import (
+    host_read_bandwidth,
+    last_level_cache_bytes,
+    machine_info,
+    machine_slug,
+    read_bandwidth,
+)
 from tandem.cache.memory import host_empty
 from tandem.kernels import cpu, reference
 from tandem.kernels.cpu import _library
@@ -162,12 +168,7 @@ class ReadProbe:
         self.seen: list[float] = []
 
     def read(self) -> float:
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            cpu.read_sum(self.data, num_threads=self.threads)
-            best = min(best, time.perf_counter() - start)
-        self.seen.append(PROBE_BYTES / best / 1e9)
+        self.seen.append(read_bandwidth(self.data, self.threads, reps=3))
         return self.seen[-1]
 
     def around(self, fn):

@@ -84,6 +84,11 @@ def host_read_bandwidth(threads: int | None = None, nbytes: int = 2 * GIB, reps:
     """
     data = torch.ones(max(1, nbytes // 4))
     cpu.read_sum(data, num_threads=threads)
+    return read_bandwidth(data, threads, reps)
+
+
+def read_bandwidth(data: torch.Tensor, threads: int | None = None, reps: int = 5) -> float:
+    """GB/s of reading the fp32 tensor `data` with `read_sum` (already touched), best of `reps`."""
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
