@@ -380,6 +380,36 @@ def block_scores_kernel(
 
 
 @triton.jit
+def _order_keys(x):
+    """(signed, unsigned) int32 keys in the order of the fp32 scores x; the unsigned one's bytes are radix digits."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return key, key ^ -2147483648
+
+
+@triton.jit
+def _candidates(live, ukey, prefix, p: tl.constexpr):
+    """Keys still tied with the k-th best on the bytes fixed before radix pass p."""
+    if p == 0:
+        candidate = live
+    else:
+        candidate = live & ((ukey >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+    return candidate
+
+
+@triton.jit
+def _radix_step(hist, remaining, prefix, shift):
+    """One radix pass: from the 256-bin histogram of the candidates' byte at `shift`, the byte of the k-th best
+    key (the highest bin with at least `remaining` candidates at or above it); returns (remaining, prefix) after
+    dropping the candidates above it, which are kept for sure."""
+    bins = tl.arange(0, 256)
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # candidates with digit >= bin
+    chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
+    remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+    return remaining, prefix | (chosen << shift)
+
+
+@triton.jit
 def top_blocks_kernel(
     scores_ptr,  # [R, NB] fp32
     k_ptr,  # [1] int64: how many blocks to keep this step
@@ -400,25 +430,13 @@ def top_blocks_kernel(
     offs = tl.arange(0, BLOCK)
     live = offs < num_blocks
     x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int32 in the floats' order
-    ukey = key ^ -2147483648  # the same order read as unsigned: its bytes are the radix digits
-    k = tl.minimum(tl.load(k_ptr), width).to(tl.int32)  # never more than the output holds
-    remaining = k
+    key, ukey = _order_keys(x)
+    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)  # never more than the output holds
     prefix = tl.zeros((), dtype=tl.int32)  # the unsigned key bytes fixed so far
-    bins = tl.arange(0, 256)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        if p == 0:
-            candidate = live
-        else:
-            candidate = live & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = (ukey >> shift) & 0xFF
-        hist = tl.histogram(digit, 256, mask=candidate)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # candidates with digit >= bin
-        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        prefix = prefix | (chosen << shift)
+        hist = tl.histogram((ukey >> shift) & 0xFF, 256, mask=_candidates(live, ukey, prefix, p))
+        remaining, prefix = _radix_step(hist, remaining, prefix, shift)
     threshold = prefix ^ -2147483648  # the k-th best key, signed
     tie = live & (key == threshold)
     tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
@@ -430,14 +448,6 @@ def top_blocks_kernel(
     tl.debug_barrier()  # the padding lands before the kept ids overwrite their slots
     position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * stride_o + position, offs.to(tl.int64), mask=keep)
-
-
-@triton.jit
-def _order_keys(x):
-    """(signed, unsigned) int32 keys in the order of the fp32 scores x; the unsigned one's bytes are radix digits."""
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return key, key ^ -2147483648
 
 
 @triton.jit
@@ -458,26 +468,16 @@ def top_blocks_tiled_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = scores_ptr + row * stride_s
     offs = tl.arange(0, TILE)
-    k = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
-    remaining = k
+    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
     prefix = tl.zeros((), dtype=tl.int32)
-    bins = tl.arange(0, 256)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
         hist = tl.zeros((256,), dtype=tl.int32)
         for start in range(0, num_blocks, TILE):
             live = start + offs < num_blocks
-            x = tl.load(base + start + offs, mask=live, other=float("-inf"))
-            key, ukey = _order_keys(x)
-            if p == 0:
-                candidate = live
-            else:
-                candidate = live & ((ukey >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram((ukey >> shift) & 0xFF, 256, mask=candidate)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        prefix = prefix | (chosen << shift)
+            key, ukey = _order_keys(tl.load(base + start + offs, mask=live, other=float("-inf")))
+            hist += tl.histogram((ukey >> shift) & 0xFF, 256, mask=_candidates(live, ukey, prefix, p))
+        remaining, prefix = _radix_step(hist, remaining, prefix, shift)
     threshold = prefix ^ -2147483648
     for start in range(0, width, TILE):
         tl.store(
