@@ -1,12 +1,15 @@
-"""Same-process A/B timing of two versions of the CPU attention kernel (two csrc trees).
+"""Same-process A/B timing of two versions of the CPU kernels (two csrc trees): attention, or scoring + top-k.
 
 The GPU host's memory bandwidth moves with other tenants by up to 1.5x within minutes, so two versions timed
 in two processes a minute apart cannot be told apart at a few percent. This builds both trees as separate
 libraries, loads both, and alternates their calls (order flipped every iteration) over rotated 128K-token
-Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and batch 1 and 8.
+Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and batch 1 and 8. With
+`--kernel score` it times Quest's scoring + top-5% over rotated 128K-token digests (16-token physical blocks,
+logical 16 and 64) instead, allocated like the host tier's.
 
     cp -r tandem/kernels/cpu/csrc /tmp/csrc_old     # before editing the kernel
     PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc
+    PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc --kernel score
 
 Prints median ms per call and the ratio b/a per configuration. A diagnostic, not a test.
 """
@@ -25,9 +28,9 @@ import torch
 from tandem.cache.memory import host_empty
 from tandem.kernels import cpu
 from tandem.kernels.cpu import _library
-from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs
+from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs, ScoreArgs
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CONTEXT = 32, 8, 128, 131072
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CONTEXT, PHYSICAL_BLOCK = 32, 8, 128, 131072, 16
 
 
 def build(source_dir: str, target: Path) -> ctypes.CDLL:
@@ -38,14 +41,24 @@ def build(source_dir: str, target: Path) -> ctypes.CDLL:
     return lib
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("a", help="csrc directory of version a")
-    p.add_argument("b", help="csrc directory of version b")
-    p.add_argument("--calls", type=int, default=60, help="calls per version and configuration")
-    args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp())
-    libs = {"a": build(args.a, tmp / "a.so"), "b": build(args.b, tmp / "b.so")}
+def alternate(libs: dict, calls: list, num_calls: int, invoke) -> dict[str, float]:
+    """Median ms per call of each version; b takes the other half of `calls` from the one a just took."""
+    times = {"a": [], "b": []}
+    for i in range(num_calls):
+        for name in ("a", "b") if i % 2 else ("b", "a"):
+            call = calls[(i + (len(calls) // 2 if name == "b" else 0)) % len(calls)]
+            start = time.perf_counter()
+            invoke(libs[name], call)
+            times[name].append(time.perf_counter() - start)
+    return {n: statistics.median(t[4:]) * 1e3 for n, t in times.items()}
+
+
+def report(label: str, ms: dict[str, float], mb: float) -> None:
+    print(f"{label}: a {ms['a']:.3f} ms ({mb / ms['a']:.0f} GB/s)  b {ms['b']:.3f} ms ({mb / ms['b']:.0f} GB/s)  "
+          f"b/a {ms['b'] / ms['a']:.3f}", flush=True)  # fmt: skip
+
+
+def attention(libs: dict, num_calls: int) -> None:
     threads, isa, prefetch = cpu.default_num_threads(), _library.isa_code(), _library.prefetch_config()
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(1, NUM_KV_HEADS, 4096, HEAD_DIM).bfloat16()
@@ -59,6 +72,13 @@ def main() -> None:
             stores.append((k, v))
         q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
         out, lse = torch.empty(batch, NUM_Q_HEADS, 1, HEAD_DIM), torch.empty(batch, NUM_Q_HEADS, 1)
+
+        def invoke(lib, call, out=out, lse=lse):
+            code = DTYPE_CODES[torch.bfloat16]
+            lib.tandem_sparse_attention(
+                isa, code, ctypes.byref(call), out.data_ptr(), lse.data_ptr(), threads
+            )
+
         for selection, block in (("token", 1), ("block16", 16), ("block64", 64)):
             units = CONTEXT // block
             count = round(0.05 * units)
@@ -95,25 +115,75 @@ def main() -> None:
                 for idx in picks
                 for k, v in stores
             ]
-            times = {"a": [], "b": []}
-            for i in range(args.calls):
-                for name in ("a", "b") if i % 2 else ("b", "a"):
-                    call = calls[(i + (len(calls) // 2 if name == "b" else 0)) % len(calls)]
-                    start = time.perf_counter()
-                    libs[name].tandem_sparse_attention(
-                        isa,
-                        DTYPE_CODES[torch.bfloat16],
-                        ctypes.byref(call),
-                        out.data_ptr(),
-                        lse.data_ptr(),
-                        threads,
-                    )
-                    times[name].append(time.perf_counter() - start)
-            ms = {n: statistics.median(t[4:]) * 1e3 for n, t in times.items()}
-            mb = batch * NUM_KV_HEADS * count * block * HEAD_DIM * 4 / 1e6
-            print(f"batch {batch} {selection:8s}: a {ms['a']:.3f} ms ({mb / ms['a']:.0f} GB/s)  "
-                  f"b {ms['b']:.3f} ms ({mb / ms['b']:.0f} GB/s)  b/a {ms['b'] / ms['a']:.3f}", flush=True)  # fmt: skip
+            ms = alternate(libs, calls, num_calls, invoke)
+            report(
+                f"attention batch {batch} {selection:8s}",
+                ms,
+                batch * NUM_KV_HEADS * count * block * HEAD_DIM * 4 / 1e6,
+            )
         del stores
+
+
+def score(libs: dict, num_calls: int) -> None:
+    threads, isa = cpu.default_num_threads(), _library.isa_code()
+    num_blocks = CONTEXT // PHYSICAL_BLOCK
+    for batch, num_stores in ((1, 24), (8, 3)):
+        shape = (batch, NUM_KV_HEADS, num_blocks, HEAD_DIM)
+        stores = []
+        for _ in range(num_stores):
+            center = torch.randn(shape)
+            key_min, key_max = (host_empty(shape, torch.bfloat16, pin=False) for _ in range(2))
+            key_min.copy_(center - 0.5)
+            key_max.copy_(center + 0.5)
+            stores.append((key_min, key_max))
+        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+        scores = torch.empty(batch, NUM_KV_HEADS, num_blocks)
+        for factor in (1, 4):
+            k = round(0.05 * num_blocks / factor)
+            top_ids = torch.empty(batch, NUM_KV_HEADS, k, dtype=torch.int64)
+            top_len = torch.empty(batch, NUM_KV_HEADS, dtype=torch.int64)
+
+            def invoke(lib, call, k=k, top_ids=top_ids, top_len=top_len, scores=scores):
+                code = DTYPE_CODES[torch.bfloat16]
+                lib.tandem_score_topk(
+                    isa, code, ctypes.byref(call), scores.data_ptr(), k, top_ids.data_ptr(), top_len.data_ptr(),
+                    threads,
+                )  # fmt: skip
+
+            calls = [
+                ScoreArgs(
+                    q.data_ptr(),
+                    None,
+                    key_min.data_ptr(),
+                    key_max.data_ptr(),
+                    *key_min.stride()[:3],
+                    *key_max.stride()[:3],
+                    batch,
+                    NUM_KV_HEADS,
+                    NUM_Q_HEADS // NUM_KV_HEADS,
+                    HEAD_DIM,
+                    num_blocks,
+                    factor,
+                )  # fmt: skip
+                for key_min, key_max in stores
+            ]
+            ms = alternate(libs, calls, num_calls, invoke)
+            report(
+                f"score+top5% batch {batch} block{PHYSICAL_BLOCK * factor:<3d}", ms, 2 * key_min.nbytes / 1e6
+            )
+        del stores
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="csrc directory of version a")
+    p.add_argument("b", help="csrc directory of version b")
+    p.add_argument("--kernel", choices=["attention", "score"], default="attention")
+    p.add_argument("--calls", type=int, default=60, help="calls per version and configuration")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    libs = {"a": build(args.a, tmp / "a.so"), "b": build(args.b, tmp / "b.so")}
+    (attention if args.kernel == "attention" else score)(libs, args.calls)
 
 
 if __name__ == "__main__":

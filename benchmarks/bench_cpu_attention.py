@@ -14,11 +14,12 @@ within a store a selection disjoint from its earlier ones, so that at least twic
 other rows is read before any row is read again; the code, the call's small arguments and the thread team
 stay warm, as between the layers of a step. `--cold flush` instead reads 1 GiB through the cache before
 every call, which also evicts the interpreter and the kernel's own state (the method of the results before
-2026-11-26, about 0.2 ms per call slower on the GPU host). Stores are allocated like the host tier's
-(`tandem.cache.memory`, on transparent huge pages unless `--pages 4k`).
+2026-11-26, about 0.2 ms per call slower on the GPU host). Stores and digests are allocated like the host
+tier's (`tandem.cache.memory`, on transparent huge pages unless `--pages 4k`).
 
     python benchmarks/bench_cpu_attention.py                                 # the full grid
     python benchmarks/bench_cpu_attention.py --contexts 32k --batches 1      # a small machine
+    python benchmarks/bench_cpu_attention.py --kernels score                 # kernel 2's rows only
     python benchmarks/bench_cpu_attention.py --sweep                         # prefetch / ISA sweep only
 
 Run from the repository root; where tandem is not installed, with PYTHONPATH=. set.
@@ -65,6 +66,11 @@ COLD_TEXT = {
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--kernels",
+        default="attention,score",
+        help="attention (kernel 1), score (kernel 2), or both (default)",
+    )
     p.add_argument("--contexts", default="32k,128k", help="tokens per request, e.g. 32k,128k")
     p.add_argument("--budgets", default="0.02,0.05,0.1", help="fraction of the context attended")
     p.add_argument("--selections", default="token,block16,block64", help="token | blockN")
@@ -98,7 +104,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--name", default=None, help="machine name in the file names (default: from the CPU)")
     p.add_argument("--note", default="", help="a line of context written into the .md (e.g. machine load)")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = set(args.kernels.split(",")) - {"attention", "score"}
+    if unknown:
+        p.error(f"--kernels: unknown {', '.join(sorted(unknown))}; allowed: attention, score")
+    return args
 
 
 def tokens(text: str) -> int:
@@ -227,6 +237,16 @@ def attention_rows(args, threads, probe, flush, gen) -> list[dict]:
     return rows
 
 
+def make_digests(batch: int, num_blocks: int, dtype: torch.dtype, huge: bool, gen: torch.Generator):
+    # per-block key min / max, allocated as the host tier allocates its digests
+    shape = (batch, NUM_KV_HEADS, num_blocks, HEAD_DIM)
+    center = torch.randn(shape, generator=gen)
+    key_min, key_max = (host_empty(shape, dtype, pin=False, huge=huge) for _ in range(2))
+    key_min.copy_(center - 0.5)
+    key_max.copy_(center + 0.5)
+    return key_min, key_max
+
+
 def scoring_rows(args, threads, probe, flush, gen) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -235,10 +255,9 @@ def scoring_rows(args, threads, probe, flush, gen) -> list[dict]:
             num_blocks = context // PHYSICAL_BLOCK
             nbytes = 2 * batch * NUM_KV_HEADS * num_blocks * HEAD_DIM * dtype.itemsize
             copies = 1 if flush else max(2, math.ceil(2 * last_level_cache_bytes() / nbytes) + 1)
-            digests = []
-            for _ in range(copies):
-                center = torch.randn(batch, NUM_KV_HEADS, num_blocks, HEAD_DIM, generator=gen)
-                digests.append(((center - 0.5).to(dtype), (center + 0.5).to(dtype)))
+            digests = [
+                make_digests(batch, num_blocks, dtype, args.pages == "huge", gen) for _ in range(copies)
+            ]
             q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
             for logical in (16, 64):
                 factor = logical // PHYSICAL_BLOCK
@@ -406,8 +425,9 @@ def main() -> None:
     print("|" + "---|" * (HEADER.count("|") - 1))
     each_call = flush if args.cold == "flush" else None
     probe = ReadProbe(threads)
-    rows = attention_rows(args, threads, probe, each_call, gen) + scoring_rows(
-        args, threads, probe, each_call, gen
+    kernels = args.kernels.split(",")
+    rows = (attention_rows(args, threads, probe, each_call, gen) if "attention" in kernels else []) + (
+        scoring_rows(args, threads, probe, each_call, gen) if "score" in kernels else []
     )
     low, high = min(probe.seen), max(probe.seen)
 

@@ -3,6 +3,7 @@ this CPU supports, at the dtype-keyed tolerances of tests/tolerances.py."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -274,6 +275,33 @@ def test_topk_blocks_matches_reference(k):
         for h in range(3):
             n = lengths[b, h]
             assert torch.equal(ids[b, h, :n], ref_ids[b, h, :n])
+
+
+def ranked_picks(row: list[float], k: int) -> tuple[list[int], int]:
+    """The documented top-k order in plain Python: best score first (NaN highest, -0 == +0, ties by lower
+    id), then the finite picks in ascending id, then the non-finite ones in ascending id."""
+    rank = [(math.inf if math.isnan(x) else x) + 0.0 for x in row]
+    top = sorted(range(len(row)), key=lambda i: (-rank[i], i))[:k]
+    finite = sorted(i for i in top if math.isfinite(row[i]))
+    return finite + sorted(i for i in top if not math.isfinite(row[i])), len(finite)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 5, 40, 300, 1000])
+def test_topk_blocks_ties_nan_and_signed_zero(k):
+    # few distinct values, so the k-th score is tied many times and the radix select must cut the ties by id
+    gen = torch.Generator().manual_seed(k)
+    scores = torch.randint(-3, 4, (2, 2, 1000), generator=gen).float()
+    scores[scores == 0] = torch.where(torch.rand(int((scores == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    scores[0, 0, ::7] = float("nan")
+    scores[0, 1, ::5] = float("inf")
+    scores[1, 0, ::3] = float("-inf")
+    scores[1, 1, 1::2] = 1e-40  # subnormal ties
+    ids, lengths = cpu.topk_blocks(scores, k)
+    for b in range(2):
+        for h in range(2):
+            picks, n = ranked_picks(scores[b, h].tolist(), k)
+            assert ids[b, h].tolist() == picks and lengths[b, h] == n
 
 
 @needs_native

@@ -175,7 +175,7 @@ inline void softmax_span(float* logits, int n, float* m, float* l, float* alpha)
   for (int ph = 0; ph < phases; ++ph) V::store(lanes + ph * V::W, vmax[ph]);
   float m_new[QB];
   for (int j = 0; j < QB; ++j) m_new[j] = m[j];
-  for (int t = 0; t < period; ++t) m_new[t % QB] = std::fmax(m_new[t % QB], lanes[t]);
+  for (int t = 0; t < period; ++t) m_new[t % QB] = max_num(m_new[t % QB], lanes[t]);
   alignas(64) float shift_lanes[period];
   for (int t = 0; t < period; ++t) shift_lanes[t] = m_new[t % QB];
   typename V::reg shift[phases], sum[phases];

@@ -27,7 +27,7 @@ void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int
                    int64_t head_dim, float* out, float* lse) {
   for (int64_t j = 0; j < nq; ++j) {
     float m_max = -INFINITY;
-    for (int64_t s = slot0; s <= slot1; ++s) m_max = std::fmax(m_max, scratch[s * slot_floats + j]);
+    for (int64_t s = slot0; s <= slot1; ++s) m_max = max_num(m_max, scratch[s * slot_floats + j]);
     float* o = out + j * head_dim;
     if (m_max == -INFINITY) {  // nothing attended: the merge with the GPU side must ignore this side
       std::fill(o, o + head_dim, 0.f);

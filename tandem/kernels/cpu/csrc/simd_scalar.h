@@ -43,10 +43,10 @@ struct VScalar {
     return map([&](int i) { return a.x[i] * b.x[i] + c.x[i]; });
   }
   static reg max(reg a, reg b) {
-    return map([&](int i) { return std::fmax(a.x[i], b.x[i]); });
+    return map([&](int i) { return max_num(a.x[i], b.x[i]); });
   }
   static reg min(reg a, reg b) {
-    return map([&](int i) { return std::fmin(a.x[i], b.x[i]); });
+    return map([&](int i) { return min_num(a.x[i], b.x[i]); });
   }
   template <class T>
   static void load2(const T* p, reg& lo, reg& hi) {
@@ -61,7 +61,7 @@ struct VScalar {
   static void reduce4(reg a, reg b, reg c, reg d, float* out) {
     out[0] = reduce_add(a), out[1] = reduce_add(b), out[2] = reduce_add(c), out[3] = reduce_add(d);
   }
-  static float reduce_max(reg a) { return std::fmax(std::fmax(a.x[0], a.x[1]), std::fmax(a.x[2], a.x[3])); }
+  static float reduce_max(reg a) { return max_num(max_num(a.x[0], a.x[1]), max_num(a.x[2], a.x[3])); }
   static reg exp2(reg a) {
     return map([&](int i) { return std::exp2(a.x[i]); });
   }
