@@ -218,6 +218,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
         "torch": torch.__version__,
     }
     print(json.dumps(machine), flush=True)

@@ -290,7 +290,8 @@ def _score(q, key_min, key_max, factor, k, num_threads):
 
     num_logical = -(-num_blocks // factor)
     qf = q.to(torch.float32).contiguous()
-    scores = torch.empty(batch, num_kv_heads, num_logical, dtype=torch.float32)
+    # with k, the scores stay in the library's scratch (a fresh tensor here was page-faulted in every call)
+    scores = torch.empty(batch, num_kv_heads, num_logical, dtype=torch.float32) if k is None else None
     args = ScoreArgs(
         _ptr(qf), None, _ptr(key_min), _ptr(key_max),
         *key_min.stride()[:3], *key_max.stride()[:3],

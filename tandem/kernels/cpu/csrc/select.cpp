@@ -100,8 +100,9 @@ int64_t topk_segment(const float* scores, int64_t n, int64_t k, int64_t* out, st
 
 extern "C" {
 
-// scores: [B, Hkv, ceil(nblk / factor)] fp32. With k >= 0 also writes the top-k of each (request, KV head)
-// into topk_ids [B, Hkv, k] and topk_lengths [B, Hkv]. Returns 0, or -1 if isa / dtype is unavailable.
+// scores: [B, Hkv, ceil(nblk / factor)] fp32, or null with k >= 0 (scored into internal scratch). With k >= 0
+// also writes the top-k of each (request, KV head) into topk_ids [B, Hkv, k] and topk_lengths [B, Hkv].
+// Returns 0, or -1 if isa / dtype is unavailable (or scores is null with k < 0).
 int64_t tandem_score_topk(int isa, int dtype, const tandem::ScoreArgs* args, float* scores, int64_t k,
                           int64_t* topk_ids, int64_t* topk_lengths, int num_threads) {
   using namespace tandem;
@@ -121,6 +122,14 @@ int64_t tandem_score_topk(int isa, int dtype, const tandem::ScoreArgs* args, flo
   a.q_neg = q_neg.data();
   const int64_t nlb = (a.num_blocks + a.factor - 1) / a.factor;
   const int64_t total = nseg * nlb;
+  // scores == null (only the top-k wanted): a grow-only buffer of the calling thread instead of a fresh
+  // tensor page-faulted in on every call (8 KV heads x 8192 blocks: 256 KB)
+  static thread_local std::vector<float> own_scores;
+  if (scores == nullptr) {
+    if (k < 0) return -1;
+    if (own_scores.size() < static_cast<size_t>(total)) own_scores.resize(total);
+    scores = own_scores.data();
+  }
   const int nt = threads_for(num_threads, total, kMinBlocksPerThread);
   // a few chunks per thread, taken dynamically: a preempted thread does not stall the call
   const int64_t chunk = std::max(kMinBlocksPerThread, (total + 4 * nt - 1) / (4 * nt));
@@ -132,8 +141,9 @@ int64_t tandem_score_topk(int isa, int dtype, const tandem::ScoreArgs* args, flo
       score_range(table, dtype, a, nlb, c * chunk, std::min(total, (c + 1) * chunk), scores);
     }
     if (k >= 0) {
-      std::vector<uint32_t> keys;
-      std::vector<int64_t> work;
+      // per OpenMP thread and grow-only: fresh buffers each call were page-faulted in each call
+      static thread_local std::vector<uint32_t> keys;
+      static thread_local std::vector<int64_t> work;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t seg = 0; seg < nseg; ++seg) {
         topk_lengths[seg] = topk_segment(scores + seg * nlb, nlb, k, topk_ids + seg * k, keys, work);
@@ -149,8 +159,8 @@ void tandem_topk(const float* scores, int64_t nseg, int64_t n, int64_t k, int64_
   const int nt = tandem::threads_for(num_threads, nseg * n, 4096);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<uint32_t> keys;
-    std::vector<int64_t> work;
+    static thread_local std::vector<uint32_t> keys;
+    static thread_local std::vector<int64_t> work;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seg = 0; seg < nseg; ++seg) {
       topk_lengths[seg] = tandem::topk_segment(scores + seg * n, n, k, topk_ids + seg * k, keys, work);
