@@ -24,13 +24,21 @@ import time
 from pathlib import Path
 
 import torch
+from bench_cpu_attention import (  # this folder is on sys.path when run as a script
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    PHYSICAL_BLOCK,
+    make_digests,
+    make_selections,
+    make_store,
+)
 
-from tandem.cache.memory import host_empty
 from tandem.kernels import cpu
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs, ScoreArgs
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CONTEXT, PHYSICAL_BLOCK = 32, 8, 128, 131072, 16
+CONTEXT = 131072
 
 
 def build(source_dir: str, target: Path) -> ctypes.CDLL:
@@ -61,15 +69,8 @@ def report(label: str, ms: dict[str, float], mb: float) -> None:
 def attention(libs: dict, num_calls: int) -> None:
     threads, isa, prefetch = cpu.default_num_threads(), _library.isa_code(), _library.prefetch_config()
     gen = torch.Generator().manual_seed(0)
-    base = torch.randn(1, NUM_KV_HEADS, 4096, HEAD_DIM).bfloat16()
     for batch, num_stores in ((1, 24), (8, 3)):
-        shape = (batch, NUM_KV_HEADS, CONTEXT, HEAD_DIM)
-        stores = []
-        for _ in range(num_stores):
-            k, v = (host_empty(shape, torch.bfloat16, pin=False) for _ in range(2))
-            for s in range(0, CONTEXT, 4096):
-                k[:, :, s : s + 4096], v[:, :, s : s + 4096] = base, base.flip(-1)
-            stores.append((k, v))
+        stores = [make_store(batch, CONTEXT, torch.bfloat16, huge=True) for _ in range(num_stores)]
         q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
         out, lse = torch.empty(batch, NUM_Q_HEADS, 1, HEAD_DIM), torch.empty(batch, NUM_Q_HEADS, 1)
 
@@ -83,14 +84,7 @@ def attention(libs: dict, num_calls: int) -> None:
             units = CONTEXT // block
             count = round(0.05 * units)
             # two disjoint selections per store: version b reads the other one of the store a just read
-            perms = [
-                torch.randperm(units, generator=gen)[: 2 * count].view(2, count)
-                for _ in range(batch * NUM_KV_HEADS)
-            ]
-            picks = [
-                torch.stack([p[i].sort().values for p in perms]).view(batch, NUM_KV_HEADS, count)
-                for i in range(2)
-            ]
+            picks = make_selections(batch, units, count, 2, gen)
             lengths = torch.full((batch, NUM_KV_HEADS), count)
             calls = [
                 AttendArgs(
@@ -126,16 +120,10 @@ def attention(libs: dict, num_calls: int) -> None:
 
 def score(libs: dict, num_calls: int) -> None:
     threads, isa = cpu.default_num_threads(), _library.isa_code()
+    gen = torch.Generator().manual_seed(0)
     num_blocks = CONTEXT // PHYSICAL_BLOCK
     for batch, num_stores in ((1, 24), (8, 3)):
-        shape = (batch, NUM_KV_HEADS, num_blocks, HEAD_DIM)
-        stores = []
-        for _ in range(num_stores):
-            center = torch.randn(shape)
-            key_min, key_max = (host_empty(shape, torch.bfloat16, pin=False) for _ in range(2))
-            key_min.copy_(center - 0.5)
-            key_max.copy_(center + 0.5)
-            stores.append((key_min, key_max))
+        stores = [make_digests(batch, num_blocks, torch.bfloat16, True, gen) for _ in range(num_stores)]
         q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
         scores = torch.empty(batch, NUM_KV_HEADS, num_blocks)
         for factor in (1, 4):
@@ -169,7 +157,9 @@ def score(libs: dict, num_calls: int) -> None:
             ]
             ms = alternate(libs, calls, num_calls, invoke)
             report(
-                f"score+top5% batch {batch} block{PHYSICAL_BLOCK * factor:<3d}", ms, 2 * key_min.nbytes / 1e6
+                f"score+top5% batch {batch} block{PHYSICAL_BLOCK * factor:<3d}",
+                ms,
+                2 * stores[0][0].nbytes / 1e6,
             )
         del stores
 
