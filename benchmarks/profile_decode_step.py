@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import platform
@@ -88,8 +89,8 @@ def instrument() -> None:
 
     original_cpu_part = decode._cpu_part
 
-    def cpu_part(layer, bufs, scale, pool, step):
-        if bufs.q_copied is not None:
+    def cpu_part(layer, bufs, scale, pool, step, wait_copy=True):
+        if wait_copy and bufs.q_copied is not None:
             start = time.perf_counter()
             bufs.q_copied.synchronize()
             TIMERS["q_wait"] += time.perf_counter() - start
@@ -104,6 +105,24 @@ def instrument() -> None:
     def replay(self):
         if MARK_STEPS:
             torch.cuda._sleep(1)  # a `spin_kernel` on the stream: the trace's step boundary
+        if self.flags is not None:  # handoff="memops": one launch, then the hand-offs through flags
+            start = time.perf_counter()
+            self.flags.reset()
+            self.segments[0][0].replay()
+            TIMERS["launch"] += time.perf_counter() - start
+            try:
+                for i, action in enumerate(self.actions):
+                    start = time.perf_counter()
+                    self.flags.wait_ready(i)
+                    middle = time.perf_counter()
+                    TIMERS["q_wait"] += middle - start
+                    action()
+                    TIMERS["after"] += time.perf_counter() - middle
+                    self.flags.set_done(i)
+            except BaseException:
+                self.flags.set_all_done()
+                raise
+            return
         for graph, after in self.segments:
             start = time.perf_counter()
             graph.replay()
@@ -208,6 +227,11 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--no-gpu-trace", action="store_true")
+    p.add_argument(
+        "--handoff",
+        default="auto",
+        help="TandemRunner's handoff: auto, memops or launches; comma-separated to compare",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = build_random_model(args.model, "cuda", torch.bfloat16, num_layers=args.layers)
@@ -226,11 +250,11 @@ def main() -> None:
     first = torch.zeros(args.batch, dtype=torch.long)
     for text in args.contexts.split(","):
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-        for spec in args.configs.split(","):
+        for spec, handoff in itertools.product(args.configs.split(","), args.handoff.split(",")):
             policy, _, share = spec.partition(":")
             config = TandemConfig(policy=policy, gpu_share=float(share) if share else None)
             cache = TandemCache.for_model(model, config)
-            runner = TandemRunner(model, cache)
+            runner = TandemRunner(model, cache, handoff=handoff)
             fill_tandem_synthetic(cache, model, args.batch, context)
             runner.set_positions(torch.full((args.batch,), context))
             PER_STEP.clear()
@@ -239,7 +263,7 @@ def main() -> None:
             PER_STEP.append(dict(TIMERS))
             TIMERS.clear()
             steps = PER_STEP[1:][4:]  # PER_STEP[i + 1] holds step i's timers; skip warm-up and capture
-            row = {"context": context, "batch": args.batch, "config": spec}
+            row = {"context": context, "batch": args.batch, "config": spec, "handoff": runner.handoff}
             row["step_ms"] = round(statistics.median(seconds[4:]) * 1e3, 2)
             keys = sorted({k for s in steps for k in s})
             for key in keys:

@@ -1,8 +1,8 @@
 """The engine (chunked prefill + fixed-address decode steps) against Hugging Face generation with DynamicCache.
 
-On CPU the fixed-address step runs eagerly with the CPU part inline; on CUDA it is captured as one CUDA graph
-per step with host nodes (the `cuda`-marked cases). Both must give DynamicCache's greedy tokens with every
-entry kept."""
+On CPU the fixed-address step runs eagerly with the CPU part inline; on CUDA it is captured in CUDA graphs,
+with either hand-off to the host (the `cuda`-marked cases: one graph with flags, or two graphs per layer).
+All must give DynamicCache's greedy tokens with every entry kept."""
 
 import pytest
 import torch
@@ -40,8 +40,8 @@ def _hf_greedy(model, ids, mask, new_tokens, cache=None):
     return out[:, ids.shape[1] :].cpu()
 
 
-def _run(model, ids, mask, config, new_tokens, chunk_tokens=7, use_graphs="auto"):
-    runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=use_graphs)
+def _run(model, ids, mask, config, new_tokens, chunk_tokens=7, use_graphs="auto", handoff="auto"):
+    runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=use_graphs, handoff=handoff)
     logits = runner.prefill(ids, mask, chunk_tokens=chunk_tokens, max_new_tokens=new_tokens)
     first = logits.argmax(-1)
     tokens, seconds = runner.decode(first, new_tokens - 1)
@@ -75,6 +75,48 @@ def test_sparse_policies_at_full_budget_match_dynamic_cache(device, policy):
     config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
     ours, runner = _run(model, ids, mask, config, 24, chunk_tokens=32)
     assert torch.equal(_hf_greedy(model, ids, mask, 24), ours)
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+
+
+@pytest.mark.parametrize("handoff", [pytest.param(h, marks=CUDA) for h in ("memops", "launches")])
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_graph_handoffs_match_dynamic_cache(handoff, policy):
+    """Both ways a replayed step hands q to the host and takes the CPU part back give HF's greedy tokens; quest
+    at full budget also exercises the device share (half the ranked host blocks read by the GPU)."""
+    model = _tiny(device="cuda")
+    ids = torch.randint(0, 128, (2, 77), generator=torch.Generator().manual_seed(6)).to("cuda")
+    extra = {"budget": 1.0, "gpu_share": 0.5} if policy == "quest" else {}
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
+    ours, runner = _run(model, ids, None, config, 30, chunk_tokens=32, handoff=handoff)
+    assert runner.handoff == handoff and runner.use_graphs
+    assert torch.equal(_hf_greedy(model, ids, None, 30), ours)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_memops_step_with_a_failing_cpu_part_raises_and_does_not_hang(monkeypatch):
+    from tandem.attention import decode
+
+    model = _tiny(device="cuda")
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(7)).to("cuda")
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=12, block_size=4)
+    runner = TandemRunner(model, TandemCache.for_model(model, config), handoff="memops")
+    first = runner.prefill(ids, chunk_tokens=32, max_new_tokens=12).argmax(-1)
+    calls = []
+    original = decode.host_part
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 5 * len(runner.layers):  # past warm-up and capture: inside a replay
+            raise RuntimeError("injected CPU-part failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "host_part", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.decode(first, 10)
+    torch.cuda.synchronize()  # the graph was released: this returns
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,6 +166,9 @@ def test_runner_refuses_bad_input():
         runner.decode(torch.zeros(1, dtype=torch.long), 2000)
     with pytest.raises(ValueError, match="use_graphs"):
         TandemRunner(model, cache, use_graphs="sometimes")
+    with pytest.raises(ValueError, match="handoff must be one of auto, memops, launches"):
+        TandemRunner(model, cache, handoff="flags")
+    assert TandemRunner(model, cache).handoff == "launches"  # no graphs on CPU: nothing to hand off
     with pytest.raises(ValueError, match="CUDA"):
         TandemRunner(model, cache, use_graphs=True)
     with pytest.raises(ValueError, match="TandemCache"):

@@ -7,8 +7,9 @@ host rows, the CPU kernel attends them, and (out, lse) return through pinned buf
 Only q, the CPU output and its LSE cross PCIe, plus the device share's selected rows, read in place.
 
 The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back. With a
-`tandem.engine` step being captured, the same order is recorded as a chain of CUDA graphs cut around the
-CPU part (`DecodeStep.split`), so a replay runs the GPU work from graphs and the CPU part in between.
+`tandem.engine` step being captured, the same order is recorded in CUDA graphs: either one graph whose
+hand-offs to the host are flags in pinned memory, or a chain of graphs cut around the CPU part
+(`DecodeStep.q_ready` / `host_work`); a replay runs the GPU work from graphs and the CPU part in between.
 """
 
 from __future__ import annotations
@@ -107,13 +108,14 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         device_part(layer, bufs, q3, ranked, out, lse, scale, step)
         _cpu_part(layer, bufs, scale, pool, step)
     elif step is not None and step.capturing:
-        # the step is captured as a chain of CUDA graphs cut at each layer's CPU part; between two graphs
-        # the calling thread runs what `split` is given, exactly where the eager branch below runs it
+        # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
+        # the calling thread runs what `host_work` is given, exactly where the eager branch below runs it
         bufs.q_host.copy_(q3, non_blocking=True)
-        step.split(bufs.q_copied.record)
+        step.q_ready(bufs.q_copied.record)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         device_part(layer, bufs, q3, ranked, out, lse, scale, step)
-        step.split(partial(_cpu_part, layer, bufs, scale, pool, step))
+        # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
+        step.host_work(partial(_cpu_part, layer, bufs, scale, pool, step, step.flags is None))
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     else:
@@ -166,10 +168,10 @@ def ranked_limit(host) -> int:
     return host.capacity // host.block_size
 
 
-def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step) -> None:
-    """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors), then run the
-    CPU half, timed into `step`."""
-    if bufs.q_copied is not None:
+def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: bool = True) -> None:
+    """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors, or when the
+    caller already has: `wait_copy` False), then run the CPU half, timed into `step`."""
+    if wait_copy and bufs.q_copied is not None:
         bufs.q_copied.synchronize()
     start = time.perf_counter()
     host_part(layer, bufs, scale, pool, wait=True)

@@ -12,6 +12,7 @@ and PNG plots into --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -66,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graph per step)")
     p.add_argument(
+        "--handoff",
+        default="auto",
+        help="how a graph-replayed step hands q to the host and takes the CPU part back: memops (one graph per "
+        "step, flags in pinned memory), launches (two graphs per layer) or auto (memops where the driver has "
+        "them); comma-separated to compare, e.g. memops,launches",
+    )
+    p.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA if available)")
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import TandemConfig
+    from ..engine.runner import HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
     from .tandem_side import bound_ms, run_tandem
@@ -106,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     batches = parse_lengths(args.batches, "--batches", 1, "batch size", "1, 4, 16")
     hf_systems = [] if args.hf.strip() == "none" else parse_names(args.hf, HF_SYSTEMS, "--hf")
     policies = [] if args.policies.strip() == "none" else parse_names(args.policies, POLICIES, "--policies")
+    handoffs = parse_names(args.handoff, HANDOFFS, "--handoff")
     for argument, value in (("--cpu-threads", args.cpu_threads), ("--chunk-tokens", args.chunk_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{argument}={value} is out of range: allowed >= 1")
@@ -155,17 +165,16 @@ def run(args: argparse.Namespace) -> int:
                         model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
                     )
                 _add(result, row, out_dir)
-            for variant in variants:
-                row = _host_memory_check(
-                    f"tandem-{variant.label}", batch, context, args, kv_token_bytes, baselines
-                )
+            for variant, handoff in itertools.product(variants, handoffs):
+                label = variant.label if len(handoffs) == 1 else f"{variant.label}@{handoff}"
+                row = _host_memory_check(f"tandem-{label}", batch, context, args, kv_token_bytes, baselines)
                 if row is not None:
                     _add(result, row, out_dir)
                     continue
                 row = run_tandem(
                     model,
                     variant.config,
-                    variant.label,
+                    label,
                     batch,
                     context,
                     args.steps,
@@ -174,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     chunk_tokens=args.chunk_tokens,
                     use_graphs=False if args.no_graphs else "auto",
                     seed=args.seed,
+                    handoff=handoff,
                 )
                 row["bound_ms"] = bound_ms(
                     row, weight_bytes, bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps")

@@ -84,6 +84,7 @@ def run_tandem(
     chunk_tokens: int = 8192,
     use_graphs="auto",
     seed: int = 0,
+    handoff: str = "auto",
 ) -> dict:
     """Fill (synthetic K/V, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
     and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
@@ -98,7 +99,7 @@ def run_tandem(
     cache = runner = None
     try:
         cache = TandemCache.for_model(model, config)
-        runner = TandemRunner(model, cache, use_graphs=use_graphs)
+        runner = TandemRunner(model, cache, use_graphs=use_graphs, handoff=handoff)
         vocab = model.config.get_text_config(decoder=True).vocab_size
         gen = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
@@ -130,6 +131,7 @@ def run_tandem(
             pcie_bytes_per_step=device_bytes_per_step(cache),
             attended_fraction=stats["mean_fraction_attended"],
             graphs=runner.use_graphs,
+            handoff=runner.handoff if runner.use_graphs else None,
             tokens=tokens.tolist(),
         )
     except Exception as err:  # a row per configuration, whatever happens to it

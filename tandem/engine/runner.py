@@ -6,11 +6,17 @@ one chunk's activations on the GPU. Every chunk attends all earlier tokens exact
 
 Decode steps have fixed addresses: the new token's hot-tier slot is a device tensor (`DecodeStep.slot`), and
 each layer's q / CPU output / LSE live in fixed pinned buffers. That lets CUDA graphs hold a whole step: the
-model's own forward (transformers code, with Tandem's registered attention) is recorded once, cut at each
-layer's CPU part into two graphs per layer. A replay launches the graphs in order and, between them, this
-thread records q's copy event and runs the layer's CPU attention while the GPU attends the hot tier. Python
-per step is then the bookkeeping (slot, block evictions), 2 launches and one CPU part per layer. Without CUDA
-the same step runs eagerly; `use_graphs=False` does that on CUDA too (still overlapped per layer).
+model's own forward (transformers code, with Tandem's registered attention) is recorded once. The host meets
+the GPU twice per layer (take q, give back the CPU part's out / LSE), in one of two ways (`handoff`):
+
+- "memops": the step is one graph; the hand-offs are flags in pinned memory that the graph writes and waits
+  on (CUDA stream memory operations, `handoff.py`). The host launches once and then, per layer, spins on the
+  flag, runs the CPU part and sets the answer flag; the GPU never waits for a launch.
+- "launches": the recording is cut at each layer's CPU part into two graphs per layer; a replay launches
+  them in order and, between them, records q's copy event and runs the CPU part (2 launches per layer).
+
+Python per step is then the bookkeeping (slot, block evictions) and one CPU part per layer. Without CUDA the
+same step runs eagerly; `use_graphs=False` does that on CUDA too (still overlapped per layer).
 
 (A single graph with each CPU part as a CUDA host node was tried first: every host node cost ~0.3 ms of
 driver-thread round trip, 10 ms per step on an 8B model, against tens of microseconds for the launches.)
@@ -18,11 +24,15 @@ driver-thread round trip, 10 ms per step on an 8B model, against tens of microse
 
 from __future__ import annotations
 
+import platform
 import time
 
 import torch
 
 from ..integrations.hf import TandemCache, generate_cache_kwargs
+from . import handoff as handoff_module
+
+HANDOFFS = ("auto", "memops", "launches")
 
 
 class DecodeStep:
@@ -32,12 +42,17 @@ class DecodeStep:
                 layers store the same tokens with the same geometry)
     device_blocks: [1] int64 on the model's device: how many ranked host blocks per KV head the device attends
                 itself this step (a quest `gpu_share`; the same in every layer, whose host tiers grow together)
-    capturing:  True while `capture` records a step; the layers then cut the recording at their CPU parts
-    segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay
+    capturing:  True while `capture` records a step; the layers then mark their hand-offs (`q_ready`,
+                `host_work`)
+    flags:      the hand-off flags (`handoff="memops"`), or None: the recording is cut at each CPU part
+    segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
+                one graph, and `actions` holds the CPU parts in hand-off order
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
         self.device = device
+        self.flags = flags
+        self.actions: list = []
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
         self._device_blocks_value = 0
@@ -78,14 +93,16 @@ class DecodeStep:
                     stream.wait_event(layer.host.last_event)
         return slot
 
-    # ---- capture as a chain of graphs ------------------------------------------------------------------------
+    # ---- capture -------------------------------------------------------------------------------------------
     def capture(self, body) -> None:
-        """Record `body()` (one decode step) as CUDA graphs sharing one memory pool, cut where a layer calls
-        `split`. Nothing runs on the GPU while recording; `replay` then runs the step."""
+        """Record `body()` (one decode step) as CUDA graphs sharing one memory pool: one graph with hand-off
+        flags, or without them graphs cut where a layer calls `split`. Nothing runs on the GPU while
+        recording; `replay` then runs the step."""
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default one
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self.segments = []
+        self.actions = []
         self._pool = torch.cuda.graph_pool_handle()  # one pool for all segments, replayed in capture order
         self.capturing = True
         try:
@@ -108,7 +125,29 @@ class DecodeStep:
         self._end(after)
         self._begin()
 
+    def q_ready(self, record_event) -> None:
+        """A layer has queued its q (and selection) copies into pinned memory: the host may start its CPU part
+        once they land. `record_event` records the copy's event (the launches hand-off)."""
+        if self.flags is None:
+            self.split(record_event)
+        else:
+            self.flags.signal_ready(len(self.actions))
+
+    def host_work(self, action) -> None:
+        """At replay `action()` (the layer's CPU part) runs on the host after its `q_ready`; what the layer
+        queues after this call runs on the GPU once it has returned."""
+        if self.flags is None:
+            self.split(action)
+        else:
+            self.flags.wait_done(len(self.actions))
+            self.actions.append(action)
+
     def replay(self) -> None:
+        if self.flags is not None:
+            self.flags.reset()
+            self.segments[0][0].replay()
+            handoff_module.run_host_side(self.flags, self.actions)
+            return
         for graph, after in self.segments:
             graph.replay()
             if after is not None:
@@ -138,7 +177,12 @@ class TandemRunner:
     """
 
     def __init__(
-        self, model, cache: TandemCache, use_graphs: bool | str = "auto", warmup_steps: int = 2
+        self,
+        model,
+        cache: TandemCache,
+        use_graphs: bool | str = "auto",
+        warmup_steps: int = 2,
+        handoff: str = "auto",
     ) -> None:
         if not isinstance(cache, TandemCache):
             raise ValueError(
@@ -152,6 +196,18 @@ class TandemRunner:
         if use_graphs is True and self.device.type != "cuda":
             raise ValueError(f"use_graphs=True needs the model on a CUDA device; it is on {self.device}")
         self.use_graphs = self.device.type == "cuda" if use_graphs == "auto" else use_graphs
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+        if handoff == "memops" and self.use_graphs and not handoff_module.available():
+            raise ValueError(
+                "handoff='memops' needs the CUDA driver's stream memory operations (libcuda.so.1); "
+                "use handoff='launches'"
+            )
+        if handoff == "auto":
+            # x86 keeps the host's stores in order, which the done flag relies on (set from Python, unfenced)
+            x86 = platform.machine().lower() in ("x86_64", "amd64")
+            handoff = "memops" if self.use_graphs and x86 and handoff_module.available() else "launches"
+        self.handoff = handoff
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
@@ -240,7 +296,10 @@ class TandemRunner:
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
         seconds = []
         self.host_seconds = []  # per step: seconds in the CPU parts
-        step = self.cache.decode_step = DecodeStep(self.device)
+        flags = None
+        if self.use_graphs and self.handoff == "memops":
+            flags = handoff_module.HostFlags(len(self.layers), self.device)
+        step = self.cache.decode_step = DecodeStep(self.device, flags)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         try:
             for t in range(steps):

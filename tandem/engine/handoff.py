@@ -1,0 +1,173 @@
+"""Hand-offs between a replayed CUDA graph and the host thread through flags in pinned memory.
+
+A decode step needs the host twice per layer: it takes q once the GPU has copied it out, and it gives back
+the CPU part's (out, lse) before the GPU may merge them. Cutting the step into two graphs per layer does that
+with launches and events, and the GPU idles during every launch. Here the whole step is one graph, and the
+hand-offs are CUDA stream memory operations recorded in it:
+
+    GPU (graph)                                      host thread
+    q, selection -> pinned buffers
+    write ready[l] = 1  (fenced after the copies)    spin until ready[l] == 1
+    hot-tier attention, device share                 CPU part of layer l -> pinned out / lse
+    wait until done[l] == 1  <---------------------  done[l] = 1
+    copy out / lse in, merge, next layer ...
+
+`cuStreamWriteValue32` orders the flag after everything before it on the stream (a system-wide fence), and
+`cuStreamWaitValue32` holds the stream in the GPU's front end without occupying an SM. Both are recorded by
+stream capture as graph nodes. The flags are reset by the host before each replay; the previous replay has
+finished by then (the decode loop waits for each step's end).
+
+If the host's part raises, every `done` flag is set so the graph can finish, and the error propagates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+STRIDE = 16  # int32s between flags: one 64-byte line each, so the host's writes never share a line
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory barrier before the write
+
+
+class _Driver:
+    """The few CUDA driver entry points used here, through ctypes (torch does not expose them)."""
+
+    def __init__(self, lib) -> None:
+        self.write_value = _entry(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        self.wait_value = _entry(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        self.device_pointer = _entry(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+        for fn in (self.write_value, self.wait_value):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.device_pointer.restype = ctypes.c_int
+        self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+
+
+def _entry(lib, *names):
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    raise OSError(f"the CUDA driver has none of {names}")
+
+
+_DRIVER: list = []
+
+
+def driver() -> _Driver | None:
+    """The driver's stream memory operations, or None where there is no CUDA driver that has them."""
+    if not _DRIVER:
+        try:
+            _DRIVER.append(_Driver(ctypes.CDLL("libcuda.so.1")) if torch.cuda.is_available() else None)
+        except OSError:
+            _DRIVER.append(None)
+    return _DRIVER[0]
+
+
+def available() -> bool:
+    return driver() is not None
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {code}")
+
+
+class HostFlags:
+    """`count` pairs of flags (ready: GPU -> host, done: host -> GPU) in pinned memory.
+
+    device: where the graphs run (CUDA), or None for a host-only instance (tests drive the GPU's side).
+    timeout: seconds the host waits for a ready flag before it gives up (a step is milliseconds).
+    """
+
+    def __init__(self, count: int, device: torch.device | None, timeout: float = 60.0) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        self.count = count
+        self.timeout = timeout
+        pinned = device is not None and device.type == "cuda"
+        self.memory = torch.zeros(2 * count * STRIDE, dtype=torch.int32, pin_memory=pinned)
+        self._view = (ctypes.c_int32 * self.memory.numel()).from_address(self.memory.data_ptr())
+        self._device_base = None
+        if pinned:
+            drv = driver()
+            if drv is None:
+                raise RuntimeError("stream memory operations need the CUDA driver (libcuda.so.1)")
+            base = ctypes.c_uint64()
+            _check(
+                drv.device_pointer(ctypes.byref(base), self.memory.data_ptr(), 0), "cuMemHostGetDevicePointer"
+            )
+            self._device_base = base.value
+
+    def _index(self, kind: int, i: int) -> int:
+        if not 0 <= i < self.count:
+            raise IndexError(f"flag {i} out of range: this step has {self.count} hand-offs")
+        return (kind * self.count + i) * STRIDE
+
+    # ---- recorded on the GPU stream (captured into the graph) ----------------------------------------------
+    def signal_ready(self, i: int) -> None:
+        """Queue `ready[i] = 1` on the current stream, after everything queued before it."""
+        self._device_op(driver().write_value, self._index(0, i), WRITE_FENCED, "cuStreamWriteValue32")
+
+    def wait_done(self, i: int) -> None:
+        """Queue a wait until `done[i] >= 1` on the current stream: nothing after it starts before the host's
+        part of hand-off i is finished."""
+        self._device_op(driver().wait_value, self._index(1, i), WAIT_GEQ, "cuStreamWaitValue32")
+
+    def _device_op(self, fn, index: int, flags: int, what: str) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(fn(stream, self._device_base + 4 * index, 1, flags), what)
+
+    # ---- the host's side ------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """All flags to 0, before a replay (the previous one must have finished)."""
+        ctypes.memset(self.memory.data_ptr(), 0, self.memory.numel() * 4)
+
+    def wait_ready(self, i: int) -> None:
+        """Spin until the GPU has set `ready[i]` (its q is in the pinned buffers)."""
+        index = self._index(0, i)
+        view = self._view
+        if view[index]:
+            return
+        deadline = time.perf_counter() + self.timeout
+        while True:
+            for _ in range(1000):
+                if view[index]:
+                    return
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"the GPU did not hand over hand-off {i}'s query within {self.timeout:.0f} s "
+                    "(a stalled or failed graph replay)"
+                )
+
+    def set_done(self, i: int) -> None:
+        """`done[i] = 1`: the GPU may go on past hand-off i (the host's stores before it are visible first:
+        x86 keeps stores in order, and the CPU kernel's threads joined before this)."""
+        self._view[self._index(1, i)] = 1
+
+    def set_all_done(self) -> None:
+        """Release every wait, so a replay whose host side failed still runs to its end."""
+        for i in range(self.count):
+            self.set_done(i)
+
+    def ready(self, i: int) -> bool:
+        return bool(self._view[self._index(0, i)])
+
+    def done(self, i: int) -> bool:
+        return bool(self._view[self._index(1, i)])
+
+
+def run_host_side(flags: HostFlags, actions) -> None:
+    """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
+    On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised."""
+    try:
+        for i, action in enumerate(actions):
+            flags.wait_ready(i)
+            action()
+            flags.set_done(i)
+    except BaseException:
+        flags.set_all_done()
+        raise
