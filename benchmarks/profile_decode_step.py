@@ -185,6 +185,7 @@ def gpu_profile(runner, first, steps: int) -> dict:
         trace = json.load(f)
     os.unlink(path)
     spans, marks = [], []
+    names: collections.Counter = collections.Counter()  # over all traced steps, warm-up included
     for ev in trace.get("traceEvents", []):
         cat = ev.get("cat", "")
         if cat in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
@@ -192,6 +193,7 @@ def gpu_profile(runner, first, steps: int) -> dict:
                 marks.append(float(ev["ts"]))
             else:
                 spans.append((float(ev["ts"]), float(ev["dur"]), kind_of(ev.get("name", ""), cat)))
+                names[ev.get("name", "")[:90]] += float(ev["dur"])
     marks.sort()
     if len(marks) < 2:
         return {"gpu_trace_error": f"{len(marks)} step markers in the trace"}
@@ -212,6 +214,8 @@ def gpu_profile(runner, first, steps: int) -> dict:
     out["gpu_step_ms"] = round((marks[-1] - marks[0]) / windows / 1e3, 3)
     out["gpu_busy_ms"] = round(busy / windows / 1e3, 3)
     out["gpu_kernels_per_step"] = round(len(spans) / windows, 1)
+    total = sum(names.values())
+    out["gpu_top_kernels_share"] = {n: round(v / total, 4) for n, v in names.most_common(30)}
     return out
 
 
@@ -232,6 +236,7 @@ def main() -> None:
         default="auto",
         help="TandemRunner's handoff: auto, memops or launches; comma-separated to compare",
     )
+    p.add_argument("--fused", default="on", help="the fused RMSNorm / RoPE kernels: on, off or on,off")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = build_random_model(args.model, "cuda", torch.bfloat16, num_layers=args.layers)
@@ -250,11 +255,12 @@ def main() -> None:
     first = torch.zeros(args.batch, dtype=torch.long)
     for text in args.contexts.split(","):
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-        for spec, handoff in itertools.product(args.configs.split(","), args.handoff.split(",")):
+        combos = itertools.product(args.configs.split(","), args.handoff.split(","), args.fused.split(","))
+        for spec, handoff, fused in combos:
             policy, _, share = spec.partition(":")
             config = TandemConfig(policy=policy, gpu_share=float(share) if share else None)
             cache = TandemCache.for_model(model, config)
-            runner = TandemRunner(model, cache, handoff=handoff)
+            runner = TandemRunner(model, cache, handoff=handoff, fused={"on": True, "off": False}[fused])
             fill_tandem_synthetic(cache, model, args.batch, context)
             runner.set_positions(torch.full((args.batch,), context))
             PER_STEP.clear()
@@ -264,6 +270,7 @@ def main() -> None:
             TIMERS.clear()
             steps = PER_STEP[1:][4:]  # PER_STEP[i + 1] holds step i's timers; skip warm-up and capture
             row = {"context": context, "batch": args.batch, "config": spec, "handoff": runner.handoff}
+            row["fused"] = fused
             row["step_ms"] = round(statistics.median(seconds[4:]) * 1e3, 2)
             keys = sorted({k for s in steps for k in s})
             for key in keys:

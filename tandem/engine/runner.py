@@ -24,12 +24,15 @@ driver-thread round trip, 10 ms per step on an 8B model, against tens of microse
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 
 import torch
 
+from ..integrations.fused import FusedLayers
 from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 
 HANDOFFS = ("auto", "memops", "launches")
@@ -183,6 +186,7 @@ class TandemRunner:
         use_graphs: bool | str = "auto",
         warmup_steps: int = 2,
         handoff: str = "auto",
+        fused: bool | str = "auto",
     ) -> None:
         if not isinstance(cache, TandemCache):
             raise ValueError(
@@ -208,6 +212,17 @@ class TandemRunner:
             x86 = platform.machine().lower() in ("x86_64", "amd64")
             handoff = "memops" if self.use_graphs and x86 and handoff_module.available() else "launches"
         self.handoff = handoff
+        if fused not in (True, False, "auto"):
+            raise ValueError(f"fused must be True, False or 'auto', got {fused!r}")
+        can_fuse = gpu_kernels.triton_available(self.device)
+        if fused is True and not can_fuse:
+            raise ValueError(
+                f"fused=True needs the Triton kernels on {self.device} (CUDA with triton installed, or Triton's "
+                "interpreter on CPU); use fused=False"
+            )
+        use_fused = can_fuse and (fused is True or self.device.type == "cuda")
+        # the model's RMSNorm / RoPE as one kernel each, during this runner's passes only
+        self.fused = FusedLayers(model, self.device) if use_fused else contextlib.nullcontext()
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
@@ -246,24 +261,30 @@ class TandemRunner:
             layer.capacity_hint = total + max_new_tokens
         start = time.perf_counter()
         try:
-            for s in range(0, total, chunk_tokens):
-                e = min(total, s + chunk_tokens)
-                for layer in self.layers:  # only the last chunk's HGCA observation survives: skip the others
-                    layer.observe_appends = e == total
-                out = self.model(
-                    input_ids=input_ids[:, s:e],
-                    attention_mask=mask[:, :e],
-                    position_ids=positions[:, s:e],
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **self.cache_kwargs,
-                )
+            with self.fused:
+                logits = self._prefill_chunks(input_ids, mask, positions, chunk_tokens)
         finally:
             for layer in self.layers:
                 layer.observe_appends = True
         self._sync()
         self.prefill_seconds = time.perf_counter() - start
         self.next_position = positions[:, -1] + 1
+        return logits
+
+    def _prefill_chunks(self, input_ids, mask, positions, chunk_tokens: int) -> torch.Tensor:
+        total = input_ids.shape[1]
+        for s in range(0, total, chunk_tokens):
+            e = min(total, s + chunk_tokens)
+            for layer in self.layers:  # only the last chunk's HGCA observation survives: skip the others
+                layer.observe_appends = e == total
+            out = self.model(
+                input_ids=input_ids[:, s:e],
+                attention_mask=mask[:, :e],
+                position_ids=positions[:, s:e],
+                use_cache=True,
+                logits_to_keep=1,
+                **self.cache_kwargs,
+            )
         return out.logits[:, -1].float()
 
     def set_positions(self, next_position: torch.Tensor) -> None:
@@ -302,29 +323,33 @@ class TandemRunner:
         step = self.cache.decode_step = DecodeStep(self.device, flags)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         try:
-            for t in range(steps):
-                start = time.perf_counter()
-                step.host_seconds = 0.0
-                step.prepare(self.layers)
-                if self.use_graphs and t >= self.warmup_steps:
-                    generations = [layer.host.generation for layer in self.layers]
-                    if not step.segments or generations != step.generations:
-                        # (re)record: a host tier that grew has moved the digest mirror the graphs read
-                        step.capture(self._step_body)
-                        step.generations = generations
-                    step.replay()
-                else:
-                    self._step_body()
-                history[:, t] = self._ids[:, 0]
-                if end is not None:
-                    end.record()
-                    end.synchronize()  # one event per step, not a device-wide sync
-                seconds.append(time.perf_counter() - start)
-                self.host_seconds.append(step.host_seconds)
+            with self.fused:
+                self._decode_steps(step, steps, history, seconds, end)
         finally:
             self.cache.decode_step = None
         self.next_position = self._positions[:, 0].clone()
         return history.cpu(), seconds
+
+    def _decode_steps(self, step: DecodeStep, steps: int, history, seconds: list, end) -> None:
+        for t in range(steps):
+            start = time.perf_counter()
+            step.host_seconds = 0.0
+            step.prepare(self.layers)
+            if self.use_graphs and t >= self.warmup_steps:
+                generations = [layer.host.generation for layer in self.layers]
+                if not step.segments or generations != step.generations:
+                    # (re)record: a host tier that grew has moved the digest mirror the graphs read
+                    step.capture(self._step_body)
+                    step.generations = generations
+                step.replay()
+            else:
+                self._step_body()
+            history[:, t] = self._ids[:, 0]
+            if end is not None:
+                end.record()
+                end.synchronize()  # one event per step, not a device-wide sync
+            seconds.append(time.perf_counter() - start)
+            self.host_seconds.append(step.host_seconds)
 
     def _step_body(self) -> None:
         """One decode step at fixed addresses: model forward, greedy pick, inputs of the next step."""

@@ -314,3 +314,21 @@ def block_scores_matmul(
     bound = torch.matmul(positive, key_max.transpose(-1, -2)).float()
     bound += torch.matmul(negative, key_min.transpose(-1, -2)).float()  # [B, Hkv, G, nblk]
     return bound.amax(dim=2).masked_fill(~block_valid[:, None], NEG_INF)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalize in fp32, round to x's dtype, scale by the weight (`gpu.layers.rms_norm`)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding with the half-split rotation, cos / sin [B, L, D] broadcast over heads
+    (`gpu.layers.rotary`)."""
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

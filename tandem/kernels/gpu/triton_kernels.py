@@ -499,3 +499,99 @@ def top_blocks_tiled_kernel(
         tl.store(out_ptr + row * stride_o + position, (start + offs).to(tl.int64), mask=keep)
         kept += tl.sum(keep.to(tl.int32), axis=0)
         ties += tl.sum(tie.to(tl.int32), axis=0)
+
+
+# ---- the model's own small layers, fused (tandem.integrations.fused swaps them in) --------------------------
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,  # [rows, N], last dim contiguous
+    w_ptr,  # [N]
+    out_ptr,  # [rows, N] contiguous, the dtype torch would give `w * x.to(x.dtype)`
+    stride_x,
+    N,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """One row: x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight (rounded to the
+    output dtype), the order of operations of Llama's RMSNorm, so one kernel gives what its seven give."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < N
+    x_raw = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    x = x_raw.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / N
+    normed = (x * (1.0 / tl.sqrt(variance + eps))).to(x_raw.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, OUT: tl.constexpr):
+    """(x * cos) + (rotate_half(x) * sin) with each product and the sum rounded to OUT, as torch's three
+    elementwise ops round; rotate_half(x) = cat(-x2, x1)."""
+    a1 = (x1 * c1).to(OUT).to(tl.float32)
+    b1 = (-x2 * s1).to(OUT).to(tl.float32)
+    a2 = (x2 * c2).to(OUT).to(tl.float32)
+    b2 = (x1 * s2).to(OUT).to(tl.float32)
+    return (a1 + b1).to(OUT), (a2 + b2).to(OUT)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr,  # [B, Hq, L, D], last dim contiguous
+    k_ptr,  # [B, Hkv, L, D]
+    cos_ptr,  # [B, L, D]
+    sin_ptr,
+    q_out_ptr,  # [B, Hq, L, D] contiguous
+    k_out_ptr,  # [B, Hkv, L, D] contiguous
+    L,
+    num_q_heads,
+    num_kv_heads,
+    stride_qb,
+    stride_qh,
+    stride_ql,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_cb,
+    stride_cl,
+    stride_sb,
+    stride_sl,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Grid (B * L,): every query and key head of one token, rotated by that token's cos / sin."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // L
+    pos = pid % L
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    c_base = cos_ptr + b * stride_cb + pos * stride_cl
+    s_base = sin_ptr + b * stride_sb + pos * stride_sl
+    c1 = tl.load(c_base + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(c_base + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(s_base + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(s_base + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    OUT: tl.constexpr = q_out_ptr.dtype.element_ty
+
+    hq = tl.arange(0, BLOCK_HQ)
+    ok = (hq < num_q_heads)[:, None] & d_ok[None, :]
+    src = q_ptr + b * stride_qb + pos * stride_ql + hq[:, None] * stride_qh + d[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, OUT)
+    dst = q_out_ptr + ((b * num_q_heads + hq[:, None]) * L + pos) * (2 * HALF) + d[None, :]
+    tl.store(dst, o1, mask=ok)
+    tl.store(dst + HALF, o2, mask=ok)
+
+    hk = tl.arange(0, BLOCK_HKV)
+    ok = (hk < num_kv_heads)[:, None] & d_ok[None, :]
+    src = k_ptr + b * stride_kb + pos * stride_kl + hk[:, None] * stride_kh + d[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, OUT)
+    dst = k_out_ptr + ((b * num_kv_heads + hk[:, None]) * L + pos) * (2 * HALF) + d[None, :]
+    tl.store(dst, o1, mask=ok)
+    tl.store(dst + HALF, o2, mask=ok)
