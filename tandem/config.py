@@ -7,9 +7,11 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 POLICIES = ("full", "streaming", "hgca", "quest")
-# quest's device share with the hot tier on CUDA: on the H200 host (55 GB/s PCIe, 90-150 GB/s host read), 8B
-# shape, 0.5-0.7 decoded fastest (benchmarks/results/bench_8b_h200_gpu_share); 0.5 is the batch-16 optimum
-DEFAULT_GPU_SHARE = 0.5
+# quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
+# host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
+# 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); benchmarks/results/bench_8b_h100_memops,
+# profile_8b_h200/7_*. (With two graphs per layer 0.5-0.7 had been fastest: bench_8b_h200_gpu_share.)
+DEFAULT_GPU_SHARE = 0.4
 
 
 def default_cpu_threads() -> int:

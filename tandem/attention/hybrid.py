@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import ops
+from ..kernels import gpu, ops
 from ..policies import ALL
 from .decode import decode_layer
 from .host import KEY_CHUNK, dense_lse_chunked, host_attention
 from .tasks import TaskPool
+
+FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash-style exact append
 
 
 def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool) -> torch.Tensor:
@@ -78,12 +80,20 @@ def _prefill_dense(q, k, v, valid, scale, chunk):
     return torch.cat(outs, dim=2)
 
 
+def flash_prefill_available(q: torch.Tensor) -> bool:
+    """Whether the exact append path runs `gpu.prefill_attention` (CUDA with Triton) instead of the reference
+    kernel with materialised logits (tests switch it on for CPU tensors under Triton's interpreter)."""
+    return q.is_cuda and gpu.triton_available(q.device)
+
+
 def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
     hot = layer.hot
     q_len = q.shape[2]
     chunk = layer.config.prefill_chunk
     on_device = q.is_cuda
     layer.host.wait()
+    if flash_prefill_available(q):
+        return _append_exact_flash(layer, q, k_new, v_new, valid_new, scale)
     outs = []
     for s in range(0, q_len, chunk):
         e = min(q_len, s + chunk)
@@ -104,6 +114,23 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
     if on_device and layer.host.rows:
         outs = _host_rows_on_device(layer, q, outs, scale)
     return torch.cat([out for out, _ in outs], dim=2)
+
+
+def _append_exact_flash(layer, q, k_new, v_new, valid_new, scale):
+    """`_append_exact` with the flash-style kernel: all queries at once (no logits are materialised, so no query
+    chunks), each part merged into the running (out, lse) in place: the new tokens (causal), the hot tier, then
+    the host rows streamed to the GPU in FLASH_KEY_CHUNK-row pieces."""
+    hot = layer.hot
+    out, lse = gpu.prefill_attention(
+        q, k_new, v_new, scale, key_valid=valid_new, causal_offset=0
+    )  # query i is new token i
+    gpu.prefill_attention(
+        q, hot.keys, hot.values, scale, key_valid=hot.valid, out=out, lse=lse, accumulate=True
+    )
+    if layer.host.rows:
+        for keys, values, valid in _host_pieces(layer, q.device, FLASH_KEY_CHUNK):
+            gpu.prefill_attention(q, keys, values, scale, key_valid=valid, out=out, lse=lse, accumulate=True)
+    return out
 
 
 def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):

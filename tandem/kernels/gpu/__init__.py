@@ -12,6 +12,7 @@ from .attention import (
     hot_decode_attention,
     interpreted,
     merge_lse_,
+    prefill_attention,
     top_blocks,
     triton_available,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "host_block_attention",
     "interpreted",
     "merge_lse_",
+    "prefill_attention",
     "top_blocks",
     "triton_available",
 ]

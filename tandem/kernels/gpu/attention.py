@@ -294,6 +294,86 @@ def hot_decode_attention(q, keys, values, valid, scale, maw=None, alpha=0.0, out
     return out, lse
 
 
+def prefill_attention(
+    q, keys, values, scale, key_valid=None, causal_offset=None, out=None, lse=None, accumulate=False
+):
+    """Attention of many queries (a prefill chunk) over keys on the GPU, returning (out, lse): FlashAttention
+    style, fp32 accumulation, no logits materialised. The exact path of a chunked prefill uses it for the chunk's
+    own keys (causal), the hot tier and the host rows streamed to the GPU, merging each into the last.
+
+    Parameters
+    ----------
+    q : [B, Hq, Lq, D] float16 / bfloat16 / float32, stride 1 along D
+    keys, values : [B, Hkv, T, D] q's dtype and device, Hq % Hkv == 0, stride 1 along D
+    key_valid : optional [B, T] bool, False at keys to skip (padding, empty slots)
+    causal_offset : None, or an int: query i sits at key position causal_offset + i, later keys are masked and
+        the key at its own position is attended even when invalid (a padding query attends itself)
+    out, lse : optional [B, Hq, Lq, D] / [B, Hq, Lq] float32 outputs; with `accumulate` they hold a partial
+        result over other keys, which this call merges into (in place, exactly by LSE)
+
+    Returns (out, lse); a query with no key to attend keeps out 0, lse -inf (or its earlier result).
+    """
+    device = _run_device("q", q)
+    _check_tensor("q", q, "[B, Hq, Lq, D]", (None, None, None, None), FLOAT_DTYPES)
+    batch, num_q_heads, q_len, head_dim = q.shape
+    _check(
+        1 <= head_dim <= MAX_HEAD_DIM,
+        f"head_dim (q.shape[-1]) must lie in [1, {MAX_HEAD_DIM}], got {head_dim}",
+    )
+    _check_tensor("keys", keys, "[B, Hkv, T, D]", (batch, None, None, head_dim), (q.dtype,))
+    _check_tensor("values", values, "[B, Hkv, T, D]", tuple(keys.shape), (q.dtype,))
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    _check(
+        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+        f"q heads ({num_q_heads}) must be a positive multiple of keys heads ({num_kv_heads})",
+    )
+    for name, t in (("keys", keys), ("values", values)):
+        _check_on(name, t, device)
+    if key_valid is not None:
+        _check_tensor("key_valid", key_valid, "[B, T]", (batch, num_keys), (torch.bool,))
+        _check_on("key_valid", key_valid, device)
+    _check(
+        causal_offset is None or (isinstance(causal_offset, numbers.Integral) and causal_offset >= 0),
+        f"causal_offset must be None or an int >= 0, got {causal_offset!r}",
+    )
+    _check_real("scale", scale)
+    _check(not accumulate or (out is not None and lse is not None), "accumulate=True needs out and lse")
+    q = _unit_last_stride("q", q, may_copy=True)
+    keys = _unit_last_stride("keys", keys, may_copy=True)
+    values = _unit_last_stride("values", values, may_copy=True)
+    out = _output("out", out, (batch, num_q_heads, q_len, head_dim), "[B, Hq, Lq, D]", device)
+    lse = _output("lse", lse, (batch, num_q_heads, q_len), "[B, Hq, Lq]", device)
+    if batch == 0 or q_len == 0:
+        return out, lse
+    if num_keys == 0 and causal_offset is None:
+        if not accumulate:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
+    valid = key_valid.view(torch.uint8) if key_valid is not None else lse  # a placeholder when absent
+    valid_strides = key_valid.stride() if key_valid is not None else (0, 0)
+    block_m = 64 if q_len > 32 else 16
+    with _guard(device):
+        _kernels.prefill_attention_kernel[(triton.cdiv(q_len, block_m), batch * num_q_heads)](
+            q, keys, values, valid, out, lse,
+            q_len, num_keys, num_q_heads, num_q_heads // num_kv_heads,
+            0 if causal_offset is None else int(causal_offset), float(scale),
+            *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *valid_strides,
+            *out.stride()[:3], *lse.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            BLOCK_M=block_m,
+            BLOCK_N=64,
+            HAS_VALID=key_valid is not None,
+            CAUSAL=causal_offset is not None,
+            ACCUMULATE=bool(accumulate),
+            **_dot_options(q.dtype),
+            num_warps=4,
+            num_stages=2,
+        )  # fmt: skip
+    return out, lse
+
+
 def _pick_splits(device: torch.device, programs: int, width: int, block_size: int) -> int:
     """Enough programs to keep the GPU's SMs issuing reads (PCIe needs many in flight), >= 2 tiles each."""
     if device.type != "cuda":

@@ -595,3 +595,104 @@ def rope_kernel(
     dst = k_out_ptr + ((b * num_kv_heads + hk[:, None]) * L + pos) * (2 * HALF) + d[None, :]
     tl.store(dst, o1, mask=ok)
     tl.store(dst + HALF, o2, mask=ok)
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr,  # [B, Hq, Lq, D]
+    k_ptr,  # [B, Hkv, T, D]
+    v_ptr,  # [B, Hkv, T, D]
+    valid_ptr,  # [B, T] uint8, read when HAS_VALID
+    out_ptr,  # [B, Hq, Lq, D] fp32; the running output when ACCUMULATE
+    lse_ptr,  # [B, Hq, Lq] fp32; the running lse when ACCUMULATE
+    q_len,
+    num_keys,
+    num_q_heads,
+    group,
+    causal_offset,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ql,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_mb,
+    stride_mt,
+    stride_ob,
+    stride_oh,
+    stride_ol,
+    stride_lb,
+    stride_lh,
+    stride_ll,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid (cdiv(Lq, BLOCK_M), B * Hq): BLOCK_M queries of one head over all T keys, flash-attention style.
+
+    CAUSAL: query i sits at key position causal_offset + i; later keys are masked, and the key at its own
+    position is attended even when invalid (a padding query attends itself, so no row is empty).
+    ACCUMULATE: (out, lse) hold a partial result over other keys; this one is merged into it (exactly, by LSE)."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // num_q_heads
+    head = bh % num_q_heads
+    kv_head = head // group
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    n_off = tl.arange(0, BLOCK_N)
+    tile_ok = row_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(
+        q_ptr + b * stride_qb + head * stride_qh + rows[:, None] * stride_ql + d[None, :],
+        mask=tile_ok,
+        other=0.0,
+    )
+    out_ptrs = out_ptr + b * stride_ob + head * stride_oh + rows[:, None] * stride_ol + d[None, :]
+    lse_ptrs = lse_ptr + b * stride_lb + head * stride_lh + rows * stride_ll
+    if ACCUMULATE:
+        m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+        acc = tl.load(out_ptrs, mask=tile_ok, other=0.0)
+        acc = tl.where(l_i[:, None] > 0.0, acc, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    positions = causal_offset + rows  # key position of each query
+    end = num_keys
+    if CAUSAL:
+        end = tl.minimum(num_keys, causal_offset + (m_block + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        n = start + n_off
+        in_range = n < num_keys
+        if HAS_VALID:
+            key_ok = in_range & (
+                tl.load(valid_ptr + b * stride_mb + n * stride_mt, mask=in_range, other=0) != 0
+            )
+        else:
+            key_ok = in_range
+        live = key_ok[None, :]
+        if CAUSAL:
+            live = (live & (n[None, :] <= positions[:, None])) | (n[None, :] == positions[:, None])
+        kv_ok = in_range[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=kv_ok, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, live, m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+    out, lse = _finish(m_i, l_i, acc)
+    tl.store(out_ptrs, out, mask=tile_ok)
+    tl.store(lse_ptrs, lse, mask=row_ok)
