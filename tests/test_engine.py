@@ -133,10 +133,7 @@ def test_chunked_prefill_logits_equal_one_shot(device):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(
-    not __import__("tandem.kernels.gpu", fromlist=["x"]).triton_available("cpu"),
-    reason="no Triton interpreter",
-)
+@pytest.mark.skipif(not gpu_kernels.triton_available("cpu"), reason="no Triton interpreter")
 def test_flash_append_matches_the_reference_append(monkeypatch):
     """The exact append with `gpu.prefill_attention` (what CUDA runs) gives the reference path's logits; here
     under Triton's interpreter on CPU tensors, with a ragged batch and host rows from earlier chunks."""
