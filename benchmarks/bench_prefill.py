@@ -1,0 +1,174 @@
+"""Chunked prefill of a long prompt on a random-weight model of a real shape: Tandem's exact append path with the
+flash-style kernel (`gpu.prefill_attention`) against the reference kernel it replaced, and against Hugging Face's
+one-shot prefill into a `DynamicCache` (everything on the GPU), in one run (GPU host).
+
+Per row: seconds, prompt tokens per second, GPU memory peak; for Tandem, where the KV ended up and the first decode
+steps after it. Rows of the two Tandem paths at the same context also report the largest difference of their last
+logits (the flash path must give the reference's answer). A row that does not fit is reported as OOM.
+
+    python benchmarks/bench_prefill.py --model llama-3.1-8b --contexts 32k,128k --paths flash,reference --out prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tandem import TandemCache, TandemConfig
+from tandem.attention import hybrid
+from tandem.bench.baselines import is_oom, release_memory
+from tandem.bench.shapes import build_random_model
+from tandem.engine import TandemRunner
+from tandem.integrations.hf import restore_attention
+
+PATHS = ("flash", "reference", "hf-dynamic")
+
+
+def tandem_prefill(model, ids, path: str, chunk: int, decode_steps: int) -> tuple[dict, torch.Tensor | None]:
+    original = hybrid.flash_prefill_available
+    hybrid.flash_prefill_available = (lambda q: False) if path == "reference" else original
+    device = ids.device
+    torch.cuda.reset_peak_memory_stats(device)
+    row = {"system": f"tandem-{path}"}
+    cache = runner = None
+    try:
+        cache = TandemCache.for_model(model, TandemConfig(policy="quest"))
+        runner = TandemRunner(model, cache)
+        start = time.perf_counter()
+        logits = runner.prefill(ids, chunk_tokens=chunk, max_new_tokens=decode_steps + 1)
+        row["seconds"] = time.perf_counter() - start
+        row["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        stats = cache.stats()
+        row["gpu_kv_gb"], row["host_kv_gb"] = stats["hot_bytes"] / 1e9, stats["host_bytes"] / 1e9
+        _, seconds = runner.decode(logits.argmax(-1), decode_steps)
+        row["tpot_ms_after"] = sorted(seconds)[len(seconds) // 2] * 1e3
+        return row, logits.cpu()
+    except Exception as err:
+        row["status"] = "oom" if is_oom(err) else f"error: {str(err)[:200]}"
+        return row, None
+    finally:
+        hybrid.flash_prefill_available = original
+        cache = runner = None
+        release_memory(device)
+
+
+def hf_prefill(model, ids) -> dict:
+    from transformers import DynamicCache
+
+    restore_attention(model)
+    device = ids.device
+    torch.cuda.reset_peak_memory_stats(device)
+    row = {"system": "hf-dynamic"}
+    cache = None
+    try:
+        cache = DynamicCache()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize(device)
+        row["seconds"] = time.perf_counter() - start
+        row["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception as err:
+        row["status"] = "oom" if is_oom(err) else f"error: {str(err)[:200]}"
+    finally:
+        cache = None
+        release_memory(device)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--contexts", default="32k,128k")
+    p.add_argument(
+        "--paths", default="flash,reference,hf-dynamic", help=f"comma-separated, of {', '.join(PATHS)}"
+    )
+    p.add_argument("--reference-max", default="32k", help="skip the reference path above this context")
+    p.add_argument("--chunk-tokens", type=int, default=16384)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--out", default="prefill_bench")
+    args = p.parse_args()
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    bad = [x for x in paths if x not in PATHS]
+    if bad:
+        raise SystemExit(f"--paths: unknown {', '.join(bad)}; allowed: {', '.join(PATHS)}")
+
+    def tokens(text: str) -> int:
+        return int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_prefill.py times the GPU path: it needs CUDA")
+    model = build_random_model(args.model, "cuda", torch.bfloat16)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, 1 << 20)
+    machine = {"gpu": torch.cuda.get_device_name(), "cpu": platform.processor(), "torch": torch.__version__}
+    print(json.dumps(machine), flush=True)
+    rows = []
+    vocab = model.config.vocab_size
+    for text in args.contexts.split(","):
+        context = tokens(text)
+        ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).cuda()
+        logits = {}
+        for path in paths:
+            if path == "reference" and context > tokens(args.reference_max):
+                continue
+            if path == "hf-dynamic":
+                row = hf_prefill(model, ids)
+            else:
+                row, logits[path] = tandem_prefill(model, ids, path, args.chunk_tokens, args.decode_steps)
+            row.update(context=context, chunk_tokens=args.chunk_tokens)
+            if "seconds" in row:
+                row["tokens_per_s"] = context / row["seconds"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if logits.get("flash") is not None and logits.get("reference") is not None:
+            diff = (logits["flash"] - logits["reference"]).abs().max().item()
+            same = bool((logits["flash"].argmax(-1) == logits["reference"].argmax(-1)).all())
+            rows.append(
+                {
+                    "system": "flash vs reference",
+                    "context": context,
+                    "max_logit_diff": diff,
+                    "same_argmax": same,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        del ids
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill.json").write_text(
+        json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=1)
+    )
+    lines = [
+        f"# Prefill, {args.model} (random bf16 weights), {machine['gpu']}, chunks of {args.chunk_tokens} tokens",
+        "",
+        "| system | context | seconds | tokens/s | GPU peak GB | TPOT after (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "max_logit_diff" in r:
+            continue
+        cells = [
+            r["system"],
+            str(r["context"]),
+            f"{r['seconds']:.1f}" if "seconds" in r else r.get("status", ""),
+        ]
+        cells += [f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "", f"{r.get('gpu_peak_gb', 0):.1f}"]
+        cells += [f"{r['tpot_ms_after']:.2f}" if "tpot_ms_after" in r else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [
+        f"flash vs reference at {r['context']}: largest logit difference {r['max_logit_diff']:.3g}, "
+        f"same argmax: {r['same_argmax']}"
+        for r in rows
+        if "max_logit_diff" in r
+    ]
+    (out / "prefill.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
