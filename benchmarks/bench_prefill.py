@@ -3,8 +3,8 @@ flash-style kernel (`gpu.prefill_attention`) against the reference kernel it rep
 one-shot prefill into a `DynamicCache` (everything on the GPU), in one run (GPU host).
 
 Per row: seconds, prompt tokens per second, GPU memory peak; for Tandem, where the KV ended up and the first decode
-steps after it. Rows of the two Tandem paths at the same context also report the largest difference of their last
-logits (the flash path must give the reference's answer). A row that does not fit is reported as OOM.
+steps after it. Pairs of paths at the same context also report how far apart their last logits are (largest difference,
+cosine, same argmax): the flash path must give the reference's answer, up to the rounding HF's own SDPA has. A row that does not fit is reported as OOM.
 
     python benchmarks/bench_prefill.py --model llama-3.1-8b --contexts 32k,128k --paths flash,reference --out prefill
 """
@@ -58,7 +58,7 @@ def tandem_prefill(model, ids, path: str, chunk: int, decode_steps: int) -> tupl
         release_memory(device)
 
 
-def hf_prefill(model, ids, chunk: int) -> dict:
+def hf_prefill(model, ids, chunk: int) -> tuple[dict, torch.Tensor | None]:
     """HF's own chunked prefill into a DynamicCache: each chunk attends the cache so far (SDPA, masked)."""
     from transformers import DynamicCache
 
@@ -66,25 +66,26 @@ def hf_prefill(model, ids, chunk: int) -> dict:
     device = ids.device
     torch.cuda.reset_peak_memory_stats(device)
     row = {"system": "hf-dynamic"}
-    cache = None
+    cache = out = None
     try:
         cache = DynamicCache()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        with torch.no_grad(), sdpa_kernel(SDPA_BACKENDS):
+        with torch.no_grad(), sdpa_kernel(list(SDPA_BACKENDS)):
             for s in range(0, ids.shape[1], chunk):
-                model(
+                out = model(
                     input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
                 )
         torch.cuda.synchronize(device)
         row["seconds"] = time.perf_counter() - start
         row["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        return row, out.logits[:, -1].float().cpu()
     except Exception as err:
         row["status"] = "oom" if is_oom(err) else f"error: {str(err)[:200]}"
+        return row, None
     finally:
-        cache = None
+        cache = out = None
         release_memory(device)
-    return row
 
 
 def main() -> None:
@@ -123,7 +124,7 @@ def main() -> None:
             if path == "reference" and context > tokens(args.reference_max):
                 continue
             if path == "hf-dynamic":
-                row = hf_prefill(model, ids, args.chunk_tokens)
+                row, logits[path] = hf_prefill(model, ids, args.chunk_tokens)
             else:
                 row, logits[path] = tandem_prefill(model, ids, path, args.chunk_tokens, args.decode_steps)
             row.update(context=context, chunk_tokens=args.chunk_tokens)
@@ -131,17 +132,19 @@ def main() -> None:
                 row["tokens_per_s"] = context / row["seconds"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if logits.get("flash") is not None and logits.get("reference") is not None:
-            flash, ref = logits["flash"], logits["reference"]
+        for first, second in (("flash", "reference"), ("flash", "hf-dynamic"), ("reference", "hf-dynamic")):
+            if logits.get(first) is None or logits.get(second) is None:
+                continue
+            ours, theirs = logits[first], logits[second]
             rows.append(
                 {
-                    "system": "flash vs reference",
+                    "system": f"{first} vs {second}",
                     "context": context,
-                    "max_logit_diff": (flash - ref).abs().max().item(),
-                    "max_abs_logit": ref.abs().max().item(),
-                    "logit_std": ref.std().item(),
-                    "cosine": torch.nn.functional.cosine_similarity(flash, ref, dim=-1).min().item(),
-                    "same_argmax": bool((flash.argmax(-1) == ref.argmax(-1)).all()),
+                    "max_logit_diff": (ours - theirs).abs().max().item(),
+                    "max_abs_logit": theirs.abs().max().item(),
+                    "logit_std": theirs.std().item(),
+                    "cosine": torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item(),
+                    "same_argmax": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -169,7 +172,7 @@ def main() -> None:
         cells += [f"{r['tpot_ms_after']:.2f}" if "tpot_ms_after" in r else ""]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [
-        f"flash vs reference at {r['context']}: largest logit difference {r['max_logit_diff']:.3g} (logits' std "
+        f"{r['system']} at {r['context']}: largest logit difference {r['max_logit_diff']:.3g} (logits' std "
         f"{r['logit_std']:.3g}, largest {r['max_abs_logit']:.3g}), cosine {r['cosine']:.6f}, "
         f"same argmax: {r['same_argmax']}"
         for r in rows
