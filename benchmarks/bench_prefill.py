@@ -1,10 +1,11 @@
 """Chunked prefill of a long prompt on a random-weight model of a real shape: Tandem's exact append path with the
 flash-style kernel (`gpu.prefill_attention`) against the reference kernel it replaced, and against Hugging Face's
-one-shot prefill into a `DynamicCache` (everything on the GPU), in one run (GPU host).
+own chunked prefill into a `DynamicCache` (everything on the GPU), in one run (GPU host).
 
-Per row: seconds, prompt tokens per second, GPU memory peak; for Tandem, where the KV ended up and the first decode
-steps after it. Pairs of paths at the same context also report how far apart their last logits are (largest difference,
-cosine, same argmax): the flash path must give the reference's answer, up to the rounding HF's own SDPA has. A row that does not fit is reported as OOM.
+Per row: seconds, prompt tokens per second, GPU memory peak; for Tandem, the decode steps after it. Pairs of
+paths at the same context also report how far apart their last logits are (largest difference, cosine, same
+argmax): the flash path must give the reference's answer up to rounding, as HF's SDPA does. A row that does
+not fit is reported as OOM.
 
     python benchmarks/bench_prefill.py --model llama-3.1-8b --contexts 32k,128k --paths flash,reference --out prefill
 """
