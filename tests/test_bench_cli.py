@@ -54,6 +54,19 @@ def test_bench_device_share_rows_split_the_bytes(tmp_path):
         assert split["bound_ms"] is None and alone["bound_ms"] > 0
 
 
+def test_bench_compares_handoffs_side_by_side(tmp_path):
+    """--handoff with two values gives one row per value, labelled; on CPU both decode eagerly (no graphs, so
+    nothing to hand off), and the rows record that."""
+    assert (
+        _run(tmp_path, "--policies", "full", "--hf", "none", "--batches", "1", "--handoff", "memops,launches")
+        == 0
+    )
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["system"].rsplit("@", 1)[-1] for r in rows] == ["memops", "launches"]
+    assert all(r["status"] == "ok" and r["handoff"] is None for r in rows)
+    assert rows[0]["tokens"] == rows[1]["tokens"]
+
+
 def test_bound_counts_each_reader_at_its_bandwidth():
     row = {"status": "ok", "cpu_bytes_per_step": 1e9, "pcie_bytes_per_step": 1e9}
     # weights 3 GB at 3000 GB/s = 1 ms; CPU 1 GB at 100 GB/s = 10 ms; PCIe 1 GB at 50 GB/s = 20 ms
@@ -73,6 +86,7 @@ def test_bound_counts_each_reader_at_its_bandwidth():
         (["--chunk-tokens", "0"], "--chunk-tokens=0 is out of range: allowed >= 1"),
         (["--cpu-threads", "0"], "--cpu-threads=0 is out of range: allowed >= 1"),
         (["--model", "/no/such/model"], "neither a named shape"),
+        (["--handoff", "flags"], "--handoff: unknown 'flags'; allowed: auto, memops, launches"),
     ],
 )
 def test_bench_refuses_bad_arguments(tmp_path, capsys, extra, message):
