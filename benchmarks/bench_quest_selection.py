@@ -7,8 +7,9 @@ replays) and prints and saves (JSON + markdown) microseconds per layer:
 - bounds: `reference.block_scores_matmul` (two cuBLAS matmuls + elementwise) against `gpu.block_scores` (Triton),
   with the digest bytes read per microsecond as a fraction of the HBM read bandwidth measured in the same run;
 - top-k: `torch.topk(sorted=True)` (ranked), `torch.topk(sorted=False)` then a sort of the picks, and
-  `gpu.top_blocks` (a set, k read on the device) with each of its kernels, the row in registers and the row
-  read in tiles, checking each equals `reference.top_blocks`.
+  `gpu.top_blocks` (a set, k read on the device) with each of its kernels: the row in registers (up to 16K
+  blocks), the row read in tiles by one program, and the row split over one program per tile (1024, 2048 or
+  4096 blocks), checking each equals `reference.top_blocks`. Shapes: batch 1 x 64K / 128K / 1M, batch 16 x 32K.
 
     python benchmarks/bench_quest_selection.py --out benchmarks/results/quest_selection_h200
 """
@@ -74,16 +75,28 @@ def measure(batch: int, context: int, budget: float, hbm: float) -> dict:
     row["topk_sorted_us"] = per_call_us(lambda: torch.topk(scores, k, dim=-1, sorted=True))
     row["topk_unsorted_then_sort_us"] = per_call_us(lambda: ranked_then_sorted(scores, k))
     expected = reference.top_blocks(scores, k, k)
-    register_limit = gpu_attention.REGISTER_TOP_BLOCKS
-    for kind, limit in (("registers", max(register_limit, 1 << 20)), ("tiles", 0)):
+    saved = {name: getattr(gpu_attention, name) for name in SETTINGS}
+    kinds = [("registers", {"REGISTER_TOP_BLOCKS": 1 << 20})] if num_blocks <= 16384 else []
+    kinds += [
+        ("tiles", {"REGISTER_TOP_BLOCKS": 0, "LONG_ROWS": "tiles"}),
+        ("split1024", {"REGISTER_TOP_BLOCKS": 0, "LONG_ROWS": "split", "SPLIT_TOP_BLOCKS_TILE": 1024}),
+        ("split2048", {"REGISTER_TOP_BLOCKS": 0, "LONG_ROWS": "split", "SPLIT_TOP_BLOCKS_TILE": 2048}),
+        ("split4096", {"REGISTER_TOP_BLOCKS": 0, "LONG_ROWS": "split", "SPLIT_TOP_BLOCKS_TILE": 4096}),
+    ]
+    for kind, settings in kinds:
         # each kernel at every shape (the launcher picks the register one up to REGISTER_TOP_BLOCKS)
-        gpu_attention.REGISTER_TOP_BLOCKS = limit
+        for name, value in settings.items():
+            setattr(gpu_attention, name, value)
         try:
             row[f"top_blocks_{kind}_us"] = per_call_us(lambda: gpu.top_blocks(scores, k_dev, k))
             row[f"top_blocks_{kind}_equal"] = bool(torch.equal(gpu.top_blocks(scores, k_dev, k), expected))
         finally:
-            gpu_attention.REGISTER_TOP_BLOCKS = register_limit
+            for name, value in saved.items():
+                setattr(gpu_attention, name, value)
     return {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
+
+
+SETTINGS = ("REGISTER_TOP_BLOCKS", "LONG_ROWS", "SPLIT_TOP_BLOCKS_TILE")
 
 
 @torch.inference_mode()
@@ -100,7 +113,7 @@ def main() -> None:
     }
     print(json.dumps(machine), flush=True)
     rows = []
-    for batch, context in ((1, 65536), (1, 131072), (16, 32768)):
+    for batch, context in ((1, 65536), (1, 131072), (16, 32768), (1, 1 << 20)):
         row = measure(batch, context, args.budget, hbm)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -108,10 +121,10 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "quest_selection.json"), "w") as f:
             json.dump({"machine": machine, "rows": rows}, f, indent=1)
-        head = list(rows[0])
+        head = list(dict.fromkeys(key for r in rows for key in r))
         lines = [f"# Quest selection on {machine['gpu']} (HBM read {machine['hbm_read_GBps']} GB/s)", ""]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows]
+        lines += ["| " + " | ".join(str(r.get(h, "")) for h in head) + " |" for r in rows]
         with open(os.path.join(args.out, "quest_selection.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -275,6 +275,19 @@ def tied_scores(rows, num_blocks, seed=0):
     return scores.to(DEVICE)
 
 
+def long_rows(kernel: str, monkeypatch) -> None:
+    """Send every row through one kernel: "registers", or a long-row kernel ("tiles", "split") with 64-block
+    tiles, so small rows already span several tiles (and the output's padding more)."""
+    if kernel != "registers":
+        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
+        monkeypatch.setattr(gpu_attention, "LONG_ROWS", kernel)
+        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
+        monkeypatch.setattr(gpu_attention, "SPLIT_TOP_BLOCKS_TILE", 64)
+
+
+TOP_BLOCKS_KERNELS = ["registers", "tiles", "split"]
+
+
 @pytest.mark.parametrize(
     ("rows", "num_blocks", "width", "k"),
     [
@@ -286,11 +299,9 @@ def tied_scores(rows, num_blocks, seed=0):
         (3, 4100, 300, 211),
     ],
 )
-@pytest.mark.parametrize("tiled", [False, True], ids=["registers", "tiles"])
-def test_top_blocks_match_reference(rows, num_blocks, width, k, tiled, monkeypatch):
-    if tiled:  # every row through the tiled kernel, several 64-block tiles each (rows and padding)
-        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
-        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
+@pytest.mark.parametrize("kernel", TOP_BLOCKS_KERNELS)
+def test_top_blocks_match_reference(rows, num_blocks, width, k, kernel, monkeypatch):
+    long_rows(kernel, monkeypatch)
     scores = tied_scores(rows, num_blocks, seed=k)
     ids = gpu.top_blocks(scores, torch.tensor([k], device=DEVICE), width)
     assert ids.dtype == torch.int64 and ids.shape == (rows, width)
@@ -304,17 +315,25 @@ def test_top_blocks_match_reference(rows, num_blocks, width, k, tiled, monkeypat
             assert scores[r, kept].min() >= rest.max()
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["registers", "tiles"])
-def test_top_blocks_ties_across_tiles_go_to_the_lower_ids(tiled, monkeypatch):
-    if tiled:
-        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
-        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
+@pytest.mark.parametrize("kernel", TOP_BLOCKS_KERNELS)
+def test_top_blocks_ties_across_tiles_go_to_the_lower_ids(kernel, monkeypatch):
+    long_rows(kernel, monkeypatch)
     scores = torch.ones(3, 200, device=DEVICE)  # one tie over four tiles, cut by k
     scores[1, ::7] = float("-inf")
     scores[2, 150:] = 2.0
     ids = gpu.top_blocks(scores, torch.tensor([150], device=DEVICE), 170)
     assert torch.equal(ids, reference.top_blocks(scores, 150, 170))
     assert torch.equal(ids[0, :150], torch.arange(150, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernel", TOP_BLOCKS_KERNELS)
+def test_top_blocks_keep_no_minus_inf_when_k_exceeds_the_finite_scores(kernel, monkeypatch):
+    long_rows(kernel, monkeypatch)
+    scores = torch.full((2, 300), float("-inf"), device=DEVICE)
+    scores[0, [3, 90, 150, 151, 299]] = torch.tensor([1.0, 5.0, 1.0, -2.0, 0.0], device=DEVICE)
+    ids = gpu.top_blocks(scores, torch.tensor([40], device=DEVICE), 50)
+    assert torch.equal(ids, reference.top_blocks(scores, 40, 50))
+    assert ids[0, :5].tolist() == [3, 90, 150, 151, 299] and (ids[0, 5:] == 300).all() and (ids[1] == 300).all()
 
 
 def test_top_blocks_leading_dims_and_preallocated_out():

@@ -39,6 +39,11 @@ SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
 # 2112: 14.3 vs 17.0 vs 27.7; benchmarks/results/quest_selection_h200/).
 REGISTER_TOP_BLOCKS = 8192
 TOP_BLOCKS_TILE = 4096
+# Rows over REGISTER_TOP_BLOCKS: "split" spreads each row over tiles of SPLIT_TOP_BLOCKS_TILE blocks, one program
+# each, with the radix histograms added up in global memory (7 launches, any length); "tiles" is the one-program
+# kernel above.
+LONG_ROWS = "split"
+SPLIT_TOP_BLOCKS_TILE = 1024
 
 
 def interpreted() -> bool:
@@ -587,9 +592,34 @@ def top_blocks(scores, k, width: int, out=None):
                 WIDTH_PAD=triton.next_power_of_2(width),
                 num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
             )
-        else:
+        elif LONG_ROWS == "tiles":
             _kernels.top_blocks_tiled_kernel[(rows.shape[0],)](*args, TILE=TOP_BLOCKS_TILE, num_warps=8)
+        else:
+            _top_blocks_split(rows, k, out.view(-1, width), width)
     return out
+
+
+def _top_blocks_split(rows, k, out, width: int) -> None:
+    """`top_blocks` of long rows over (row, tile) programs: four radix passes whose histograms are summed with
+    atomics, then per tile the counts above / at the threshold, then the ids written at their place."""
+    num_rows, num_blocks = rows.shape
+    tile = SPLIT_TOP_BLOCKS_TILE
+    num_tiles = triton.cdiv(num_blocks, tile)
+    hist = torch.zeros(num_rows, 4, 256, dtype=torch.int32, device=rows.device)
+    counts = torch.empty(num_rows, num_tiles, 2, dtype=torch.int32, device=rows.device)
+    grid = (num_rows, num_tiles)
+    warps = 4 if tile <= 2048 else 8
+    for p in range(4):
+        _kernels.top_blocks_hist_kernel[grid](
+            rows, k, hist, num_blocks, width, rows.stride(0), P=p, TILE=tile, num_warps=warps
+        )
+    _kernels.top_blocks_count_kernel[grid](
+        rows, k, hist, counts, num_blocks, width, rows.stride(0), num_tiles, TILE=tile, num_warps=warps
+    )
+    _kernels.top_blocks_write_kernel[grid](
+        rows, k, hist, counts, out, num_blocks, width, rows.stride(0), width, num_tiles,
+        TILE=tile, TILES_PAD=max(2, triton.next_power_of_2(num_tiles)), num_warps=warps,
+    )  # fmt: skip
 
 
 def merge_lse_(out_a, lse_a, out_b, lse_b):

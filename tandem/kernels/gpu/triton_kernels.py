@@ -696,3 +696,121 @@ def prefill_attention_kernel(
     out, lse = _finish(m_i, l_i, acc)
     tl.store(out_ptrs, out, mask=tile_ok)
     tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+# ---- top-k of long rows over many programs (`top_blocks` with LONG_ROWS = "split") --------------------------
+@triton.jit
+def _chain(hist_ptr, row, remaining, P: tl.constexpr):
+    """(remaining, prefix) after radix passes 0 .. P-1, recomputed from their histograms in hist[row, p, 256]
+    (every program of a pass reads the same finished histograms, so none has to publish the result)."""
+    prefix = tl.zeros((), dtype=tl.int32)
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(P):
+        hist = tl.load(hist_ptr + (row * 4 + p) * 256 + bins)
+        remaining, prefix = _radix_step(hist, remaining, prefix, 24 - 8 * p)
+    return remaining, prefix
+
+
+@triton.jit
+def top_blocks_hist_kernel(
+    scores_ptr,  # [R, NB] fp32
+    k_ptr,  # [1] int64
+    hist_ptr,  # [R, 4, 256] int32, zero before pass 0
+    num_blocks,
+    width,
+    stride_s,
+    P: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Grid (R, tiles): radix pass P over one tile of a row: the histogram of its candidates' byte P (the keys
+    still tied with the k-th best on bytes 0 .. P-1), added into the row's histogram of pass P."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    live = offs < num_blocks
+    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining, prefix = _chain(hist_ptr, row, remaining, P)
+    _, ukey = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf")))
+    hist = tl.histogram((ukey >> (24 - 8 * P)) & 0xFF, 256, mask=_candidates(live, ukey, prefix, P))
+    tl.atomic_add(hist_ptr + (row * 4 + P) * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def _split_threshold(k_ptr, hist_ptr, row, width):
+    """The k-th best key (signed) of a row and how many of the keys equal to it are kept."""
+    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining, prefix = _chain(hist_ptr, row, remaining, 4)
+    return prefix ^ -2147483648, remaining
+
+
+@triton.jit
+def top_blocks_count_kernel(
+    scores_ptr,
+    k_ptr,
+    hist_ptr,
+    counts_ptr,  # [R, tiles, 2] int32: keys above the threshold, keys equal to it
+    num_blocks,
+    width,
+    stride_s,
+    num_tiles,
+    TILE: tl.constexpr,
+):
+    """Grid (R, tiles): per tile, how many keys beat the k-th best and how many tie with it."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    offs = tile * TILE + tl.arange(0, TILE)
+    live = offs < num_blocks
+    threshold, _ = _split_threshold(k_ptr, hist_ptr, row, width)
+    key, _ = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf")))
+    above = tl.sum((live & (key > threshold)).to(tl.int32), axis=0)
+    ties = tl.sum((live & (key == threshold)).to(tl.int32), axis=0)
+    tl.store(counts_ptr + (row * num_tiles + tile) * 2, above)
+    tl.store(counts_ptr + (row * num_tiles + tile) * 2 + 1, ties)
+
+
+@triton.jit
+def top_blocks_write_kernel(
+    scores_ptr,
+    k_ptr,
+    hist_ptr,
+    counts_ptr,
+    out_ptr,  # [R, W] int64
+    num_blocks,
+    width,
+    stride_s,
+    stride_o,
+    num_tiles,
+    TILE: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+):
+    """Grid (R, tiles): write one tile's kept ids at their place in the row's ascending list (after the ids kept
+    by earlier tiles); ties at the k-th best go to the lower ids across tiles. Tile 0 pads the rest of the row
+    with num_blocks. The same set and order as `top_blocks_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    offs = tile * TILE + tl.arange(0, TILE)
+    live = offs < num_blocks
+    threshold, remaining = _split_threshold(k_ptr, hist_ptr, row, width)
+    ninf_key, _ = _order_keys(tl.full((), float("-inf"), tl.float32))
+    tiles = tl.arange(0, TILES_PAD)
+    counted = tiles < num_tiles
+    above = tl.load(counts_ptr + (row * num_tiles + tiles) * 2, mask=counted, other=0)
+    ties = tl.load(counts_ptr + (row * num_tiles + tiles) * 2 + 1, mask=counted, other=0)
+    earlier = tiles < tile
+    ties_before = tl.sum(tl.where(earlier, ties, 0), axis=0)
+    # ties of -inf are never kept; otherwise the first `remaining` ties (in id order) are
+    takes_ties = threshold != ninf_key
+    kept_before = tl.sum(tl.where(earlier, above, 0), axis=0)
+    kept_before += tl.where(takes_ties, tl.minimum(ties_before, remaining), 0)
+    x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
+    key, _ = _order_keys(x)
+    tie = live & (key == threshold)
+    tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+    keep = live & (x != float("-inf")) & ((key > threshold) | (tie & (tie_rank < remaining)))
+    position = kept_before + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row * stride_o + position, offs.to(tl.int64), mask=keep)
+    if tile == 0:
+        total = tl.sum(above, axis=0) + tl.where(takes_ties, tl.minimum(tl.sum(ties, axis=0), remaining), 0)
+        for start in range(0, width, TILE):
+            slots = start + tl.arange(0, TILE)
+            pad = (slots >= total) & (slots < width)
+            tl.store(out_ptr + row * stride_o + slots, tl.zeros((TILE,), tl.int64) + num_blocks, mask=pad)
