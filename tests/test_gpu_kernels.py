@@ -333,7 +333,9 @@ def test_top_blocks_keep_no_minus_inf_when_k_exceeds_the_finite_scores(kernel, m
     scores[0, [3, 90, 150, 151, 299]] = torch.tensor([1.0, 5.0, 1.0, -2.0, 0.0], device=DEVICE)
     ids = gpu.top_blocks(scores, torch.tensor([40], device=DEVICE), 50)
     assert torch.equal(ids, reference.top_blocks(scores, 40, 50))
-    assert ids[0, :5].tolist() == [3, 90, 150, 151, 299] and (ids[0, 5:] == 300).all() and (ids[1] == 300).all()
+    assert (
+        ids[0, :5].tolist() == [3, 90, 150, 151, 299] and (ids[0, 5:] == 300).all() and (ids[1] == 300).all()
+    )
 
 
 def test_top_blocks_leading_dims_and_preallocated_out():
