@@ -158,7 +158,7 @@ def test_runner_with_fused_layers_matches_dynamic_cache():
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     config = TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4)
     runner = TandemRunner(model, TandemCache.for_model(model, config), fused=True)
-    assert runner.fused.active
+    assert runner.fused_layers is not None and runner.fused_layers.active
     first = runner.prefill(ids, chunk_tokens=16, max_new_tokens=8).argmax(-1)
     tokens, _ = runner.decode(first, 6)
     ours = torch.cat([first.cpu()[:, None], tokens], dim=1)

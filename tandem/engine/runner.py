@@ -222,7 +222,7 @@ class TandemRunner:
             )
         use_fused = can_fuse and (fused is True or self.device.type == "cuda")
         # the model's RMSNorm / RoPE as one kernel each, during this runner's passes only
-        self.fused = FusedLayers(model, self.device) if use_fused else contextlib.nullcontext()
+        self.fused_layers = FusedLayers(model, self.device) if use_fused else None
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
@@ -261,7 +261,7 @@ class TandemRunner:
             layer.capacity_hint = total + max_new_tokens
         start = time.perf_counter()
         try:
-            with self.fused:
+            with self.fused_layers or contextlib.nullcontext():
                 logits = self._prefill_chunks(input_ids, mask, positions, chunk_tokens)
         finally:
             for layer in self.layers:
@@ -323,7 +323,7 @@ class TandemRunner:
         step = self.cache.decode_step = DecodeStep(self.device, flags)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         try:
-            with self.fused:
+            with self.fused_layers or contextlib.nullcontext():
                 self._decode_steps(step, steps, history, seconds, end)
         finally:
             self.cache.decode_step = None

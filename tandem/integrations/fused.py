@@ -11,7 +11,9 @@ and keeps only those that the fused kernels reproduce on a random input (within 
 reductions, `tolerance`): a model whose norm adds one to its weight, or whose rotation interleaves, keeps its
 own code. `with fused:` swaps them in (instance `forward`s, the module-level function) and restores them on
 exit, so Hugging Face's own passes over the same model (the baselines of `tandem bench`) stay untouched. Calls
-that the kernels do not cover (other shapes, extra arguments) go to the original function.
+that the kernels do not cover (other shapes, extra arguments) go to the original function. The swap of the
+module-level function is process-wide while it lasts: another thread running a model of the same architecture at
+that moment would get the fused RoPE too (it computes the same thing).
 """
 
 from __future__ import annotations
