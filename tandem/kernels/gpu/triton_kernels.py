@@ -574,25 +574,29 @@ def rope_kernel(
     c2 = tl.load(c_base + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(s_base + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(s_base + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    OUT: tl.constexpr = q_out_ptr.dtype.element_ty
+    q_src = q_ptr + b * stride_qb + pos * stride_ql
+    k_src = k_ptr + b * stride_kb + pos * stride_kl
+    _rope_heads(
+        q_src, stride_qh, q_out_ptr, b, pos, L, num_q_heads, c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_HALF
+    )
+    _rope_heads(
+        k_src, stride_kh, k_out_ptr, b, pos, L, num_kv_heads, c1, c2, s1, s2, HALF, BLOCK_HKV, BLOCK_HALF
+    )
 
-    hq = tl.arange(0, BLOCK_HQ)
-    ok = (hq < num_q_heads)[:, None] & d_ok[None, :]
-    src = q_ptr + b * stride_qb + pos * stride_ql + hq[:, None] * stride_qh + d[None, :]
-    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, OUT)
-    dst = q_out_ptr + ((b * num_q_heads + hq[:, None]) * L + pos) * (2 * HALF) + d[None, :]
-    tl.store(dst, o1, mask=ok)
-    tl.store(dst + HALF, o2, mask=ok)
 
-    hk = tl.arange(0, BLOCK_HKV)
-    ok = (hk < num_kv_heads)[:, None] & d_ok[None, :]
-    src = k_ptr + b * stride_kb + pos * stride_kl + hk[:, None] * stride_kh + d[None, :]
-    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, OUT)
-    dst = k_out_ptr + ((b * num_kv_heads + hk[:, None]) * L + pos) * (2 * HALF) + d[None, :]
+@triton.jit
+def _rope_heads(
+    src, stride_h, out_ptr, b, pos, L, num_heads, c1, c2, s1, s2,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Rotate every head of one token (src: its head 0), into the contiguous [B, H, L, 2 * HALF] output."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    ok = (h < num_heads)[:, None] & (d < HALF)[None, :]
+    x1 = tl.load(src + h[:, None] * stride_h + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h[:, None] * stride_h + HALF + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, out_ptr.dtype.element_ty)
+    dst = out_ptr + ((b * num_heads + h[:, None]) * L + pos) * (2 * HALF) + d[None, :]
     tl.store(dst, o1, mask=ok)
     tl.store(dst + HALF, o2, mask=ok)
 
