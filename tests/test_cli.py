@@ -57,6 +57,26 @@ def test_generate_streams_text_and_prints_stats(smollm, monkeypatch, capsys):
     assert out.out.strip() and "[tandem] prompt" in out.err and "decode" in out.err
 
 
+def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, capsys):
+    """--engine on (the runner, eager on CPU) and --engine off (model.generate) give the same greedy text with
+    every entry kept, both stopping at the end-of-sequence token the model emits before the limit."""
+    results = {}
+    for engine in ("on", "off"):
+        code, out = _run(
+            ["generate", "--chat", "--prompt", "What is the capital of France? Answer in one sentence.",
+             "--max-new-tokens", "24", "--policy", "full", "--engine", engine, "--json"],
+            monkeypatch,
+            smollm,
+            capsys,
+        )  # fmt: skip
+        assert code == 0, out.err
+        results[engine] = json.loads(out.out)
+    on, off = results["on"], results["off"]
+    assert on["stats"]["engine"] and not off["stats"]["engine"]
+    assert on["text"] == off["text"] and "Paris" in on["text"]
+    assert on["stats"]["generated_tokens"] == off["stats"]["generated_tokens"] < 24
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -68,6 +88,10 @@ def test_generate_streams_text_and_prints_stats(smollm, monkeypatch, capsys):
             "--prompt-file '/nonexistent/prompt.txt' cannot be read",
         ),
         (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's maximum context of 8192"),
+        (
+            ["--prompt", "hi", "--engine", "on", "--do-sample"],
+            "--engine on decodes greedily: drop --do-sample",
+        ),
     ],
 )
 def test_bad_input_gives_one_clear_error(args, message, smollm, monkeypatch, capsys):

@@ -153,6 +153,31 @@ def test_flash_append_matches_the_reference_append(monkeypatch):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_stream_yields_decodes_tokens_and_stops_early(device):
+    """`stream` yields what `decode` returns, one step at a time; stopping early leaves the cache usable."""
+    model = _tiny(device=device)
+    ids = torch.randint(0, 128, (2, 45), generator=torch.Generator().manual_seed(9)).to(device)
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=12, block_size=4)
+    runners, firsts = [], []
+    for _ in range(2):
+        runner = TandemRunner(model, TandemCache.for_model(model, config))
+        firsts.append(runner.prefill(ids, chunk_tokens=16, max_new_tokens=12).argmax(-1))
+        runners.append(runner)
+    expected, _ = runners[0].decode(firsts[0], 8)
+    steps = runners[1].stream(firsts[1], 8)
+    got = []
+    for token in steps:
+        got.append(token.cpu())
+        if len(got) == 5:
+            break
+    steps.close()
+    assert torch.equal(torch.stack(got, dim=1), expected[:, :5])
+    assert runners[1].cache.decode_step is None
+    rest, _ = runners[1].decode(got[-1].to(device), 3)  # picks up where the stream stopped
+    assert torch.equal(rest, expected[:, 5:])
+
+
 def test_streaming_policy_runs_and_differs_from_full():
     model = _tiny()
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))

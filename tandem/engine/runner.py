@@ -299,6 +299,16 @@ class TandemRunner:
         """Greedy decode: feed `first_tokens` [B] (e.g. the argmax of the prefill logits), then each step's
         argmax. Returns (tokens [B, steps] int64 on the CPU: the tokens produced, seconds per step).
         """
+        seconds: list[float] = []
+        tokens = list(self.stream(first_tokens, steps, seconds))
+        batch = first_tokens.shape[0]
+        history = torch.stack(tokens, dim=1) if tokens else torch.empty(batch, 0, dtype=torch.long)
+        return history.cpu(), seconds
+
+    def stream(self, first_tokens: torch.Tensor, steps: int, seconds: list | None = None):
+        """`decode` as a generator: yields each step's tokens [B] (int64, on the model's device) once the step
+        has run, so a caller can print them as they come or stop early (at an end-of-sequence token: close the
+        generator, or just stop iterating). `seconds`, if given, receives each step's wall time."""
         if self.next_position is None:
             raise ValueError("decode needs a prefilled cache: call prefill() (or fill the cache) first")
         if steps < 0:
@@ -312,44 +322,48 @@ class TandemRunner:
                 f"context of {self.layers[0].seq_len + steps} tokens exceeds the model's maximum of {limit} "
                 "positions (config.max_position_embeddings); decode fewer steps"
             )
+        return self._stream(first_tokens, steps, seconds if seconds is not None else [])
+
+    def _stream(self, first_tokens: torch.Tensor, steps: int, seconds: list):
+        batch = self.next_position.shape[0]
         self._ids = first_tokens.to(self.device, torch.long).reshape(batch, 1).clone()
         self._positions = self.next_position.reshape(batch, 1).clone()
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
-        seconds = []
         self.host_seconds = []  # per step: seconds in the CPU parts
         flags = None
         if self.use_graphs and self.handoff == "memops":
             flags = handoff_module.HostFlags(len(self.layers), self.device)
         step = self.cache.decode_step = DecodeStep(self.device, flags)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
+        fused = self.fused_layers or contextlib.nullcontext()
         try:
-            with self.fused_layers or contextlib.nullcontext():
-                self._decode_steps(step, steps, history, seconds, end)
+            for t in range(steps):
+                with torch.inference_mode(), fused:
+                    self._decode_step(step, t, end)
+                    history[:, t] = self._ids[:, 0]
+                    if end is not None:
+                        end.record()
+                        end.synchronize()  # one event per step, not a device-wide sync
+                seconds.append(time.perf_counter() - self._step_start)
+                self.host_seconds.append(step.host_seconds)
+                yield history[:, t]
         finally:
             self.cache.decode_step = None
-        self.next_position = self._positions[:, 0].clone()
-        return history.cpu(), seconds
+            self.next_position = self._positions[:, 0].clone()
 
-    def _decode_steps(self, step: DecodeStep, steps: int, history, seconds: list, end) -> None:
-        for t in range(steps):
-            start = time.perf_counter()
-            step.host_seconds = 0.0
-            step.prepare(self.layers)
-            if self.use_graphs and t >= self.warmup_steps:
-                generations = [layer.host.generation for layer in self.layers]
-                if not step.segments or generations != step.generations:
-                    # (re)record: a host tier that grew has moved the digest mirror the graphs read
-                    step.capture(self._step_body)
-                    step.generations = generations
-                step.replay()
-            else:
-                self._step_body()
-            history[:, t] = self._ids[:, 0]
-            if end is not None:
-                end.record()
-                end.synchronize()  # one event per step, not a device-wide sync
-            seconds.append(time.perf_counter() - start)
-            self.host_seconds.append(step.host_seconds)
+    def _decode_step(self, step: DecodeStep, t: int, end) -> None:
+        self._step_start = time.perf_counter()
+        step.host_seconds = 0.0
+        step.prepare(self.layers)
+        if self.use_graphs and t >= self.warmup_steps:
+            generations = [layer.host.generation for layer in self.layers]
+            if not step.segments or generations != step.generations:
+                # (re)record: a host tier that grew has moved the digest mirror the graphs read
+                step.capture(self._step_body)
+                step.generations = generations
+            step.replay()
+        else:
+            self._step_body()
 
     def _step_body(self) -> None:
         """One decode step at fixed addresses: model forward, greedy pick, inputs of the next step."""
