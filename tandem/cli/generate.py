@@ -134,7 +134,7 @@ def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
 
     from ..engine import TandemRunner
 
-    eos = model.generation_config.eos_token_id
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     runner = TandemRunner(model, cache)
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
