@@ -222,6 +222,45 @@ def test_ranked_attention_in_place_with_counts(num_threads):
         cpu.RankedAttention(q, k, v, ranked.mT.contiguous().mT, 0.125, block_size, out, lse, key_mask)
 
 
+@needs_native
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_prepared_attention_reads_lists_in_place(block_size, num_threads):
+    """The prepared call over a view of a wider index buffer (as hgca keeps its lists) gives the general
+    launcher's result, follows lengths and indices updated in place, and writes out / lse in place."""
+    batch, num_kv_heads, cap = 2, 2, 16 * 40
+    q, k, v, indices, lengths = make_case(
+        batch, 8, num_kv_heads, 1, 64, cap, 30, torch.bfloat16, block_size=block_size, seed=3
+    )
+    q = q[:, :, 0].to(torch.bfloat16).contiguous()
+    buffer = torch.zeros(batch, num_kv_heads, 37, dtype=torch.int64)  # wider than the lists, as hgca's
+    width = indices.shape[-1]
+    buffer[..., :width] = indices
+    lens = lengths.clone()
+    key_mask = torch.ones(batch, cap, dtype=torch.bool)
+    key_mask[1, :100] = False
+    out, lse = torch.empty(batch, 8, 64), torch.empty(batch, 8)
+    call = cpu.PreparedAttention(
+        q, k, v, buffer[..., :width], lens, 0.125, out, lse, key_mask, block_size, num_threads
+    )
+    for _ in range(2):
+        call()
+        ref_out, ref_lse = cpu.sparse_attention_lse(
+            q[:, :, None], k, v, buffer[..., :width].contiguous(), lens, 0.125, key_mask, block_size
+        )
+        assert_close(out, ref_out[:, :, 0], torch.bfloat16, "out")
+        assert_close(lse, ref_lse[:, :, 0], torch.bfloat16, "lse")
+        lens.fill_(width - 5)  # the policy updates its lists in place; the next call reads them
+    bad = buffer.clone()
+    bad[0, 0, 0] = 10**6
+    with pytest.raises(ValueError, match="fall outside"):
+        cpu.PreparedAttention(q, k, v, bad[..., :width], lens, 0.125, out, lse, key_mask, block_size)()
+    with pytest.raises(ValueError, match="indices: need stride 1"):
+        cpu.PreparedAttention(q, k, v, buffer.mT.contiguous().mT, lens, 0.125, out, lse, key_mask, block_size)
+    with pytest.raises(ValueError, match="out: "):
+        cpu.PreparedAttention(q, k, v, buffer, lens, 0.125, out[:, :4], lse, key_mask, block_size)
+
+
 def make_digests(batch, num_kv_heads, num_blocks, head_dim, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     center = torch.randn(batch, num_kv_heads, num_blocks, head_dim, generator=gen)

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.engine import TandemRunner
 from tandem.kernels import gpu as gpu_kernels
+from tandem.kernels.ops import native_cpu_available
 from tests.tiny import tiny_model
 
 DEVICES = [
@@ -76,6 +77,9 @@ def test_sparse_policies_at_full_budget_match_dynamic_cache(device, policy):
     config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
     ours, runner = _run(model, ids, mask, config, 24, chunk_tokens=32)
     assert torch.equal(_hf_greedy(model, ids, mask, 24), ours)
+    if policy == "hgca" and device == "cpu" and native_cpu_available():
+        # hgca keeps its lists across steps: the decode path ran the prepared compiled call over them
+        assert runner.cache.tandem_layers()[0].decode_buffers._prepared_call is not None
 
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]

@@ -47,6 +47,7 @@ class DecodeBuffers:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
         self._ranked_call, self._ranked_key = None, None
+        self._prepared_call, self._prepared_key = None, None
 
     def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:
         """Queue the copy of the policy's device-side selection into host memory (same stream as q's)."""
@@ -70,6 +71,23 @@ class DecodeBuffers:
             )  # fmt: skip
             self._ranked_key = key
         return self._ranked_call
+
+    def prepared_call(self, layer, selection, scale: float):
+        """The compiled attention over `selection`'s index lists, prepared for these buffers (rebuilt when the
+        lists or the host tier move), or None (then the general launcher runs). For policies whose selection
+        persists across steps (`Policy.keeps_selection`)."""
+        if selection.kind not in ("rows", "blocks"):
+            return None
+        host, indices, lengths = layer.host, selection.indices, selection.lengths
+        key = (id(host), host.generation, selection.kind, indices.data_ptr(), indices.stride(),
+               lengths.data_ptr(), selection.block_size, scale)  # fmt: skip
+        if key != self._prepared_key:
+            self._prepared_call = ops.prepared_attention_call(
+                self.q_host, host.keys, host.values, indices, lengths, scale, self.out_host, self.lse_host,
+                host.valid, selection.block_size, layer.config.cpu_threads,
+            )  # fmt: skip
+            self._prepared_key = key
+        return self._prepared_call
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
@@ -202,6 +220,11 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         _record_counts(layer, *call(*ranks, host.valid_rows()))
         return
     selection = layer.policy.select(layer, q_host, ranked, skip)
+    call = bufs.prepared_call(layer, selection, scale) if layer.policy.keeps_selection and not skip else None
+    if call is not None:
+        call()  # attends into out / lse_host
+        _record_selection(layer, selection)
+        return
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])
     bufs.lse_host.copy_(lse[:, :, 0])

@@ -153,6 +153,21 @@ def ranked_attention_call(q, k_store, v_store, ranked, scale: float, block_size:
     )
 
 
+def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float, out, lse, key_mask=None,
+                            block_size=None, num_threads=None):  # fmt: skip
+    """`sparse_attention_lse` prepared for fixed buffers (`cpu.PreparedAttention`: out / lse written in place, a
+    call costs microseconds), or None where the compiled kernels are unavailable or the index lists are not laid
+    out as it needs (then the general launcher runs)."""
+    if not native_cpu_available():
+        return None
+    try:
+        return _native.PreparedAttention(
+            q, k_store, v_store, indices, lengths, scale, out, lse, key_mask, block_size, num_threads
+        )
+    except ValueError:
+        return None
+
+
 def block_scores(q, key_min, key_max, num_threads=None):
     """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
     _check(key_min.dim() == 4, f"key_min must be [B, Hkv, nblk, D], got {tuple(key_min.shape)}")

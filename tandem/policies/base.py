@@ -60,6 +60,9 @@ class Policy:
     name = ""
     needs_digest = False  # per-block min/max keys on the host tier
     needs_maw = False  # moving average of attention weights, hot and host
+    # select() returns views of the same index / length tensors step after step, updated in place (hgca): the
+    # decode path then prepares one compiled call over them instead of launching the general kernel each step
+    keeps_selection = False
 
     def __init__(self, config) -> None:
         self.config = config

@@ -21,6 +21,7 @@ from .base import NONE, Policy, Selection
 class HGCAPolicy(Policy):
     name = "hgca"
     needs_maw = True
+    keeps_selection = True  # self.indices / self.lengths, extended in place (reallocated only to grow)
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import default_num_threads
 from tandem.kernels.cpu.ops import (
+    PreparedAttention,
     RankedAttention,
     block_scores,
     ranked_block_attention,
@@ -43,6 +44,7 @@ def supported_isas() -> tuple[str, ...]:
 
 
 __all__ = [
+    "PreparedAttention",
     "RankedAttention",
     "block_scores",
     "default_num_threads",

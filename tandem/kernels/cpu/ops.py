@@ -242,6 +242,76 @@ class RankedAttention:
         return self.stats[0], self.stats[1], self.stats[2]
 
 
+class PreparedAttention:
+    """`sparse_attention_lse` for fixed buffers, checked and laid out once: one decode layer's q, a policy's
+    index lists (which it extends in place) and the out / lse buffers, written in place. A call copies q to fp32
+    and runs the kernel: a few microseconds of Python, against ~50-70 for the general launcher (its checks, q and
+    index copies, output allocations), paid per layer and step by policies that keep their own selection (hgca).
+
+    q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
+    k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
+    indices:  [B, Hkv, S] int64 row (or block) ids, stride 1 along S; a view of the first S columns of a wider
+              [B, Hkv, W] buffer is read in place (its row stride W is passed to the kernel)
+    lengths:  [B, Hkv] int64 contiguous, valid entries of each list (<= S), read at every call
+    out:      [B, Hq, D] float32, lse [B, Hq] float32, both contiguous, written in place
+    """
+
+    def __init__(
+        self, q, k_store, v_store, indices, lengths, scale, out, lse, key_mask=None, block_size=None,
+        num_threads=None,
+    ) -> None:  # fmt: skip
+        _check_tensor("q", q, 3, _FLOAT_DTYPES)
+        batch, num_q_heads, head_dim = q.shape
+        num_kv_heads, cap = _check_store(q, k_store, v_store)
+        _check_tensor("indices", indices, 3, (torch.int64,), (batch, num_kv_heads, None))
+        _check_tensor("lengths", lengths, 2, (torch.int64,), (batch, num_kv_heads))
+        row = indices.stride(1)
+        if indices.shape[2] and (indices.stride(2) != 1 or indices.stride(0) != num_kv_heads * row):
+            raise ValueError(
+                f"indices: need stride 1 along S and [B, Hkv] rows of a [B, Hkv, W] buffer, got {indices.stride()}"
+            )
+        if key_mask is not None:
+            _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"block_size: must be a positive int or None, got {block_size!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: must be finite, got {scale}")
+        _check_tensor("out", out, 3, (torch.float32,), tuple(q.shape))
+        _check_tensor("lse", lse, 2, (torch.float32,), (batch, num_q_heads))
+        for name, t in (("q", q), ("lengths", lengths), ("out", out), ("lse", lse), ("key_mask", key_mask)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name}: must be contiguous (read or written in place), got {t.stride()}")
+        self.threads = _threads(num_threads)
+        self.lib = _native()
+        if self.lib is None:
+            raise RuntimeError(f"the compiled CPU kernels are unavailable ({_library.unavailable_reason()})")
+        self.q = q
+        self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
+        self.tensors = (k_store, v_store, indices, lengths, out, lse, key_mask)  # keeps the addresses alive
+        self.cap, self.block_size, self.lengths = cap, block_size, lengths
+        self.args = AttendArgs(
+            _ptr(self.q32), scale * LOG2E, _ptr(k_store), _ptr(v_store),  # the kernel works in base 2
+            *k_store.stride()[:3], *v_store.stride()[:3],
+            _ptr(indices), _ptr(lengths), _ptr(key_mask),
+            batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+            row if indices.shape[2] else 0, cap, block_size or 1, *_library.prefetch_config(),
+        )  # fmt: skip
+        self.call_args = (
+            _library.isa_code(), DTYPE_CODES[k_store.dtype], ctypes.byref(self.args), _ptr(out), _ptr(lse),
+            self.threads,
+        )  # fmt: skip
+
+    def __call__(self) -> None:
+        if self.q32 is not self.q:
+            self.q32.copy_(self.q)
+        bad = self.lib.tandem_sparse_attention(*self.call_args)
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
+        if bad:
+            unit = f"block ids (block_size={self.block_size})" if self.block_size else "row ids"
+            raise ValueError(f"indices: {bad} selected rows fall outside [0, {self.cap}); check the {unit}")
+
+
 def ranked_block_attention(
     q: torch.Tensor,
     k_store: torch.Tensor,
