@@ -163,6 +163,23 @@ def sparse_attention_lse(
     return out, lse
 
 
+def _prepare_in_place(q, out, lse, scale, in_place, num_threads):
+    """Checks shared by the prepared calls: a finite scale, out / lse of q's shape (without D for lse) in
+    float32, the named tensors contiguous (read or written in place). Returns (threads, library)."""
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    _check_tensor("out", out, q.dim(), (torch.float32,), tuple(q.shape))
+    _check_tensor("lse", lse, q.dim() - 1, (torch.float32,), tuple(q.shape[:-1]))
+    for name, t in in_place:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous (read or written in place), got {t.stride()}")
+    threads = _threads(num_threads)
+    lib = _native()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU kernels are unavailable ({_library.unavailable_reason()})")
+    return threads, lib
+
+
 class RankedAttention:
     """Attention over ranks [skip, count) of device-ranked block ids, with every argument checked and laid out
     once for fixed buffers: one decode layer's q, ranked ids, out and lse, and its host store. A call passes only
@@ -189,17 +206,8 @@ class RankedAttention:
             _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: must be finite, got {scale}")
-        _check_tensor("out", out, q.dim(), (torch.float32,), tuple(q.shape))
-        _check_tensor("lse", lse, q.dim() - 1, (torch.float32,), tuple(q.shape[:-1]))
-        for name, t in (("q", q), ("ranked", ranked), ("out", out), ("lse", lse), ("key_mask", key_mask)):
-            if t is not None and not t.is_contiguous():
-                raise ValueError(f"{name}: must be contiguous (written or read in place), got {t.stride()}")
-        self.threads = _threads(num_threads)
-        self.lib = _native()
-        if self.lib is None:
-            raise RuntimeError(f"the compiled CPU kernels are unavailable ({_library.unavailable_reason()})")
+        in_place = (("q", q), ("ranked", ranked), ("out", out), ("lse", lse), ("key_mask", key_mask))
+        self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
         q_len = q.shape[2] if q.dim() == 4 else 1
         self.tensors = (q, k_store, v_store, ranked, out, lse, key_mask)  # keeps the addresses alive
         self.batch, self.num_kv_heads, self.width = batch, num_kv_heads, ranked.shape[2]
@@ -274,17 +282,8 @@ class PreparedAttention:
             _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ValueError(f"block_size: must be a positive int or None, got {block_size!r}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: must be finite, got {scale}")
-        _check_tensor("out", out, 3, (torch.float32,), tuple(q.shape))
-        _check_tensor("lse", lse, 2, (torch.float32,), (batch, num_q_heads))
-        for name, t in (("q", q), ("lengths", lengths), ("out", out), ("lse", lse), ("key_mask", key_mask)):
-            if t is not None and not t.is_contiguous():
-                raise ValueError(f"{name}: must be contiguous (read or written in place), got {t.stride()}")
-        self.threads = _threads(num_threads)
-        self.lib = _native()
-        if self.lib is None:
-            raise RuntimeError(f"the compiled CPU kernels are unavailable ({_library.unavailable_reason()})")
+        in_place = (("q", q), ("lengths", lengths), ("out", out), ("lse", lse), ("key_mask", key_mask))
+        self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
         self.q = q
         self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
         self.tensors = (k_store, v_store, indices, lengths, out, lse, key_mask)  # keeps the addresses alive
