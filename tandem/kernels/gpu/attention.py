@@ -184,9 +184,10 @@ def _output(
     return _unit_last_stride(name, t, may_copy=False)
 
 
-def _check_qkv(q, keys, values, q_layout: str, kv_layout: str) -> None:
-    _check_tensor("q", q, q_layout, (None, None, None), FLOAT_DTYPES)
-    batch, num_q_heads, head_dim = q.shape
+def _check_qkv(q, keys, values, q_layout: str, kv_layout: str, q_dims: int = 3) -> None:
+    """q [B, Hq, ..., D] (`q_dims` dims) against keys / values [B, Hkv, T, D]."""
+    _check_tensor("q", q, q_layout, (None,) * q_dims, FLOAT_DTYPES)
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (q.shape[-1]) must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
     _check_tensor("keys", keys, kv_layout, (batch, None, None, head_dim), (q.dtype,))
@@ -321,19 +322,9 @@ def prefill_attention(
     Returns (out, lse); a query with no key to attend keeps out 0, lse -inf (or its earlier result).
     """
     device = _run_device("q", q)
-    _check_tensor("q", q, "[B, Hq, Lq, D]", (None, None, None, None), FLOAT_DTYPES)
+    _check_qkv(q, keys, values, "[B, Hq, Lq, D]", "[B, Hkv, T, D]", q_dims=4)
     batch, num_q_heads, q_len, head_dim = q.shape
-    _check(
-        1 <= head_dim <= MAX_HEAD_DIM,
-        f"head_dim (q.shape[-1]) must lie in [1, {MAX_HEAD_DIM}], got {head_dim}",
-    )
-    _check_tensor("keys", keys, "[B, Hkv, T, D]", (batch, None, None, head_dim), (q.dtype,))
-    _check_tensor("values", values, "[B, Hkv, T, D]", tuple(keys.shape), (q.dtype,))
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
-    _check(
-        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-        f"q heads ({num_q_heads}) must be a positive multiple of keys heads ({num_kv_heads})",
-    )
     for name, t in (("keys", keys), ("values", values)):
         _check_on(name, t, device)
     if key_valid is not None:
