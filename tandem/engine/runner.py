@@ -338,21 +338,21 @@ class TandemRunner:
         fused = self.fused_layers or contextlib.nullcontext()
         try:
             for t in range(steps):
+                start = time.perf_counter()
                 with torch.inference_mode(), fused:
-                    self._decode_step(step, t, end)
+                    self._decode_step(step, t)
                     history[:, t] = self._ids[:, 0]
                     if end is not None:
                         end.record()
                         end.synchronize()  # one event per step, not a device-wide sync
-                seconds.append(time.perf_counter() - self._step_start)
+                seconds.append(time.perf_counter() - start)
                 self.host_seconds.append(step.host_seconds)
                 yield history[:, t]
         finally:
             self.cache.decode_step = None
             self.next_position = self._positions[:, 0].clone()
 
-    def _decode_step(self, step: DecodeStep, t: int, end) -> None:
-        self._step_start = time.perf_counter()
+    def _decode_step(self, step: DecodeStep, t: int) -> None:
         step.host_seconds = 0.0
         step.prepare(self.layers)
         if self.use_graphs and t >= self.warmup_steps:

@@ -41,8 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_tensor("weight", weight, "[N]", (n,), FLOAT_DTYPES)
     _check_on("weight", weight, device)
     _check(isinstance(eps, float) and eps > 0, f"eps must be a Python float > 0, got {eps!r}")
-    rows = x.reshape(-1, n) if x.numel() else x.reshape(0, n)
-    rows = _unit_last_stride("x", rows, may_copy=True)
+    rows = _unit_last_stride("x", x.reshape(-1, n), may_copy=True)
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=device)
     if rows.shape[0] == 0:
