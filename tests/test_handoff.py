@@ -90,3 +90,74 @@ def test_driver_is_none_without_cuda(monkeypatch):
     monkeypatch.setattr(handoff, "_DRIVER", [])
     monkeypatch.setattr(handoff.torch.cuda, "is_available", lambda: False)
     assert handoff.driver() is None and not handoff.available()
+
+
+def test_hand_offs_are_served_while_the_launch_is_still_running():
+    """A launch that keeps submitting after the first nodes run: the host's first action must not wait for it."""
+    flags = HostFlags(3, None)
+    log = []
+    launcher = handoff.Launcher()
+    returned = threading.Event()
+
+    def launch():  # the "GPU" starts at once; the launch call itself returns only after the host served 0
+        gpu = fake_gpu(flags, log)
+        deadline = time.monotonic() + 10
+        while not flags.done(0) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        log.append(("launch returned", None))
+        returned.set()
+        gpu.join(10)
+
+    try:
+        launcher.start(launch)
+        run_host_side(flags, [lambda i=i: log.append(("cpu", i)) for i in range(3)], launcher)
+        assert returned.is_set()
+        assert log.index(("cpu", 0)) < log.index(("launch returned", None))
+        assert [e for e in log if e[0] == "cpu"] == [("cpu", 0), ("cpu", 1), ("cpu", 2)]
+        # the thread runs one launch after another
+        flags.reset()
+        log.clear()
+        launcher.start(lambda: fake_gpu(flags, log).join(10))
+        run_host_side(flags, [lambda: None] * 3, launcher)
+        assert log[-1] == ("merge", 2)
+    finally:
+        launcher.close()
+    assert not launcher._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        launcher.start(lambda: None)
+
+
+def test_a_failing_launch_ends_the_wait_with_its_error():
+    flags = HostFlags(2, None, timeout=30)
+    launcher = handoff.Launcher()
+
+    def launch():
+        raise OSError("cudaGraphLaunch failed")
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="launch failed before hand-off 0") as info:
+            launcher.start(launch)
+            run_host_side(flags, [lambda: None] * 2, launcher)
+        assert isinstance(info.value.__cause__, OSError)
+        assert time.monotonic() - start < 5  # not the 30 s timeout
+        assert all(flags.done(i) for i in range(2))
+        # a later launch on the same thread works
+        flags.reset()
+        launcher.start(lambda: fake_gpu(flags, []).join(10))
+        run_host_side(flags, [lambda: None] * 2, launcher)
+    finally:
+        launcher.close()
+
+
+def test_a_launch_must_be_joined_before_the_next():
+    launcher = handoff.Launcher()
+    release = threading.Event()
+    try:
+        launcher.start(lambda: release.wait(10))
+        with pytest.raises(RuntimeError, match="not been joined"):
+            launcher.start(lambda: None)
+        release.set()
+        launcher.join()
+    finally:
+        launcher.close()

@@ -18,11 +18,21 @@ stream capture as graph nodes. The flags are reset by the host before each repla
 finished by then (the decode loop waits for each step's end).
 
 If the host's part raises, every `done` flag is set so the graph can finish, and the error propagates.
+
+The launch is not instant, and not always short: the launch call submits the graph's nodes to a queue of bounded
+size while the GPU already runs the first ones, and the GPU soon stops at a `done` flag. A graph too large for the
+queue then blocks its launch call until the GPU drains it, which it never does if the thread in that call is the
+one that would set the flag: a 96-layer model's step (~3800 nodes) deadlocked that way on an H200 host, while 64
+layers (~2500 nodes) ran (`benchmarks/results/launch_deadlock/`). `Launcher` therefore runs the launch on a
+second thread (the replay releases the GIL) and the calling thread serves the hand-offs meanwhile, whatever the
+graph's size. (For the ~1300 nodes of an 8B step the launch takes 0.4-1.4 ms and the thread changed no step time.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
 import time
 
 import torch
@@ -126,8 +136,11 @@ class HostFlags:
         """All flags to 0, before a replay (the previous one must have finished)."""
         ctypes.memset(self.memory.data_ptr(), 0, self.memory.numel() * 4)
 
-    def wait_ready(self, i: int) -> None:
-        """Spin until the GPU has set `ready[i]` (its q is in the pinned buffers)."""
+    def wait_ready(self, i: int, failed=None) -> None:
+        """Spin until the GPU has set `ready[i]` (its q is in the pinned buffers).
+
+        failed: None, or a callable returning the error of the launch that should set the flag (a `Launcher`'s
+        `failed`), checked while spinning: a launch that failed raises here instead of timing out."""
         index = self._index(0, i)
         view = self._view
         if view[index]:
@@ -137,6 +150,9 @@ class HostFlags:
             for _ in range(1000):
                 if view[index]:
                     return
+            error = failed() if failed is not None else None
+            if error is not None:
+                raise RuntimeError(f"the step's graph launch failed before hand-off {i}") from error
             if time.perf_counter() > deadline:
                 raise TimeoutError(
                     f"the GPU did not hand over hand-off {i}'s query within {self.timeout:.0f} s "
@@ -160,14 +176,90 @@ class HostFlags:
         return bool(self._view[self._index(1, i)])
 
 
-def run_host_side(flags: HostFlags, actions) -> None:
+class Launcher:
+    """A thread that runs one call at a time for its owner (a graph's launch), so the owner can serve the
+    hand-offs that the launched work reaches while the launch is still submitting the rest.
+
+    `start(call)` returns once the thread has begun `call`; `join()` waits for it to return and raises its error.
+    `close()` ends the thread (it is a daemon: an interpreter exit does not wait for it).
+    """
+
+    def __init__(self, name: str = "tandem-launch") -> None:
+        self._go = threading.Event()
+        self._started = threading.Event()
+        self._finished = threading.Event()
+        self._finished.set()
+        self._call = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def start(self, call) -> None:
+        if self._closed:
+            raise RuntimeError("the launcher is closed")
+        if not self._finished.is_set():
+            raise RuntimeError("the previous launch has not been joined")
+        self._error = None
+        self._call = call
+        self._finished.clear()
+        self._started.clear()
+        self._go.set()
+        self._started.wait()
+
+    def failed(self) -> BaseException | None:
+        """The running or last call's error, once it has raised; None before that."""
+        return self._error
+
+    def join(self) -> None:
+        self._finished.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._finished.wait()
+        self._closed = True
+        self._call = None
+        self._go.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            call, self._call = self._call, None
+            if call is None:
+                return
+            self._started.set()
+            try:
+                call()
+            except BaseException as error:  # handed to the owner's join()
+                self._error = error
+            finally:
+                self._finished.set()
+
+
+def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None) -> None:
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
-    On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised."""
+    On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
+
+    launcher: the `Launcher` that is launching the graph, or None (launched before this call). It is joined
+    before this returns, and a launch that fails ends the wait for the next query with its error."""
+    failed = launcher.failed if launcher is not None else None
     try:
         for i, action in enumerate(actions):
-            flags.wait_ready(i)
+            flags.wait_ready(i, failed)
             action()
             flags.set_done(i)
     except BaseException:
         flags.set_all_done()
+        if launcher is not None:
+            # the launch's own error is the cause of the one raised here, or secondary to it
+            with contextlib.suppress(BaseException):
+                launcher.join()
         raise
+    if launcher is not None:
+        launcher.join()

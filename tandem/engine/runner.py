@@ -10,8 +10,8 @@ model's own forward (transformers code, with Tandem's registered attention) is r
 the GPU twice per layer (take q, give back the CPU part's out / LSE), in one of two ways (`handoff`):
 
 - "memops": the step is one graph; the hand-offs are flags in pinned memory that the graph writes and waits
-  on (CUDA stream memory operations, `handoff.py`). The host launches once and then, per layer, spins on the
-  flag, runs the CPU part and sets the answer flag; the GPU never waits for a launch.
+  on (CUDA stream memory operations, `handoff.py`). A second thread launches it, while the calling thread
+  spins on each layer's flag, runs the CPU part and sets the answer flag; the GPU never waits for a launch.
 - "launches": the recording is cut at each layer's CPU part into two graphs per layer; a replay launches
   them in order and, between them, records q's copy event and runs the CPU part (2 launches per layer).
 
@@ -36,6 +36,11 @@ from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 
 HANDOFFS = ("auto", "memops", "launches")
+# "memops" launches the step's graph from a second thread (`handoff.Launcher`) so that hand-offs are served while
+# the launch call is still submitting: a large graph's launch blocks until the GPU has drained part of it, and the
+# GPU waits for the hand-offs (from the calling thread, 96 layers deadlocked). False: launch from the calling thread
+# first (only for small graphs; kept for A/B timing)
+LAUNCH_THREAD = True
 
 
 class DecodeStep:
@@ -48,6 +53,7 @@ class DecodeStep:
     capturing:  True while `capture` records a step; the layers then mark their hand-offs (`q_ready`,
                 `host_work`)
     flags:      the hand-off flags (`handoff="memops"`), or None: the recording is cut at each CPU part
+    launcher:   with flags, the thread that launches the graph (`LAUNCH_THREAD`), or None; `close()` ends it
     segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
                 one graph, and `actions` holds the CPU parts in hand-off order
     """
@@ -55,6 +61,7 @@ class DecodeStep:
     def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
         self.device = device
         self.flags = flags
+        self.launcher = handoff_module.Launcher() if flags is not None and LAUNCH_THREAD else None
         self.actions: list = []
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
@@ -148,13 +155,23 @@ class DecodeStep:
     def replay(self) -> None:
         if self.flags is not None:
             self.flags.reset()
-            self.segments[0][0].replay()
-            handoff_module.run_host_side(self.flags, self.actions)
+            graph = self.segments[0][0]
+            if self.launcher is None:
+                graph.replay()
+            else:
+                stream = torch.cuda.current_stream(self.device)
+                self.launcher.start(lambda: _replay_on(graph, stream))
+            handoff_module.run_host_side(self.flags, self.actions, self.launcher)
             return
         for graph, after in self.segments:
             graph.replay()
             if after is not None:
                 after()
+
+    def close(self) -> None:
+        """End the launcher thread, if any."""
+        if self.launcher is not None:
+            self.launcher.close()
 
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -165,6 +182,12 @@ class DecodeStep:
         self._graph.capture_end()
         self.segments.append((self._graph, after))
         self._graph = None
+
+
+def _replay_on(graph, stream) -> None:
+    """Replay `graph` on `stream` (from a thread whose current stream would be the default one)."""
+    with torch.cuda.stream(stream):
+        graph.replay()
 
 
 class TandemRunner:
@@ -349,6 +372,7 @@ class TandemRunner:
                 self.host_seconds.append(step.host_seconds)
                 yield history[:, t]
         finally:
+            step.close()
             self.cache.decode_step = None
             self.next_position = self._positions[:, 0].clone()
 
