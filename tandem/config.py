@@ -12,6 +12,11 @@ POLICIES = ("full", "streaming", "hgca", "quest")
 # 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); benchmarks/results/bench_8b_h100_memops,
 # profile_8b_h200/7_*. (With two graphs per layer 0.5-0.7 had been fastest: bench_8b_h200_gpu_share.)
 DEFAULT_GPU_SHARE = 0.4
+# quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
+# batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
+# (474 against 355 tokens/s), 64K within noise (13.24-13.95 against 13.26-13.30); GPU memory +2.6 GB at 1 x 128K,
+# +10.7 GB at 16 x 32K (benchmarks/results/recall_cache/fused_plan_h200).
+DEFAULT_GPU_CACHE = 4.0
 
 
 def default_cpu_threads() -> int:
@@ -66,6 +71,14 @@ class TandemConfig:
             (Fluxion's CPU+GPU split), in [0, 1]; 0 = the CPU reads everything. None (default): DEFAULT_GPU_SHARE
             for `quest` with the hot tier on a CUDA device, else 0. The best value depends on the host's memory
             and PCIe bandwidths: `tandem bench --set quest.gpu_share=0,0.3,0.5` measures it.
+        gpu_cache: for `quest` with a device share, a cache on the compute device of recently selected host blocks
+            (PNM-KV's steady blocks), sized as a multiple of the step's budget: `ceil(gpu_cache * k)` blocks per KV
+            head for `k` selected ones (at least `k` plus the device share). A selected block found there is
+            attended from device memory; the device's share of the others is copied in as it is read, replacing
+            blocks not selected lately (a clock); the CPU attends the rest. The selection and the result are
+            those of `quest` without it; only where each block is read from changes. None (default):
+            DEFAULT_GPU_CACHE with a device share on CUDA, else 0 (off). It costs `gpu_cache * budget` of the
+            host tier's bytes in device memory.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
@@ -90,6 +103,7 @@ class TandemConfig:
     prefill_chunk: int = 2048
     cpu_threads: int | None = None
     gpu_share: float | None = None
+    gpu_cache: float | None = None
     device: str = "auto"
     huge_pages: bool = True
 
@@ -122,6 +136,15 @@ class TandemConfig:
                 self.gpu_share,
                 "0 unless policy='quest' (the split needs block ids ranked on the device)",
             )
+        if self.gpu_cache is not None:
+            allowed = "None or a multiple of the budget in [0, 64] (0 = off)"
+            self._check_float("gpu_cache", 0.0, 64.0, allowed, low_open=False)
+        if self.gpu_cache and (self.policy != "quest" or self.gpu_share == 0):
+            _fail(
+                "gpu_cache",
+                self.gpu_cache,
+                "0 unless policy='quest' with a device share (gpu_share None or > 0): the cache is filled by it",
+            )
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -150,6 +173,13 @@ class TandemConfig:
         if self.gpu_share is not None:
             return self.gpu_share
         return DEFAULT_GPU_SHARE if self.policy == "quest" and device_type == "cuda" else 0.0
+
+    def gpu_cache_on(self, device_type: str) -> float:
+        """The recall cache's size in effect with the hot tier on a device of this type: resolves the None default
+        (on with a device share on CUDA)."""
+        if self.gpu_cache is not None:
+            return self.gpu_cache
+        return DEFAULT_GPU_CACHE if device_type == "cuda" and self.gpu_share_on(device_type) > 0 else 0.0
 
     def window_for_prompt(self, prompt_tokens: int) -> int:
         """Window size in tokens once the first prompt's length is known."""

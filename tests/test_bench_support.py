@@ -266,7 +266,9 @@ def test_report_files(tmp_path):
     quest_8 = next(line for line in md.splitlines() if line.startswith("| tandem-quest | 8 |"))
     assert quest_8.rstrip(" |").endswith("OOM | 0.05x")  # vs dynamic: OOM; vs offloaded: 100 / 2000
     quest_1 = next(line for line in md.splitlines() if line.startswith("| tandem-quest | 1 | 32K"))
-    assert "| 0.50x | 0.12x |" in quest_1 and "| 20.0 | 16.0 | 800.0 |  | 5.0% | 10.00 | 2.00x |" in quest_1
+    assert (
+        "| 0.50x | 0.12x |" in quest_1 and "| 20.0 | 16.0 | 800.0 |  |  | 5.0% | 10.00 | 2.00x |" in quest_1
+    )
     table = report.format_table(result["rows"])
     assert len(table.splitlines()) == len(result["rows"]) + 2
     try:

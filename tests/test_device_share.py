@@ -66,6 +66,9 @@ def test_device_and_cpu_shares_split_the_selection(share):
 
 
 def _config(**extra):
+    # the device share alone: the recall cache on top of it (on by default on CUDA) has its own tests
+    # (test_recall_cache.py)
+    extra.setdefault("gpu_cache", 0)
     return TandemConfig(policy="quest", sink_tokens=4, window_tokens=12, block_size=4, **extra)
 
 

@@ -46,6 +46,7 @@ class DecodeBuffers:
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
+        self.recall_planned = False  # this step's from_device is a recall plan's CPU list (attention.decode)
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
 
@@ -119,11 +120,12 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
     ranked = layer.policy.device_select(layer, q3)
-    bufs.stage(ranked, q.is_cuda)
+    plan = _recall_plan(layer, bufs, ranked, step)
+    bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
     if not q.is_cuda:
         bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
         _cpu_part(layer, bufs, scale, pool, step)
     elif step is not None and step.capturing:
         # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
@@ -131,7 +133,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         bufs.q_host.copy_(q3, non_blocking=True)
         step.q_ready(bufs.q_copied.record)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
         # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
         step.host_work(partial(_cpu_part, layer, bufs, scale, pool, step, step.flags is None))
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
@@ -141,7 +143,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         bufs.q_copied.record()
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
         _cpu_part(layer, bufs, scale, pool, step)
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
@@ -149,7 +151,27 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     return out[:, :, None]
 
 
-def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, step) -> None:
+def _share_width(layer, ranked) -> int:
+    """Width of the device share's slice of the ranked ids: ceil(gpu_share * k_max), fixed for a graph."""
+    if ranked is None or layer.gpu_share == 0:
+        return 0
+    return min(ranked.shape[-1], math.ceil(layer.gpu_share * ranked.shape[-1]))
+
+
+def _recall_plan(layer, bufs: DecodeBuffers, ranked, step):
+    """With a recall cache (`gpu_cache`), split this step's selection between the cache, the device's reads
+    from host memory (`gpu_share` of the blocks not cached) and the CPU (`tandem.cache.recall`); None without
+    one."""
+    width = _share_width(layer, ranked)
+    recall = layer.recall_cache(ranked, width) if width else None
+    bufs.recall_planned = recall is not None
+    if recall is None:
+        return None
+    k = layer.policy.step_blocks(layer, ranked.device)
+    return recall.plan(ranked, k, layer.gpu_share)
+
+
+def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, step, plan=None) -> None:
     """The device's share of the host tier: attend the first `policy.device_share(layer)` selected blocks of each
     KV head on q's device, reading K/V from pinned host memory in place, and merge them into (out, lse).
 
@@ -158,26 +180,34 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, s
     The slice read has the fixed width ceil(gpu_share * k_max) (a captured graph keeps its shapes); how many
     of it count this step is a device tensor: `step.device_blocks`, set by `DecodeStep.prepare`, or
     `bufs.share_count`, set here when decoding eagerly. The CPU part skips the same ranks.
+    With a recall `plan` (`_recall_plan`) the device's blocks are the plan's instead: the share of the blocks not
+    in the recall cache is first copied into it, then attended with the cache's hits, from device memory.
     """
-    share = layer.gpu_share
-    if ranked is None or share == 0:
-        return
-    width = min(ranked.shape[-1], math.ceil(share * ranked.shape[-1]))
+    width = _share_width(layer, ranked)
     if width == 0:
         return
     host = layer.host
-    if step is None:
-        count = bufs.share_count.fill_(layer.policy.device_share(layer))
-        if q.is_cuda and host.last_event is not None:
-            # rows evicted this step are still being copied into host memory on the side stream
-            torch.cuda.current_stream(q.device).wait_event(host.last_event)
+    if step is None and q.is_cuda and host.last_event is not None:
+        # rows evicted this step are still being copied into host memory on the side stream (with a step,
+        # DecodeStep.prepare made the stream wait for them)
+        torch.cuda.current_stream(q.device).wait_event(host.last_event)
+    if plan is not None:
+        recall = layer.recall
+        recall.fill(host, plan)
+        keys, values, valid = recall.store()
+        o_dev, lse_dev = ops.host_block_attention(
+            q, keys, values, plan.gpu_ids, recall.gpu_lengths, host.block_size, valid, scale
+        )
     else:
-        count = step.device_blocks  # DecodeStep.prepare made the stream wait for this step's evictions
-    ids = ranked[..., :width]
-    lengths = torch.minimum((ids < ranked_limit(host)).sum(dim=-1), count)
-    o_dev, lse_dev = ops.host_block_attention(
-        q, host.keys, host.values, ids, lengths, host.block_size, host.valid, scale
-    )
+        if step is None:
+            count = bufs.share_count.fill_(layer.policy.device_share(layer))
+        else:
+            count = step.device_blocks  # set by DecodeStep.prepare
+        ids = ranked[..., :width]
+        lengths = torch.minimum((ids < ranked_limit(host)).sum(dim=-1), count)
+        o_dev, lse_dev = ops.host_block_attention(
+            q, host.keys, host.values, ids, lengths, host.block_size, host.valid, scale
+        )
     ops.merge_lse_(out, lse, o_dev, lse_dev)
 
 
@@ -211,7 +241,8 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         host.wait()
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
-    skip = layer.policy.device_share(layer) if ranked is not None else 0  # ranks device_part attended
+    # ranks device_part attended; with a recall plan the CPU's list holds only its own blocks
+    skip = layer.policy.device_share(layer) if ranked is not None and not bufs.recall_planned else 0
     ranks = layer.policy.ranked_range(layer, ranked, skip) if ranked is not None else None
     call = bufs.ranked_call(layer, scale) if ranks is not None else None
     if call is not None:

@@ -213,6 +213,7 @@ def empty_row(system: str, batch: int, context: int, steps: int, warmup: int) ->
         "host_kv_bytes": None,
         "cpu_bytes_per_step": None,
         "pcie_bytes_per_step": None,
+        "cache_bytes_per_step": None,
         "attended_fraction": None,
         "bound_ms": None,
         "tpot_over_bound": None,

@@ -4,7 +4,7 @@
 "rows": [row, ...]} plus optional "settings" (dict) and "command" (str). A row (see
 `tandem.bench.baselines.empty_row`) holds at least system, batch, context, status ("ok" / "oom" / "error"),
 tpot_median_ms, tpot_p90_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
-cpu_bytes_per_step, pcie_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound. Rows that did not run stay in every output.
+cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound. Rows that did not run stay in every output.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ BASELINES = (("hf-dynamic", "vs dynamic"), ("hf-offloaded", "vs offloaded"))
 STATUS_TEXT = {"oom": "OOM", "error": "error"}
 HEADER = (
     "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | tokens/s | GPU peak GB | host KV GB "
-    "| CPU MB/step | PCIe MB/step | attended | bound ms | TPOT/bound | vs dynamic | vs offloaded |"
+    "| CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | vs dynamic | vs offloaded |"
 )
 
 
@@ -52,7 +52,7 @@ def format_table(rows: list[dict]) -> str:
         ratios = " | ".join(_ratio(r, index, base) for base, _ in BASELINES)
         status = r.get("status", "ok")
         if status != "ok":
-            blanks = " |" * 10
+            blanks = " |" * 11
             lines.append(f"{head} {STATUS_TEXT.get(status, status)} |{blanks} {ratios} |")
             continue
         cells = [
@@ -63,6 +63,7 @@ def format_table(rows: list[dict]) -> str:
             _fmt(r.get("host_kv_bytes"), ".1f", 1e9),
             _fmt(r.get("cpu_bytes_per_step"), ".1f", 1e6),
             _fmt(r.get("pcie_bytes_per_step") or None, ".1f", 1e6),
+            _fmt(r.get("cache_bytes_per_step") or None, ".1f", 1e6),
             _fmt(r.get("attended_fraction"), ".1f", 0.01, "%"),
             _fmt(r.get("bound_ms"), ".2f"),
             _fmt(r.get("tpot_over_bound"), ".2f", 1.0, "x"),
@@ -119,7 +120,7 @@ def markdown(result: dict) -> str:
         "TPOT = time per output token (one decode step of the whole batch); tokens/s = batch / median TPOT. "
         "bound = max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth, host-tier "
         "bytes the GPU read itself per step (PCIe MB, a quest gpu_share) / PCIe bandwidth), all bandwidths "
-        "from this run; TPOT/bound >= 1, nearer 1 is better. vs dynamic / vs offloaded = TPOT / "
+        "from this run; GPU-cache MB = host-tier blocks attended from quest's recall cache in GPU memory (gpu_cache); TPOT/bound >= 1, nearer 1 is better. vs dynamic / vs offloaded = TPOT / "
         "the HF baseline's TPOT at the same batch and context (below 1 = faster); OOM there = the baseline "
         "did not fit. GB = 1e9 bytes; GPU peak includes the weights.",
         "",

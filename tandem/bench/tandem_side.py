@@ -52,7 +52,9 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
             continue
         host = layer.host
         row_bytes = _row_bytes(layer)
-        total += (layer.rows_attended - layer.rows_attended_device) / layer.decode_steps * row_bytes
+        layer.collect_statistics()
+        cpu_rows = layer.rows_attended - layer.rows_attended_device - layer.rows_attended_cached
+        total += cpu_rows / layer.decode_steps * row_bytes
         if layer.policy.needs_digest and (host.key_min_dev is None or not host.key_min_dev.is_cuda):
             blocks = host.rows // host.block_size
             total += host.batch * layer.num_kv_heads * blocks * row_bytes  # key_min + key_max
@@ -60,9 +62,23 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
 
 
 def device_bytes_per_step(cache: TandemCache) -> float:
-    """Bytes of host-tier K/V rows the GPU read in place over PCIe per decode step (a quest `gpu_share`)."""
+    """Bytes of host-tier K/V rows the GPU read in place over PCIe per decode step (a quest `gpu_share`; with a
+    recall cache, the blocks it copied in)."""
+    for layer in cache.tandem_layers():
+        layer.collect_statistics()
     return sum(
         layer.rows_attended_device / layer.decode_steps * _row_bytes(layer)
+        for layer in cache.tandem_layers()
+        if layer.decode_steps and layer.host is not None
+    )
+
+
+def cache_bytes_per_step(cache: TandemCache) -> float:
+    """Bytes of host-tier K/V rows attended from quest's recall cache in GPU memory per decode step (gpu_cache)."""
+    for layer in cache.tandem_layers():
+        layer.collect_statistics()
+    return sum(
+        layer.rows_attended_cached / layer.decode_steps * _row_bytes(layer)
         for layer in cache.tandem_layers()
         if layer.decode_steps and layer.host is not None
     )
@@ -118,7 +134,7 @@ def run_tandem(
         row["fill_s"] = time.perf_counter() - start
         row["fill"] = fill
         for layer in cache.tandem_layers():  # count decode steps only (the fill attends nothing)
-            layer.rows_attended = layer.rows_available = layer.decode_steps = 0
+            layer.reset_statistics()
         tokens, seconds = runner.decode(first, warmup + steps)
         stats = cache.stats()
         record_times(
@@ -129,6 +145,7 @@ def run_tandem(
             host_kv_bytes=stats["host_bytes"],
             cpu_bytes_per_step=cpu_bytes_per_step(cache),
             pcie_bytes_per_step=device_bytes_per_step(cache),
+            cache_bytes_per_step=cache_bytes_per_step(cache),
             attended_fraction=stats["mean_fraction_attended"],
             graphs=runner.use_graphs,
             handoff=runner.handoff if runner.use_graphs else None,

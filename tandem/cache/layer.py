@@ -9,6 +9,7 @@ import torch
 from ..policies import make_policy
 from .host import HostTier
 from .hot import HotTier
+from .recall import RecallCache
 
 
 class LayerKV:
@@ -39,13 +40,18 @@ class LayerKV:
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
-        self.rows_attended_device = 0  # of rows_attended: read by the compute device (a quest gpu_share)
+        self.rows_attended_device = (
+            0  # of rows_attended: read by the compute device over PCIe (a quest gpu_share)
+        )
+        self.rows_attended_cached = 0  # of rows_attended: attended from the recall cache in device memory
         self.gpu_share = (
             0.0  # the device share in effect (config.gpu_share resolved once the device is known)
         )
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
+        self.recall: RecallCache | None = None  # quest's cache of selected host blocks on the device
+        self.gpu_cache = 0.0  # its size in effect (config.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
 
@@ -67,6 +73,12 @@ class LayerKV:
         ring_blocks = math.ceil(window / cfg.block_size) + 1
         needs_maw = self.policy.needs_maw
         self.gpu_share = cfg.gpu_share_on(keys.device.type)
+        self.gpu_cache = cfg.gpu_cache_on(keys.device.type)
+        if self.gpu_cache and self.gpu_share == 0:
+            raise ValueError(
+                f"TandemConfig.gpu_cache={cfg.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
+                f"on {keys.device.type}: pass gpu_share in (0, 1] (the default on CUDA is > 0), or gpu_cache=0"
+            )
         self.hot = HotTier(
             batch,
             num_kv_heads,
@@ -102,6 +114,35 @@ class LayerKV:
             # one allocation up front: growing a pinned store by copying needs old + new at once
             host_rows = self.capacity_hint - cfg.sink_tokens
             self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size)
+
+    def recall_cache(self, ranked: torch.Tensor, width: int) -> RecallCache | None:
+        """The recall cache for this step's selection `ranked` [B, Hkv, K] and a device share `width` blocks
+        wide, (re)made when either or the host tier's block count changed (never while a graph records: the
+        step is recorded again after the host tier grows); None when `gpu_cache` is off."""
+        if not self.gpu_cache or width == 0 or self.host is None:
+            return None
+        batch, heads, k_max = ranked.shape
+        slots = RecallCache.slots_for(self.gpu_cache, k_max, width)
+        num_blocks = self.host.capacity // self.host.block_size
+        shape = (batch, heads, self.head_dim, self.host.dtype, ranked.device)
+        if self.recall is None or not self.recall.matches(*shape, slots, num_blocks, k_max, width):
+            if self.recall is not None:
+                self.collect_statistics()
+            self.recall = RecallCache(*shape, self.host.block_size, slots, num_blocks, k_max, width)
+        return self.recall
+
+    def collect_statistics(self) -> None:
+        """Fold the recall cache's device-side counts into the row counters (one device read)."""
+        if self.recall is not None:
+            cached, recalled = self.recall.take_counts()
+            self.rows_attended += cached + recalled
+            self.rows_attended_cached += cached
+            self.rows_attended_device += recalled
+
+    def reset_statistics(self) -> None:
+        self.collect_statistics()
+        self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
+        self.rows_available = self.decode_steps = 0
 
     # ---- appends -------------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -201,7 +242,9 @@ class LayerKV:
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     def hot_nbytes(self) -> int:
-        return self.hot.nbytes() if self.hot is not None else 0
+        """Bytes of KV on the compute device: the hot tier and the recall cache."""
+        recall = self.recall.nbytes() if self.recall is not None else 0
+        return (self.hot.nbytes() if self.hot is not None else 0) + recall
 
     def host_nbytes(self) -> int:
         return self.host.nbytes() if self.host is not None else 0

@@ -99,6 +99,8 @@ class AttentionProbe:
     def begin_step(self) -> None:
         self._step = {}
         kvs = self.cache.tandem_layers()
+        for kv in kvs:
+            kv.collect_statistics()
         self._rows = (sum(kv.rows_attended for kv in kvs), sum(kv.rows_available for kv in kvs))
 
     def end_step(self) -> None:
@@ -110,6 +112,8 @@ class AttentionProbe:
                 f"probe saw {len(self._step)} of {len(kvs)} layers: is the model using the probe?"
             )
         self.errors.append(torch.stack([self._step[i] for i in range(len(kvs))]))
+        for kv in kvs:
+            kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs) - self._rows[0]
         available = sum(kv.rows_available for kv in kvs) - self._rows[1]
         if available:

@@ -14,5 +14,6 @@ SETTABLE = (
     "span",
     "observation_tokens",
     "gpu_share",
+    "gpu_cache",
     "huge_pages",
 )

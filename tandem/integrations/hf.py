@@ -163,6 +163,8 @@ class TandemCache(Cache):
     def stats(self) -> dict:
         """Sizes of both tiers and how much of the host tier decode attended."""
         kvs = self.tandem_layers()
+        for kv in kvs:
+            kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs)
         available = sum(kv.rows_available for kv in kvs)
         return {

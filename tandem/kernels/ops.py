@@ -306,6 +306,31 @@ def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, v
     return reference.host_block_attention(q, keys, values, block_ids, lengths, block_size, valid, scale)
 
 
+def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -> None:
+    """One step's plan for quest's recall cache (`tandem.cache.recall`), in place: Triton's `gpu.recall_plan` on
+    CUDA (one program per request and KV head, no host reads), `reference.recall_plan` (loops) otherwise."""
+    if _triton_on(ids.device):
+        from . import gpu
+
+        return gpu.recall_plan(ids, k, share, state, out, block_size)
+    return reference.recall_plan(ids, k, share, state, out, block_size)
+
+
+def recall_blocks(src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size,
+                  slots):  # fmt: skip
+    """Copy host blocks into a device block cache (`tandem.cache.recall`): Triton's `gpu.recall_blocks` on CUDA
+    (reading pinned host memory in place), `reference.recall_blocks` otherwise."""
+    if _triton_on(keys.device):
+        from . import gpu
+
+        return gpu.recall_blocks(
+            src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
+        )
+    return reference.recall_blocks(
+        src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
+    )
+
+
 def block_scores_matmul(q, key_min, key_max, block_valid):
     """Quest bounds of one decode query per request on the digests' device: q [B, Hq, D], key_min / key_max
     [B, Hkv, nblk, D] finite, block_valid [B, nblk] bool -> [B, Hkv, nblk] float32. See

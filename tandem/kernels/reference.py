@@ -283,18 +283,142 @@ def host_block_attention(
     """Attention of one query per request over selected blocks of a host KV store.
 
     q: [B, Hq, D]; keys / values: [B, Hkv, T, D]; block_ids: [B, Hkv, S] int (padded past `lengths`);
-    lengths: [B, Hkv] int; valid: [B, T] bool. Row r of block b is b * block_size + r; rows >= T (the tail of a
-    last partial block) are ignored. Returns out [B, Hq, D] float32, lse [B, Hq] float32.
+    lengths: [B, Hkv] int; valid: [B, T] bool. Row r of block b is b * block_size + r; rows outside [0, T) (the
+    tail of a last partial block, blocks past the store) are ignored. Returns out [B, Hq, D] float32, lse [B, Hq]
+    float32.
     """
-    pad = (-keys.shape[2]) % block_size
-    if pad:  # complete the last block with rows that are never attended
-        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
-        values = torch.nn.functional.pad(values, (0, 0, 0, pad))
-        valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    blocks = -(-keys.shape[2] // block_size)
+    # complete the last block, and add one block, with rows that are never attended; ids outside the store
+    # point at that block
+    pad = blocks * block_size + block_size - keys.shape[2]
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+    values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+    valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    block_ids = block_ids.long()
+    block_ids = torch.where((block_ids >= 0) & (block_ids < blocks), block_ids, blocks)
     out, lse = sparse_attention_lse(
-        q[:, :, None], keys, values, block_ids.long(), lengths.long(), scale, valid, block_size
+        q[:, :, None], keys, values, block_ids, lengths.long(), scale, valid, block_size
     )
     return out[:, :, 0], lse[:, :, 0]
+
+
+def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -> None:
+    """One decode step's plan for quest's recall cache (`tandem.cache.recall`), in place, per (request, KV head):
+
+    1. hits: selected blocks (the first `k` entries of `ids` [B, Hkv, K], ids in [0, limit)) that have a slot are
+       attended there (`gpu` entries [0, K): `h * S + slot`, else `dead` = Hkv * S) and marked used this step
+       (`last` = step, `ref` = 1);
+    2. misses, in `ids` order: the first count = min(W, floor(misses * share + 0.5)) go to `src` (copied in by
+       the device), the others to `cpu` (at their positions; `limit` elsewhere);
+    3. victims: a clock hand walks the slots from `hand`, taking (into `dst`, marked used) slots not used this
+       step whose `ref` is 0 and clearing the `ref` of the unused slots it passes, until `count` are taken;
+    4. each taken slot drops its old block and takes its `src` block (`ref` = 1); `gpu` entries [K, K + W) are
+       the taken slots (`dead` past `count`); `counts` = count; `step` += 1; `counters` += (hits, count) rows.
+
+    state: block_slot [B, Hkv, NB] (NB - 1 >= limit), slot_block / last [B, Hkv, S] int64, ref [B, Hkv, S] int8,
+    hand / step [B, Hkv] int64, counters [2] int64, limit (int). out: cpu [B, Hkv, K], src / dst [B, Hkv, W],
+    counts [B, Hkv], gpu [B, Hkv, K + W], all int64. `gpu.recall_plan_kernel` runs the same steps.
+    """
+    k = int(k)
+    batch, heads, width_k = ids.shape
+    width = out["src"].shape[-1]
+    limit = state["limit"]
+    slot_block, block_slot = state["slot_block"], state["block_slot"]
+    last, ref, hand, steps = state["last"], state["ref"], state["hand"], state["step"]
+    slots = slot_block.shape[-1]
+    dead = heads * slots
+    total_hits = total_count = 0
+    for b in range(batch):
+        for h in range(heads):
+            step = int(steps[b, h])
+            gpu = [dead] * (width_k + width)
+            cpu = [limit] * width_k
+            misses = []
+            hits = 0
+            for e in range(width_k):
+                block = int(ids[b, h, e])
+                if e >= k or not 0 <= block < limit:
+                    continue
+                slot = int(block_slot[b, h, block])
+                if slot >= 0:
+                    hits += 1
+                    last[b, h, slot] = step
+                    ref[b, h, slot] = 1
+                    gpu[e] = h * slots + slot
+                else:
+                    misses.append((e, block))
+            count = min(width, math.floor(len(misses) * share + 0.5))
+            src = [block for _, block in misses[:count]]
+            for e, block in misses[count:]:
+                cpu[e] = block
+            dst = []
+            position = int(hand[b, h])
+            while len(dst) < count:
+                if int(last[b, h, position]) != step:
+                    if int(ref[b, h, position]) == 0:
+                        dst.append(position)
+                        last[b, h, position] = step
+                    else:
+                        ref[b, h, position] = 0
+                position = (position + 1) % slots
+            hand[b, h] = position
+            for j, (slot, block) in enumerate(zip(dst, src, strict=True)):
+                old = int(slot_block[b, h, slot])
+                if old >= 0:
+                    block_slot[b, h, old] = -1
+                block_slot[b, h, block] = slot
+                slot_block[b, h, slot] = block
+                ref[b, h, slot] = 1
+                gpu[width_k + j] = h * slots + slot
+            out["gpu"][b, h] = torch.tensor(gpu)
+            out["cpu"][b, h] = torch.tensor(cpu)
+            out["src"][b, h, :count] = torch.tensor(src, dtype=torch.long)
+            out["dst"][b, h, :count] = torch.tensor(dst, dtype=torch.long)
+            out["counts"][b, h] = count
+            steps[b, h] = step + 1
+            total_hits += hits
+            total_count += count
+    state["counters"] += torch.tensor([total_hits, total_count]) * block_size
+
+
+def recall_blocks(
+    src_keys: torch.Tensor,
+    src_values: torch.Tensor,
+    src_valid: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    counts: torch.Tensor,
+    block_size: int,
+    slots: int,
+) -> None:
+    """Copy host blocks into the slots of a block cache, in place.
+
+    src_keys / src_values: [B, Hkv, T, D]; src_valid: [B, T] bool. keys / values: [B, Hkv * slots * block_size, D],
+    slot s of head h at rows [(h * slots + s) * block_size, ... + block_size); valid: [B, Hkv * slots * block_size].
+    src_ids / dst_ids: [B, Hkv, W] int64 host block ids and slots; the first counts[b, h] ([B, Hkv]) entries are
+    copied (the others may name any slot). Rows of a block past T are marked not valid. keys / values / valid
+    contiguous.
+    """
+    batch, num_kv_heads, num_rows, head_dim = src_keys.shape
+    width = src_ids.shape[-1]
+    offsets = torch.arange(block_size, device=src_ids.device)
+    live = torch.arange(width, device=src_ids.device) < counts[..., None]  # [B, Hkv, W]
+    src_rows = src_ids[..., None] * block_size + offsets  # [B, Hkv, W, bs]
+    readable = live[..., None] & (src_rows < num_rows)
+    src_rows = torch.where(readable, src_rows, 0).reshape(batch, num_kv_heads, -1)
+    head_base = torch.arange(num_kv_heads, device=src_ids.device)[None, :, None] * slots
+    dst_rows = ((head_base + dst_ids)[..., None] * block_size + offsets).reshape(batch, -1)  # [B, Hkv*W*bs]
+    put = live[..., None].expand(-1, -1, -1, block_size).reshape(batch, -1)
+    # only live entries are written (entries past counts may repeat a slot): rows of the [B * rows] flattening
+    flat = (torch.arange(batch, device=src_ids.device)[:, None] * keys.shape[1] + dst_rows)[put]
+    for src, dst in ((src_keys, keys), (src_values, values)):
+        rows = src.gather(2, src_rows[..., None].expand(-1, -1, -1, head_dim)).reshape(batch, -1, head_dim)
+        dst.view(-1, head_dim).index_copy_(0, flat, rows[put].to(dst.dtype))
+    ok = src_valid.gather(1, src_rows.reshape(batch, -1)) & readable.reshape(batch, -1)
+    valid.view(-1).index_copy_(0, flat, ok[put])
 
 
 def block_scores_matmul(

@@ -44,11 +44,11 @@ class QuestPolicy(Policy):
         num_blocks = scores.shape[-1]
         k_max = min(num_blocks, math.ceil(self.config.budget * num_blocks))
         if ops.top_blocks_available(scores):
-            return ops.top_blocks(scores, self._step_blocks(layer, scores.device), k_max)
+            return ops.top_blocks(scores, self.step_blocks(layer, scores.device), k_max)
         best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
         return ids.masked_fill(best == float("-inf"), num_blocks)  # invalid picks: an id past every block
 
-    def _step_blocks(self, layer, device) -> torch.Tensor:
+    def step_blocks(self, layer, device) -> torch.Tensor:
         """[1] int64 on `device`: blocks_this_step, refreshed here unless a graph is being recorded (the
         engine's `DecodeStep.prepare` refreshes it through `prepare_step` before every step)."""
         if self._k is None or self._k.device != device:

@@ -13,6 +13,8 @@ from .attention import (
     interpreted,
     merge_lse_,
     prefill_attention,
+    recall_blocks,
+    recall_plan,
     top_blocks,
     triton_available,
 )
@@ -24,6 +26,8 @@ __all__ = [
     "interpreted",
     "merge_lse_",
     "prefill_attention",
+    "recall_blocks",
+    "recall_plan",
     "top_blocks",
     "triton_available",
 ]

@@ -1,0 +1,144 @@
+"""Quest's recall cache: recently selected host blocks kept on the compute device (PNM-KV's steady blocks).
+
+Consecutive decode steps select mostly the same blocks. On the default model (8K tokens of prose, quest 5%), 70%
+of a step's blocks were also selected the step before, and a cache 4x the budget fed as below held 80% of a
+step's blocks (`benchmarks/selection_overlap.py`). Each step, the selected blocks found in the cache are attended
+from device memory; of the others the device takes its share (`gpu_share`), copying them from pinned host memory
+into slots a clock hand frees, and the CPU attends the rest. The selection is quest's own, so the result is the
+same as without the cache; only where each block is read from changes.
+
+All state lives on the compute device and the plan is one kernel launch per layer (`ops.recall_plan`; no host
+reads, fixed buffers), so a decode step that uses the cache is recorded in its CUDA graph; on CPU tensors the
+reference's loops run the same algorithm (tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import ops
+
+
+@dataclass
+class RecallPlan:
+    """Where one step's selected blocks are attended.
+
+    cpu_ids:   [B, Hkv, K] the CPU's blocks (selected, not cached, not recalled); other entries an invalid
+               pick (`limit`), which the CPU part drops
+    src, dst:  [B, Hkv, W] host blocks the device reads and copies in this step, and the cache slots they go to
+    counts:    [B, Hkv] how many entries of src / dst are live
+    gpu_ids:   [B, Hkv, K + W] cache blocks the device attends (hits, then this step's recalls), as ids of the
+               flat store (`RecallCache.store`); dead entries point past it
+    """
+
+    cpu_ids: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    counts: torch.Tensor
+    gpu_ids: torch.Tensor
+
+
+class RecallCache:
+    """One layer's cache of host blocks on the compute device, and the bookkeeping that keeps it in step with
+    quest's selection (`ops.recall_plan`: one Triton program per request and KV head on CUDA).
+
+    keys, values: [B, Hkv * S * bs, D]  slot s of KV head h holds rows [(h * S + s) * bs, (h * S + s + 1) * bs):
+                                        flat over the heads, so that one [B, rows] mask marks padding rows of
+                                        every head (`store` views it as [B, Hkv, rows, D] with head stride 0)
+    valid:        [B, Hkv * S * bs] bool
+    state:        block_slot [B, Hkv, nblk + 1] (slot of each host block, -1 if none), slot_block [B, Hkv, S]
+                  (block in each slot, -1 while empty), last [B, Hkv, S] (step of the last hit or fill), ref
+                  [B, Hkv, S] int8 and hand [B, Hkv] (a clock: a slot is replaced once the hand has passed it
+                  with no hit since), step [B, Hkv], counters [2] (rows of hits, rows copied in, summed until
+                  `take_counts`)
+    A step's plan is written into fixed buffers (`RecallPlan`'s tensors), so a recorded graph replays it.
+    """
+
+    def __init__(
+        self, batch, num_kv_heads, head_dim, dtype, device, block_size, slots, num_blocks, k_max, width
+    ):
+        self.batch, self.num_kv_heads, self.block_size = batch, num_kv_heads, block_size
+        self.slots, self.num_blocks, self.k_max, self.width = slots, num_blocks, k_max, width
+        rows = num_kv_heads * slots * block_size
+        self.keys = torch.zeros(batch, rows, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(batch, rows, dtype=torch.bool, device=device)
+        index = {"dtype": torch.long, "device": device}
+        grid = (batch, num_kv_heads)
+        self.state = {
+            "block_slot": torch.full((*grid, num_blocks + 1), -1, **index),
+            "slot_block": torch.full((*grid, slots), -1, **index),
+            "last": torch.full((*grid, slots), -1, **index),
+            "ref": torch.zeros((*grid, slots), dtype=torch.int8, device=device),
+            "hand": torch.zeros(grid, **index),
+            "step": torch.zeros(grid, **index),
+            "counters": torch.zeros(2, **index),
+            "limit": num_blocks,
+        }
+        self.out = {
+            "cpu": torch.zeros((*grid, k_max), **index),
+            "src": torch.zeros((*grid, width), **index),
+            "dst": torch.zeros((*grid, width), **index),
+            "counts": torch.zeros(grid, **index),
+            "gpu": torch.zeros((*grid, k_max + width), **index),
+        }
+        self.gpu_lengths = torch.full(grid, k_max + width, **index)
+
+    @staticmethod
+    def slots_for(gpu_cache: float, k_max: int, width: int) -> int:
+        """Slots per KV head: `gpu_cache` times the budget, and at least room for a whole step's blocks plus
+        the ones copied in (so a step's copies never displace its own hits)."""
+        return max(math.ceil(gpu_cache * k_max), k_max + width)
+
+    def matches(self, batch, num_kv_heads, head_dim, dtype, device, slots, num_blocks, k_max, width) -> bool:
+        k = self.keys
+        have = (k.shape[0], self.num_kv_heads, k.shape[2], k.dtype, k.device, self.slots, self.num_blocks)
+        want = (batch, num_kv_heads, head_dim, dtype, device, slots, num_blocks)
+        return have == want and (self.k_max, self.width) == (k_max, width)
+
+    def store(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, valid) as `ops.host_block_attention` reads a store: [B, Hkv, Hkv * S * bs, D] with
+        head stride 0 (`plan`'s gpu_ids carry each head's slot offset)."""
+        shape = (self.batch, self.num_kv_heads, *self.keys.shape[1:])
+        return self.keys[:, None].expand(shape), self.values[:, None].expand(shape), self.valid
+
+    def plan(self, ids: torch.Tensor, k, share: float) -> RecallPlan:
+        """Split this step's selection and update the bookkeeping (the copies are `fill`'s).
+
+        ids: [B, Hkv, k_max] quest's device_select result; its first `k` entries (a [1] int64 tensor on the
+             device, or an int) are the step's blocks, ids >= `num_blocks` invalid picks. The device copies in
+             `share` of the blocks not cached (rounded, at most `width`); the CPU attends the rest.
+        """
+        if not torch.is_tensor(k):
+            k = torch.tensor([k], dtype=torch.long, device=ids.device)
+        ops.recall_plan(ids.contiguous(), k, share, self.state, self.out, self.block_size)
+        out = self.out
+        return RecallPlan(out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"])
+
+    def fill(self, host, plan: RecallPlan) -> None:
+        """Copy the planned host blocks into their slots (the device reads pinned host memory in place)."""
+        ops.recall_blocks(
+            host.keys, host.values, host.valid, self.keys, self.values, self.valid,
+            plan.src, plan.dst, plan.counts, self.block_size, self.slots,
+        )  # fmt: skip
+
+    def nbytes(self) -> int:
+        tensors = [
+            self.keys,
+            self.values,
+            self.valid,
+            *(t for t in self.state.values() if torch.is_tensor(t)),
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(rows of hits, rows copied in) since the last call (the device attends both from the cache; only the
+        copies crossed PCIe); reads the device once."""
+        counters = self.state["counters"]
+        cached, recalled = counters.tolist()
+        with torch.inference_mode():  # the decode loop may have made the counters inference tensors
+            counters.zero_()
+        return cached, recalled
