@@ -64,24 +64,20 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
 def device_bytes_per_step(cache: TandemCache) -> float:
     """Bytes of host-tier K/V rows the GPU read in place over PCIe per decode step (a quest `gpu_share`; with a
     recall cache, the blocks it copied in)."""
-    for layer in cache.tandem_layers():
-        layer.collect_statistics()
-    return sum(
-        layer.rows_attended_device / layer.decode_steps * _row_bytes(layer)
-        for layer in cache.tandem_layers()
-        if layer.decode_steps and layer.host is not None
-    )
+    return _bytes_per_step(cache, "rows_attended_device")
 
 
 def cache_bytes_per_step(cache: TandemCache) -> float:
     """Bytes of host-tier K/V rows attended from quest's recall cache in GPU memory per decode step (gpu_cache)."""
-    for layer in cache.tandem_layers():
+    return _bytes_per_step(cache, "rows_attended_cached")
+
+
+def _bytes_per_step(cache: TandemCache, counter: str) -> float:
+    """K/V bytes per decode step of one of the layers' row counters, summed over layers."""
+    layers = [layer for layer in cache.tandem_layers() if layer.decode_steps and layer.host is not None]
+    for layer in layers:
         layer.collect_statistics()
-    return sum(
-        layer.rows_attended_cached / layer.decode_steps * _row_bytes(layer)
-        for layer in cache.tandem_layers()
-        if layer.decode_steps and layer.host is not None
-    )
+    return sum(getattr(layer, counter) / layer.decode_steps * _row_bytes(layer) for layer in layers)
 
 
 def _row_bytes(layer) -> int:

@@ -892,6 +892,17 @@ def recall_blocks_kernel(
 
 
 @triton.jit
+def _recall_entries(ids_row, block_row, c0, K, k, limit, BLOCK_K: tl.constexpr):
+    """Entries [c0, c0 + BLOCK_K) of a step's selection: (positions, inside K, block ids, selected, slot or -1)."""
+    e = c0 + tl.arange(0, BLOCK_K)
+    in_k = e < K
+    ids = tl.load(ids_row + e, mask=in_k, other=limit)
+    live = in_k & (e < k) & (ids >= 0) & (ids < limit)
+    slot = tl.load(block_row + ids, mask=live, other=-1)
+    return e, in_k, ids, live, slot
+
+
+@triton.jit
 def recall_plan_kernel(
     ids_ptr,  # [B, Hkv, K] int64: the step's selection (entries >= k or >= limit are not selected)
     k_ptr,  # [1] int64: blocks selected this step
@@ -941,11 +952,7 @@ def recall_plan_kernel(
     n_hit = tl.zeros((), dtype=tl.int64)
     n_miss = tl.zeros((), dtype=tl.int64)
     for c0 in range(0, K, BLOCK_K):
-        e = c0 + tl.arange(0, BLOCK_K)
-        in_k = e < K
-        ids = tl.load(ids_row + e, mask=in_k, other=limit)
-        live = in_k & (e < k) & (ids >= 0) & (ids < limit)
-        slot = tl.load(block_row + ids, mask=live, other=-1)
+        e, in_k, ids, live, slot = _recall_entries(ids_row, block_row, c0, K, k, limit, BLOCK_K)
         hit = live & (slot >= 0)
         tl.store(last_row + slot, tl.zeros_like(slot) + step, mask=hit)
         tl.store(ref_row + slot, tl.full(slot.shape, 1, tl.int8), mask=hit)
@@ -956,11 +963,7 @@ def recall_plan_kernel(
     # 2. misses in selection order: the first `count` are copied in, the rest go to the CPU
     seen = tl.zeros((), dtype=tl.int64)
     for c0 in range(0, K, BLOCK_K):
-        e = c0 + tl.arange(0, BLOCK_K)
-        in_k = e < K
-        ids = tl.load(ids_row + e, mask=in_k, other=limit)
-        live = in_k & (e < k) & (ids >= 0) & (ids < limit)
-        slot = tl.load(block_row + ids, mask=live, other=-1)
+        e, in_k, ids, live, slot = _recall_entries(ids_row, block_row, c0, K, k, limit, BLOCK_K)
         miss = live & (slot < 0)
         rank = seen + tl.cumsum(miss.to(tl.int64), 0) - 1
         recall = miss & (rank < count)
