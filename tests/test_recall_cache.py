@@ -291,3 +291,18 @@ def test_cache_at_full_budget_matches_dynamic_cache(device):
     assert torch.equal(base, ours)
     assert runner.cache.stats()["mean_fraction_attended"] == 1.0
     assert sum(layer.rows_attended_cached for layer in runner.cache.tandem_layers()) > 0
+
+
+def test_a_cache_that_does_not_fit_is_a_clear_memory_error(monkeypatch):
+    """Device memory exhausted while the cache is made: a MemoryError (the CLI prints it) naming gpu_cache."""
+    import tandem.cache.layer as layer_module
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(layer_module, "RecallCache", type("Full", (RecallCache,), {"__init__": full}))
+    model = _tiny()
+    cache = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=2))
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(MemoryError, match=r"gpu_cache=2\.0: quest's recall cache needs .* GiB .*gpu_cache=0"):
+        _hf_greedy(model, ids, torch.ones_like(ids), 4, cache)

@@ -40,9 +40,7 @@ class LayerKV:
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
-        self.rows_attended_device = (
-            0  # of rows_attended: read by the compute device over PCIe (a quest gpu_share)
-        )
+        self.rows_attended_device = 0  # of rows_attended: read by the device over PCIe (quest's gpu_share)
         self.rows_attended_cached = 0  # of rows_attended: attended from the recall cache in device memory
         self.gpu_share = (
             0.0  # the device share in effect (config.gpu_share resolved once the device is known)
@@ -128,7 +126,17 @@ class LayerKV:
         if self.recall is None or not self.recall.matches(*shape, slots, num_blocks, k_max, width):
             if self.recall is not None:
                 self.collect_statistics()
-            self.recall = RecallCache(*shape, self.host.block_size, slots, num_blocks, k_max, width)
+                self.recall = None
+            try:
+                self.recall = RecallCache(*shape, self.host.block_size, slots, num_blocks, k_max, width)
+            except torch.OutOfMemoryError as err:
+                kv_bytes = 2 * batch * heads * slots * self.host.block_size * self.head_dim
+                kv_bytes *= self.host.keys.element_size()
+                raise MemoryError(
+                    f"TandemConfig.gpu_cache={self.gpu_cache}: quest's recall cache needs {kv_bytes / 2**30:.2f} GiB "
+                    f"per layer on {ranked.device}, which is full; pass a smaller gpu_cache, or gpu_cache=0 to "
+                    "turn it off"
+                ) from err
         return self.recall
 
     def collect_statistics(self) -> None:
