@@ -222,11 +222,9 @@ def test_plan_kernel_matches_reference():
         )
         ids = flat.view(batch, heads, width_k)
         share = (0.0, 0.4, 1.0)[step % 3]
-        plans = [
-            reference.recall_plan(ids, k, share, caches[0].state, caches[0].out, bs),
-            gpu.recall_plan(ids.to(device), torch.tensor([k], device=device), share, caches[1].state, caches[1].out, bs),
-        ]  # fmt: skip
-        del plans
+        reference.recall_plan(ids, k, share, caches[0].state, caches[0].out, bs)
+        k_dev = torch.tensor([k], device=device)
+        gpu.recall_plan(ids.to(device), k_dev, share, caches[1].state, caches[1].out, bs)
         for name in ("cpu", "src", "dst", "counts", "gpu"):
             expected, actual = caches[0].out[name], caches[1].out[name].cpu()
             if name in ("src", "dst"):  # entries past counts carry no meaning
@@ -269,9 +267,9 @@ def test_cache_attends_what_quest_attends_without_it(device, gpu_cache):
     plain_rows, cached_rows = rows(plain_runner.cache), rows(cached_runner.cache)
     assert plain_rows[0] == cached_rows[0] and plain_rows[2] == 0
     assert cached_rows[2] > 0 and cached_rows[3] < plain_rows[3]
+    eager_plain = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=0))
     eager = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=gpu_cache))
-    assert torch.equal(_hf_greedy(model, ids, mask, 24, TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=0))),
-                       _hf_greedy(model, ids, mask, 24, eager))  # fmt: skip
+    assert torch.equal(_hf_greedy(model, ids, mask, 24, eager_plain), _hf_greedy(model, ids, mask, 24, eager))
     assert sum(layer.rows_attended_cached for layer in eager.tandem_layers()) == 0  # not collected yet
     eager.stats()
     assert sum(layer.rows_attended_cached for layer in eager.tandem_layers()) > 0

@@ -4,7 +4,8 @@
 "rows": [row, ...]} plus optional "settings" (dict) and "command" (str). A row (see
 `tandem.bench.baselines.empty_row`) holds at least system, batch, context, status ("ok" / "oom" / "error"),
 tpot_median_ms, tpot_p90_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
-cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound. Rows that did not run stay in every output.
+cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound. Rows
+that did not run stay in every output.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def markdown(result: dict) -> str:
         "TPOT = time per output token (one decode step of the whole batch); tokens/s = batch / median TPOT. "
         "bound = max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth, host-tier "
         "bytes the GPU read itself per step (PCIe MB, a quest gpu_share) / PCIe bandwidth), all bandwidths "
-        "from this run; GPU-cache MB = host-tier blocks attended from quest's recall cache in GPU memory (gpu_cache); TPOT/bound >= 1, nearer 1 is better. vs dynamic / vs offloaded = TPOT / "
+        "from this run; GPU-cache MB = host-tier blocks attended from quest's recall cache in GPU memory "
+        "(gpu_cache); TPOT/bound >= 1, nearer 1 is better. vs dynamic / vs offloaded = TPOT / "
         "the HF baseline's TPOT at the same batch and context (below 1 = faster); OOM there = the baseline "
         "did not fit. GB = 1e9 bytes; GPU peak includes the weights.",
         "",
