@@ -36,11 +36,6 @@ from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 
 HANDOFFS = ("auto", "memops", "launches")
-# "memops" launches the step's graph from a second thread (`handoff.Launcher`) so that hand-offs are served while
-# the launch call is still submitting: a large graph's launch blocks until the GPU has drained part of it, and the
-# GPU waits for the hand-offs (from the calling thread, 96 layers deadlocked). False: launch from the calling thread
-# first (only for small graphs; kept for A/B timing)
-LAUNCH_THREAD = True
 
 
 class DecodeStep:
@@ -53,7 +48,10 @@ class DecodeStep:
     capturing:  True while `capture` records a step; the layers then mark their hand-offs (`q_ready`,
                 `host_work`)
     flags:      the hand-off flags (`handoff="memops"`), or None: the recording is cut at each CPU part
-    launcher:   with flags, the thread that launches the graph (`LAUNCH_THREAD`), or None; `close()` ends it
+    launcher:   with flags, the thread that launches the graph (`handoff.Launcher`), or None; `close()` ends it.
+                Hand-offs must be served while the launch call is still submitting: a large graph's launch blocks
+                until the GPU has drained part of it, and the GPU waits for the hand-offs (launched from the
+                calling thread, a 96-layer step deadlocked)
     segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
                 one graph, and `actions` holds the CPU parts in hand-off order
     """
@@ -61,7 +59,7 @@ class DecodeStep:
     def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
         self.device = device
         self.flags = flags
-        self.launcher = handoff_module.Launcher() if flags is not None and LAUNCH_THREAD else None
+        self.launcher = handoff_module.Launcher() if flags is not None else None
         self.actions: list = []
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
@@ -155,12 +153,8 @@ class DecodeStep:
     def replay(self) -> None:
         if self.flags is not None:
             self.flags.reset()
-            graph = self.segments[0][0]
-            if self.launcher is None:
-                graph.replay()
-            else:
-                stream = torch.cuda.current_stream(self.device)
-                self.launcher.start(lambda: _replay_on(graph, stream))
+            graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
+            self.launcher.start(lambda: _replay_on(graph, stream))
             handoff_module.run_host_side(self.flags, self.actions, self.launcher)
             return
         for graph, after in self.segments:
