@@ -77,8 +77,10 @@ class TandemConfig:
             attended from device memory; the device's share of the others is copied in as it is read, replacing
             blocks not selected lately (a clock); the CPU attends the rest. The selection and the result are
             those of `quest` without it; only where each block is read from changes. None (default):
-            DEFAULT_GPU_CACHE with a device share on CUDA, else 0 (off). It costs `gpu_cache * budget` of the
-            host tier's bytes in device memory.
+            DEFAULT_GPU_CACHE with a device share on CUDA, else 0 (off); on CUDA shrunk, with a warning, where the
+            layers' caches together would take more than half the device's free memory (`cache.recall.RecallBudget`).
+            It costs `gpu_cache * budget` of the host tier's bytes in device memory; a size set here is kept, and a
+            `MemoryError` names it if it does not fit.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured

@@ -10,7 +10,7 @@ the engine's CUDA graphs."""
 import pytest
 import torch
 
-from tandem import TandemCache, TandemConfig
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.cache.recall import RecallCache
 from tandem.config import DEFAULT_GPU_CACHE
 from tandem.kernels import gpu, reference
@@ -48,7 +48,7 @@ def test_config_refuses_a_cache_without_quest_or_without_a_device_share():
     cache = TandemCache.for_model(model, _config(gpu_cache=2))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"gpu_cache=2\.0 needs a device share.*gpu_share"):
-        model(ids, past_key_values=cache)
+        model(ids, **generate_cache_kwargs(model, cache))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -304,3 +304,80 @@ def test_a_cache_that_does_not_fit_is_a_clear_memory_error(monkeypatch):
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
     with pytest.raises(MemoryError, match=r"gpu_cache=2\.0: quest's recall cache needs .* GiB .*gpu_cache=0"):
         _hf_greedy(model, ids, torch.ones_like(ids), 4, cache)
+
+
+def test_budget_keeps_the_default_size_where_it_fits_and_shrinks_it_where_not():
+    from tandem.cache import recall
+
+    shape = dict(batch=2, num_kv_heads=4, k_max=10, width=5, block_size=16, head_dim=64, element_size=2)
+    per_slot = 2 * 4 * (2 * 16 * 64 * 2 + 16 + 17)
+    wanted = RecallCache.slots_for(4.0, 10, 5)  # 40 slots
+
+    def factor(free, requested=4.0, **overrides):
+        budget = recall.RecallBudget(num_layers=3)
+        recall_free = recall.free_bytes
+        recall.free_bytes = lambda device: free
+        try:
+            return budget.factor_for(requested, **{**shape, **overrides}, device=torch.device("cpu")), budget
+        finally:
+            recall.free_bytes = recall_free
+
+    roomy = 3 * wanted * per_slot / recall.HEADROOM
+    assert factor(roomy)[0] == 4.0
+    assert factor(None)[0] == 4.0  # free memory unknown: as asked
+    with pytest.warns(
+        UserWarning, match=r"kept 2\.00x the budget \(20 blocks per KV head\) instead of 4\.0x"
+    ):
+        half, budget = factor(roomy / 2)
+    assert half == 2.0
+    # decided once for the shape: a later call (another layer, a larger k_max) gets the same factor
+    assert budget.factor_for(4.0, **{**shape, "k_max": 12}, device=torch.device("cpu")) == 2.0
+    with pytest.warns(UserWarning, match="turned it off"):
+        assert factor(roomy / 10)[0] == 0.0  # 4 slots fit, a step needs 15
+
+
+def test_default_cache_shrinks_to_free_memory_and_still_attends_what_quest_attends(monkeypatch):
+    """The default size (gpu_cache None) where the device has little free memory: a smaller cache, or none, with
+    a warning; the tokens stay those without a cache. (On CPU the default is off, so it is forced on here.)"""
+    from tandem.cache import recall
+    from tandem.config import TandemConfig as Config
+
+    model = _tiny()
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    plain, _ = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 16, chunk_tokens=32)
+    monkeypatch.setattr(Config, "gpu_cache_on", lambda self, device_type: DEFAULT_GPU_CACHE)
+
+    def run(free):
+        monkeypatch.setattr(recall, "free_bytes", lambda device: free)
+        ours, runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 16, chunk_tokens=32)
+        assert torch.equal(plain, ours)
+        layers = runner.cache.tandem_layers()
+        factors = {layer.gpu_cache for layer in layers}
+        assert len(factors) == 1  # every layer the same size
+        return factors.pop(), layers
+
+    with _no_warning():
+        factor, layers = run(1 << 40)
+    assert factor == DEFAULT_GPU_CACHE
+    full = sum(layer.recall.nbytes() for layer in layers)
+    with pytest.warns(UserWarning, match="recall cache"):
+        factor, layers = run(full)  # half of it may be used: about half the size
+    assert 0 < factor < DEFAULT_GPU_CACHE
+    assert sum(layer.recall.nbytes() for layer in layers) <= recall.HEADROOM * full * 1.1
+    with pytest.warns(UserWarning, match="turned it off"):
+        factor, layers = run(1000)
+    assert factor == 0.0 and all(layer.recall is None for layer in layers)
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def check():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+
+    return check()

@@ -9,7 +9,7 @@ import torch
 from ..policies import make_policy
 from .host import HostTier
 from .hot import HotTier
-from .recall import RecallCache
+from .recall import RecallBudget, RecallCache
 
 
 class LayerKV:
@@ -29,6 +29,7 @@ class LayerKV:
         num_kv_heads: int,
         head_dim: int,
         side_streams: dict | None = None,
+        recall_budget: RecallBudget | None = None,
     ) -> None:
         self.config = config
         self.layer_idx = layer_idx
@@ -49,6 +50,7 @@ class LayerKV:
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
         self.recall: RecallCache | None = None  # quest's cache of selected host blocks on the device
+        self.recall_budget = recall_budget  # sizes a default-sized recall cache (shared by a cache's layers)
         self.gpu_cache = 0.0  # its size in effect (config.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
@@ -120,6 +122,14 @@ class LayerKV:
         if not self.gpu_cache or width == 0 or self.host is None:
             return None
         batch, heads, k_max = ranked.shape
+        if self.config.gpu_cache is None and self.recall_budget is not None:
+            element = self.host.keys.element_size()
+            self.gpu_cache = self.recall_budget.factor_for(
+                self.gpu_cache, batch, heads, k_max, width, self.host.block_size, self.head_dim, element,
+                ranked.device,
+            )  # fmt: skip
+            if not self.gpu_cache:
+                return None
         slots = RecallCache.slots_for(self.gpu_cache, k_max, width)
         num_blocks = self.host.capacity // self.host.block_size
         shape = (batch, heads, self.head_dim, self.host.dtype, ranked.device)

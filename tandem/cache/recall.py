@@ -15,6 +15,7 @@ reference's loops run the same algorithm (tests).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +143,67 @@ class RecallCache:
         with torch.inference_mode():  # the decode loop may have made the counters inference tensors
             counters.zero_()
         return cached, recalled
+
+
+HEADROOM = (
+    0.5  # share of the device's free memory that the default-sized caches of all layers may take together
+)
+
+
+class RecallBudget:
+    """The size of the default-sized recall caches (`TandemConfig.gpu_cache` left None) of one `TandemCache`'s
+    layers: `DEFAULT_GPU_CACHE` times the budget where the layers' caches together fit in HEADROOM of the device's
+    free memory, else as many slots as fit (at least a step's blocks plus the device's copies), else none. Decided
+    when the first layer makes its cache (the others have made their hot tiers and digest mirrors by then: the
+    engine's first decode step), and kept for every layer and later remakes of the same batch shape (a cache
+    reset for another batch decides again). A size the user set is taken as given (a `MemoryError` names it if
+    it does not fit)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.factor: float | None = None  # the decided multiple of the budget; 0 = off
+        self._key = None
+
+    def factor_for(
+        self, requested: float, batch, num_kv_heads, k_max, width, block_size, head_dim, element_size, device
+    ) -> float:
+        key = (batch, num_kv_heads, block_size, head_dim, element_size, device)
+        if self.factor is not None and key == self._key:
+            return self.factor
+        self._key = key
+        free = free_bytes(device)
+        per_slot = batch * num_kv_heads * (2 * block_size * head_dim * element_size + block_size + 17)
+        wanted = RecallCache.slots_for(requested, k_max, width)
+        if free is None or self.num_layers * wanted * per_slot <= HEADROOM * free:
+            self.factor = requested
+            return requested
+        fits = int(HEADROOM * free / (self.num_layers * per_slot))
+        self.factor = fits / k_max if fits >= k_max + width else 0.0
+        gib = free / 2**30
+        if self.factor:
+            what = f"kept {self.factor:.2f}x the budget ({fits} blocks per KV head) instead of {requested}x"
+        else:
+            what = "turned it off: not even one step's blocks fit"
+        warnings.warn(
+            f"tandem: quest's recall cache (gpu_cache) {what}, so that {self.num_layers} layers' caches take at most "
+            f"{HEADROOM:.0%} of the {gib:.1f} GiB free on {device}; pass gpu_cache=N to choose its size",
+            stacklevel=2,
+        )
+        return self.factor
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` can use: the driver's free memory plus what torch's caching allocator
+    holds unused (CUDA); the host's available memory (CPU); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="quest with a GPU share: keep recently selected host blocks in GPU memory, this many times the "
         f"budget, and attend them there (same result, fewer host reads; default: {DEFAULT_GPU_CACHE} with CUDA, "
-        "else 0 = off)",
+        "less if all layers' caches would take over half the free GPU memory, else 0 = off)",
     )
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"

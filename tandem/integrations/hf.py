@@ -20,6 +20,7 @@ from ..attention import TaskPool, attend
 from ..attention.decode import decode_layer
 from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
+from ..cache.recall import RecallBudget
 from ..config import TandemConfig
 
 ATTENTION_NAME = "tandem"
@@ -75,8 +76,9 @@ class TandemLayer(CacheLayerMixin):
     def reset(self) -> None:
         kv = self.kv
         self.kv = LayerKV(
-            kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams
-        )
+            kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams,
+            kv.recall_budget,
+        )  # fmt: skip
         self.pending = False
 
     def offload(self) -> None:  # the host tier already is the offload; nothing to move
@@ -125,8 +127,11 @@ class TandemCache(Cache):
         self.config = config
         self.pool = TaskPool(config.cpu_threads)
         streams: dict = {}
+        budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
         layers = [
-            TandemLayer(LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams), self, max_positions)
+            TandemLayer(
+                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget), self, max_positions
+            )
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
