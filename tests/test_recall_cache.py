@@ -336,17 +336,20 @@ def test_budget_keeps_the_default_size_where_it_fits_and_shrinks_it_where_not():
         assert factor(roomy / 10)[0] == 0.0  # 4 slots fit, a step needs 15
 
 
-def test_default_cache_shrinks_to_free_memory_and_still_attends_what_quest_attends(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_cache_shrinks_to_free_memory_and_still_attends_what_quest_attends(monkeypatch, device):
     """The default size (gpu_cache None) where the device has little free memory: a smaller cache, or none, with
-    a warning; the tokens stay those without a cache. (On CPU the default is off, so it is forced on here.)"""
+    a warning; the tokens stay those without a cache (CUDA: through the engine's graphs). On CPU the default is
+    off, so it is forced on here."""
     from tandem.cache import recall
     from tandem.config import TandemConfig as Config
 
-    model = _tiny()
-    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6))
+    model = _tiny(device=device)
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6)).to(device)
     mask = torch.ones_like(ids)
     plain, _ = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 16, chunk_tokens=32)
-    monkeypatch.setattr(Config, "gpu_cache_on", lambda self, device_type: DEFAULT_GPU_CACHE)
+    if device == "cpu":
+        monkeypatch.setattr(Config, "gpu_cache_on", lambda self, device_type: DEFAULT_GPU_CACHE)
 
     def run(free):
         monkeypatch.setattr(recall, "free_bytes", lambda device: free)
