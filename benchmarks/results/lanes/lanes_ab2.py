@@ -1,12 +1,17 @@
 """Interleaved A/B of recall copy programs per SM, on filled caches reused across runners (lanes 1 then 2)."""
-import statistics, sys, torch
+
+import statistics
+import sys
+
+import torch
+
 from tandem import TandemConfig
+from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.engine.runner import lane_sizes
 from tandem.integrations.hf import TandemCache
-from tandem.bench.baselines import release_memory
 from tandem.kernels.gpu import attention
 
 batch, context = int(sys.argv[1]), int(sys.argv[2])
@@ -23,7 +28,8 @@ for lanes in lane_counts:
     for cache, size in zip(caches, sizes):
         for layer in cache.tandem_layers():
             layer.capacity_hint = context + 400
-        fill_tandem_synthetic(cache, model, batch, context, 0, slice(first, first + size)); first += size
+        fill_tandem_synthetic(cache, model, batch, context, 0, slice(first, first + size))
+        first += size
     positions = torch.full((batch,), context)
     results = {s: [] for s in settings}
     for _ in range(rounds):
@@ -36,9 +42,15 @@ for lanes in lane_counts:
             step = statistics.median(seconds[4:]) * 1e3
             host = statistics.median(runner.host_seconds[4:]) * 1e3
             results[per_sm].append(step)
-            print(f"b{batch} {context} lanes {lanes} programs/SM {per_sm}: step {step:.2f} ms, CPU parts {host:.2f} ms", flush=True)
+            print(
+                f"b{batch} {context} lanes {lanes} programs/SM {per_sm}: step {step:.2f} ms, CPU parts {host:.2f} ms",
+                flush=True,
+            )
             runner = None
     for s, v in results.items():
-        print(f"SUMMARY b{batch} lanes {lanes} programs/SM {s}: " + " / ".join(f"{x:.2f}" for x in v), flush=True)
+        print(
+            f"SUMMARY b{batch} lanes {lanes} programs/SM {s}: " + " / ".join(f"{x:.2f}" for x in v),
+            flush=True,
+        )
     caches = cache = None
     release_memory(torch.device("cuda"))

@@ -1,13 +1,19 @@
 """b16 x 32K quest: step time and the host's time in CPU parts, lanes 1 and 2 (separate graphs)."""
-import os, statistics, sys, time, torch
+
+import os
+import statistics
+import sys
+
+import torch
+
 os.environ.setdefault("TANDEM_LANE_GRAPHS", "separate")
 from tandem import TandemConfig
+from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.engine.runner import lane_sizes
 from tandem.integrations.hf import TandemCache
-from tandem.bench.baselines import release_memory
 
 batch, context = int(sys.argv[1]), int(sys.argv[2])
 shares = [float(x) for x in sys.argv[3].split(",")]
@@ -23,11 +29,15 @@ for share in shares:
         for cache, size in zip(caches, sizes):
             for layer in cache.tandem_layers():
                 layer.capacity_hint = context + 20
-            fill_tandem_synthetic(cache, model, batch, context, 0, slice(first, first + size)); first += size
+            fill_tandem_synthetic(cache, model, batch, context, 0, slice(first, first + size))
+            first += size
         runner.set_positions(torch.full((batch,), context))
         tokens, seconds = runner.decode(torch.zeros(batch, dtype=torch.long), 14)
         step = statistics.median(seconds[4:]) * 1e3
         host = statistics.median(runner.host_seconds[4:]) * 1e3
-        print(f"share {share} lanes {lanes}: step {step:.2f} ms, CPU parts {host:.2f} ms ({host/step:.0%} of the step)", flush=True)
+        print(
+            f"share {share} lanes {lanes}: step {step:.2f} ms, CPU parts {host:.2f} ms ({host / step:.0%} of the step)",
+            flush=True,
+        )
         caches = runner = cache = None
         release_memory(torch.device("cuda"))
