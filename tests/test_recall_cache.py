@@ -306,21 +306,17 @@ def test_a_cache_that_does_not_fit_is_a_clear_memory_error(monkeypatch):
         _hf_greedy(model, ids, torch.ones_like(ids), 4, cache)
 
 
-def test_budget_keeps_the_default_size_where_it_fits_and_shrinks_it_where_not():
+def test_budget_keeps_the_default_size_where_it_fits_and_shrinks_it_where_not(monkeypatch):
     from tandem.cache import recall
 
     shape = dict(batch=2, num_kv_heads=4, k_max=10, width=5, block_size=16, head_dim=64, element_size=2)
     per_slot = 2 * 4 * (2 * 16 * 64 * 2 + 16 + 17)
     wanted = RecallCache.slots_for(4.0, 10, 5)  # 40 slots
 
-    def factor(free, requested=4.0, **overrides):
+    def factor(free, requested=4.0):
+        monkeypatch.setattr(recall, "free_bytes", lambda device: free)
         budget = recall.RecallBudget(num_layers=3)
-        recall_free = recall.free_bytes
-        recall.free_bytes = lambda device: free
-        try:
-            return budget.factor_for(requested, **{**shape, **overrides}, device=torch.device("cpu")), budget
-        finally:
-            recall.free_bytes = recall_free
+        return budget.factor_for(requested, **shape, device=torch.device("cpu")), budget
 
     roomy = 3 * wanted * per_slot / recall.HEADROOM
     assert factor(roomy)[0] == 4.0

@@ -145,9 +145,8 @@ class RecallCache:
         return cached, recalled
 
 
-HEADROOM = (
-    0.5  # share of the device's free memory that the default-sized caches of all layers may take together
-)
+# share of the device's free memory that the default-sized caches of all layers may take together
+HEADROOM = 0.5
 
 
 class RecallBudget:
@@ -172,6 +171,8 @@ class RecallBudget:
             return self.factor
         self._key = key
         free = free_bytes(device)
+        # per slot and (request, KV head): its K and V rows, their validity, slot_block + last (int64) and ref
+        # (int8); the per-host-block map (8 bytes a block) is left out: ~1/1000 of the rest at 4x the budget
         per_slot = batch * num_kv_heads * (2 * block_size * head_dim * element_size + block_size + 17)
         wanted = RecallCache.slots_for(requested, k_max, width)
         if free is None or self.num_layers * wanted * per_slot <= HEADROOM * free:
