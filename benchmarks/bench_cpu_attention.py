@@ -224,17 +224,39 @@ def attention_rows(args, threads, probe, flush, gen) -> list[dict]:
                         functools.partial(cpu.sparse_attention_lse, *c, block_size=block, num_threads=threads)
                         for c in calls
                     ]
+                    prepared = prepared_calls(calls, block, threads)
                     baseline = [
                         functools.partial(reference.sparse_attention_lse, *c, block_size=block) for c in calls
                     ]
-                    native_s, bandwidth = probe.around(functools.partial(timed, native, args.reps, flush))
+                    (native_s, prepared_s), bandwidth = probe.around(
+                        lambda native=native, prepared=prepared: (
+                            timed(native, args.reps, flush),
+                            timed(prepared, args.reps, flush),
+                        )
+                    )
                     torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
                     label = (context, batch, budget, selection, row_count, nbytes)
-                    rows.append(row("attention", *label, native_s, torch_s, bandwidth))
+                    rows.append(row("attention", *label, native_s, torch_s, bandwidth, prepared_s))
                     rows[-1]["rotation"] = [len(stores), len(selections)]
                     print_row(rows[-1])
             del stores
     return rows
+
+
+def prepared_calls(calls, block, threads) -> list:
+    """The same calls through `cpu.PreparedAttention`, laid out once as the decode path lays out hgca's: a few us
+    of Python per call instead of the general launcher's checks, copies and allocations (20-50 us on the GPU
+    host), so the row shows the kernel's own speed too."""
+    out = {}
+    prepared = []
+    for q, k, v, idx, lengths, scale in calls:
+        q3 = q[:, :, 0].contiguous()
+        if q3.shape not in out:
+            out[q3.shape] = (torch.empty(q3.shape), torch.empty(q3.shape[:2]))
+        prepared.append(
+            cpu.PreparedAttention(q3, k, v, idx, lengths, scale, *out[q3.shape], None, block, threads)
+        )
+    return prepared
 
 
 def make_digests(batch: int, num_blocks: int, dtype: torch.dtype, huge: bool, gen: torch.Generator):
@@ -279,8 +301,11 @@ def torch_score_topk(q, key_min, key_max, k, factor):
     return reference.topk_blocks(scores, k)
 
 
-def row(kernel, context, batch, budget, selection, units, nbytes, native_s, torch_s, bandwidth) -> dict:
+def row(
+    kernel, context, batch, budget, selection, units, nbytes, native_s, torch_s, bandwidth, prepared_s=None
+):
     gbps = nbytes / native_s / 1e9
+    prepared_gbps = None if prepared_s is None else nbytes / prepared_s / 1e9
     return {
         "kernel": kernel,
         "context": context,
@@ -295,12 +320,15 @@ def row(kernel, context, batch, budget, selection, units, nbytes, native_s, torc
         "pct_read_bw": round(100 * gbps / bandwidth, 1),
         "torch_ms": None if torch_s is None else round(torch_s * 1e3, 3),
         "speedup": None if torch_s is None else round(torch_s / native_s, 1),
+        "prepared_ms": None if prepared_s is None else round(prepared_s * 1e3, 4),
+        "prepared_pct_read_bw": None if prepared_s is None else round(100 * prepared_gbps / bandwidth, 1),
+        "prepared_speedup": None if prepared_s is None or torch_s is None else round(torch_s / prepared_s, 1),
     }
 
 
 HEADER = (
     "| kernel | context | batch | budget | selection | rows/head | MB | ms | GB/s | read BW GB/s | % read BW "
-    "| torch ms | speedup |"
+    "| torch ms | speedup | prepared ms | % read BW | speedup |"
 )
 
 
@@ -308,10 +336,15 @@ def format_row(r: dict) -> str:
     budget = "all" if r["budget"] is None else f"{100 * r['budget']:g}%"
     torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.2f}"
     speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+    if r.get("prepared_ms") is None:
+        prepared = "- | - | -"
+    else:
+        fast = "-" if r["prepared_speedup"] is None else f"{r['prepared_speedup']:.1f}x"
+        prepared = f"{r['prepared_ms']:.3f} | {r['prepared_pct_read_bw']:.0f}% | {fast}"
     return (
         f"| {r['kernel']} | {r['context'] // 1024}K | {r['batch']} | {budget} | {r['selection']} | "
         f"{r['rows_per_head']} | {r['mbytes']:.1f} | {r['ms']:.3f} | {r['gbps']:.1f} | {r['read_bw_gbps']:.0f} | "
-        f"{r['pct_read_bw']:.0f}% | {torch_ms} | {speedup} |"
+        f"{r['pct_read_bw']:.0f}% | {torch_ms} | {speedup} | {prepared} |"
     )
 
 
@@ -448,7 +481,10 @@ def main() -> None:
         "same threads); `read BW` is the best of a 1 GiB read just before and one just after each row (this "
         f"run: {low:.0f}-{high:.0f} GB/s) and `% read BW` compares the row with it. Llama-3.1-8B layer: 32 q / 8 KV "
         f"heads, head_dim 128; {COLD_TEXT[args.cold]}; medians. MB = K+V rows (+ ids) read for attention, all "
-        "min+max digests for scoring. Speedup is over the torch-gather reference (`tandem.kernels.reference`).",
+        "min+max digests for scoring. Speedup is over the torch-gather reference (`tandem.kernels.reference`). "
+        "`ms` times the general call (`cpu.sparse_attention_lse`: argument checks, copies, new outputs); the "
+        "`prepared` columns time the same rows through `cpu.PreparedAttention`, laid out once as the decode path "
+        "does, i.e. the kernel with a few us of Python.",
         "",
         *([args.note, ""] if args.note else []),
         HEADER,
