@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tandem.bench.tandem_side import bound_ms
+from tandem.bench.tandem_side import bound_ms, serial_bound_ms
 from tandem.cli import main
 
 
@@ -31,6 +31,7 @@ def test_bench_writes_every_row_and_full_matches_hf(tmp_path, capsys):
         quest = rows[("tandem-quest", batch)]
         assert 0 < quest["attended_fraction"] < 0.2 and quest["cpu_bytes_per_step"] > 0
         assert quest["bound_ms"] > 0 and quest["tpot_over_bound"] > 0
+        assert quest["serial_bound_ms"] >= quest["bound_ms"] and quest["tpot_over_serial"] > 0
         assert len(quest["tpot_ms"]) == 2
     assert "host_read_gbps" in result["bandwidth"]
     table = (tmp_path / "bench.md").read_text()
@@ -73,6 +74,18 @@ def test_bound_counts_each_reader_at_its_bandwidth():
     assert bound_ms(row, 3e9, 3000.0, 100.0, 50.0) == pytest.approx(20.0)
     assert bound_ms({**row, "pcie_bytes_per_step": 0.0}, 3e9, 3000.0, 100.0) == pytest.approx(10.0)
     assert bound_ms(row, 3e9, 3000.0, 100.0, None) is None
+
+
+def test_serial_bound_adds_the_weights_to_the_slowest_host_read():
+    row = {"status": "ok", "cpu_bytes_per_step": 1e9, "pcie_bytes_per_step": 1e9}
+    # weights 1 ms; CPU 10 ms, PCIe 20 ms, both from host memory 2 GB at 100 GB/s = 20 ms
+    assert serial_bound_ms(row, 3e9, 3000.0, 100.0, 50.0) == pytest.approx(21.0)
+    # PCIe fast: the shared host memory is the limit (2 GB / 100 GB/s)
+    assert serial_bound_ms(row, 3e9, 3000.0, 100.0, 500.0) == pytest.approx(21.0)
+    assert serial_bound_ms(row, 3e9, 3000.0, 400.0, 500.0) == pytest.approx(6.0)  # 1 + max(2.5, 2, 5)
+    assert serial_bound_ms({**row, "pcie_bytes_per_step": 0.0}, 3e9, 3000.0, 100.0) == pytest.approx(11.0)
+    assert serial_bound_ms(row, 3e9, 3000.0, 100.0, None) is None
+    assert serial_bound_ms({**row, "status": "oom"}, 3e9, 3000.0, 100.0, 50.0) is None
 
 
 @pytest.mark.parametrize(

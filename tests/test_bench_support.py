@@ -271,6 +271,7 @@ def test_report_files(tmp_path):
     )
     table = report.format_table(result["rows"])
     assert len(table.splitlines()) == len(result["rows"]) + 2
+    assert len({line.count("|") for line in table.splitlines()}) == 1  # every row as many cells as the header
     try:
         import matplotlib  # noqa: F401
     except ImportError:

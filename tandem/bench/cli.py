@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.runner import HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
-    from .tandem_side import bound_ms, run_tandem
+    from .tandem_side import bound_ms, run_tandem, serial_bound_ms
 
     contexts = parse_lengths(args.contexts, "--contexts", 1, "context length", "16k, 32k, 64k")
     batches = parse_lengths(args.batches, "--batches", 1, "batch size", "1, 4, 16")
@@ -185,11 +185,15 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     handoff=handoff,
                 )
-                row["bound_ms"] = bound_ms(
-                    row, weight_bytes, bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps")
-                )
-                if row["bound_ms"]:
-                    row["tpot_over_bound"] = row["tpot_median_ms"] / row["bound_ms"]
+                bandwidths = (bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps"))
+                row["bound_ms"] = bound_ms(row, weight_bytes, *bandwidths)
+                row["serial_bound_ms"] = serial_bound_ms(row, weight_bytes, *bandwidths)
+                for bound, ratio in (
+                    ("bound_ms", "tpot_over_bound"),
+                    ("serial_bound_ms", "tpot_over_serial"),
+                ):
+                    if row[bound]:
+                        row[ratio] = row["tpot_median_ms"] / row[bound]
                 _add(result, row, out_dir)
     paths = report.write_report(result, out_dir)
     print(report.format_table(result["rows"]))

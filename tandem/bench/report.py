@@ -4,7 +4,8 @@
 "rows": [row, ...]} plus optional "settings" (dict) and "command" (str). A row (see
 `tandem.bench.baselines.empty_row`) holds at least system, batch, context, status ("ok" / "oom" / "error"),
 tpot_median_ms, tpot_p90_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
-cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound. Rows
+cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound,
+serial_bound_ms, tpot_over_serial. Rows
 that did not run stay in every output.
 """
 
@@ -18,7 +19,8 @@ BASELINES = (("hf-dynamic", "vs dynamic"), ("hf-offloaded", "vs offloaded"))
 STATUS_TEXT = {"oom": "OOM", "error": "error"}
 HEADER = (
     "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | tokens/s | GPU peak GB | host KV GB "
-    "| CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | vs dynamic | vs offloaded |"
+    "| CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | serial bound ms "
+    "| TPOT/serial | vs dynamic | vs offloaded |"
 )
 
 
@@ -53,7 +55,7 @@ def format_table(rows: list[dict]) -> str:
         ratios = " | ".join(_ratio(r, index, base) for base, _ in BASELINES)
         status = r.get("status", "ok")
         if status != "ok":
-            blanks = " |" * 11
+            blanks = " |" * 12  # the cells after TPOT (median), up to TPOT/serial
             lines.append(f"{head} {STATUS_TEXT.get(status, status)} |{blanks} {ratios} |")
             continue
         cells = [
@@ -68,6 +70,8 @@ def format_table(rows: list[dict]) -> str:
             _fmt(r.get("attended_fraction"), ".1f", 0.01, "%"),
             _fmt(r.get("bound_ms"), ".2f"),
             _fmt(r.get("tpot_over_bound"), ".2f", 1.0, "x"),
+            _fmt(r.get("serial_bound_ms"), ".2f"),
+            _fmt(r.get("tpot_over_serial"), ".2f", 1.0, "x"),
         ]
         lines.append(f"{head} {' | '.join(cells)} | {ratios} |")
     return "\n".join(lines)
@@ -122,7 +126,10 @@ def markdown(result: dict) -> str:
         "bound = max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth, host-tier "
         "bytes the GPU read itself per step (PCIe MB, a quest gpu_share) / PCIe bandwidth), all bandwidths "
         "from this run; GPU-cache MB = host-tier blocks attended from quest's recall cache in GPU memory "
-        "(gpu_cache); TPOT/bound >= 1, nearer 1 is better. vs dynamic / vs offloaded = TPOT / "
+        "(gpu_cache); TPOT/bound >= 1, nearer 1 is better. serial bound = the same with the layers in "
+        "sequence, as one batch decodes (a layer's host reads wait for its query, so weights and host reads add "
+        "up): weight bytes / HBM + max(CPU bytes / host read, PCIe bytes / PCIe, (CPU + PCIe bytes) / host read, "
+        "since both readers share host memory). vs dynamic / vs offloaded = TPOT / "
         "the HF baseline's TPOT at the same batch and context (below 1 = faster); OOM there = the baseline "
         "did not fit. GB = 1e9 bytes; GPU peak includes the weights.",
         "",

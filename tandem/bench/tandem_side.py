@@ -164,6 +164,31 @@ def bound_ms(
 ) -> float | None:
     """The issue's bound, max(weight bytes / HBM bandwidth, CPU-tier bytes per step / host read bandwidth), with
     a third term where the GPU reads part of the host tier itself: those bytes / PCIe bandwidth."""
+    terms = _bound_terms(row, weight_bytes, hbm_gbps, host_read_gbps, pcie_gbps)
+    return None if terms is None else max(terms)
+
+
+def serial_bound_ms(
+    row: dict,
+    weight_bytes: int,
+    hbm_gbps: float | None,
+    host_read_gbps: float,
+    pcie_gbps: float | None = None,
+) -> float | None:
+    """The bound with the layers in sequence, as one batch decodes: a layer's host reads need its query, which
+    needs its weights, so the weights' time and the host reads' time add up. The host reads are the slowest of
+    the CPU's reads, the GPU's reads over PCIe, and both together from host memory (they share its bandwidth):
+    weight bytes / HBM + max(CPU bytes / host read, PCIe bytes / PCIe, (CPU + PCIe bytes) / host read)."""
+    terms = _bound_terms(row, weight_bytes, hbm_gbps, host_read_gbps, pcie_gbps)
+    if terms is None:
+        return None
+    gpu_ms, cpu_ms, pcie_ms = terms
+    both_ms = (row["cpu_bytes_per_step"] + (row.get("pcie_bytes_per_step") or 0.0)) / (host_read_gbps * 1e6)
+    return gpu_ms + max(cpu_ms, pcie_ms, both_ms)
+
+
+def _bound_terms(row, weight_bytes, hbm_gbps, host_read_gbps, pcie_gbps) -> tuple[float, float, float] | None:
+    """(weights, CPU reads, PCIe reads) in ms, or None where the row did not run or a bandwidth is missing."""
     if row["status"] != "ok" or row["cpu_bytes_per_step"] is None:
         return None
     gpu_ms = weight_bytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else 0.0
@@ -172,4 +197,4 @@ def bound_ms(
     if pcie_bytes and not pcie_gbps:
         return None  # no PCIe measurement (no GPU): no bound for a row that read over PCIe
     pcie_ms = pcie_bytes / (pcie_gbps * 1e9) * 1e3 if pcie_bytes else 0.0
-    return max(gpu_ms, cpu_ms, pcie_ms)
+    return gpu_ms, cpu_ms, pcie_ms
