@@ -245,8 +245,8 @@ def attention_rows(args, threads, probe, flush, gen) -> list[dict]:
 
 def prepared_calls(calls, block, threads) -> list:
     """The same calls through `cpu.PreparedAttention`, laid out once as the decode path lays out hgca's: a few us
-    of Python per call instead of the general launcher's checks, copies and allocations (20-50 us on the GPU
-    host), so the row shows the kernel's own speed too."""
+    of Python per call instead of the general launcher's checks, copies and allocations (20-100 us on the GPU
+    host's VMs), so the row shows the kernel's own speed too."""
     out = {}
     prepared = []
     for q, k, v, idx, lengths, scale in calls:
