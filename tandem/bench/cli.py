@@ -216,21 +216,13 @@ def _kv_bytes_per_token(model, dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def _available_host_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) -> dict | None:
     """An OOM row, without running, when the configuration's host memory cannot fit: the kernel's OOM killer
     would end the whole benchmark instead of raising."""
     factor = HOST_FACTOR.get(system, HOST_FACTOR["tandem"] if system.startswith("tandem") else 0.0)
-    available = _available_host_bytes()
+    from ..cache.memory import available_host_bytes
+
+    available = available_host_bytes()
     need = factor * batch * context * kv_token_bytes
     if not factor or available is None or need <= 0.9 * available:
         return None

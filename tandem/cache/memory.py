@@ -51,6 +51,18 @@ def huge_pages_supported() -> bool:
         return False
 
 
+def available_host_bytes() -> int | None:
+    """The host's available memory (Linux `MemAvailable`: free plus reclaimable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def host_empty(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> torch.Tensor:
     """An uninitialised host tensor, on huge pages when `huge` and it spans at least one, page-locked for the GPU
     when `pin`. Raises MemoryError when the memory cannot be had (RuntimeError from CUDA's own allocator)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ops
+from .memory import available_host_bytes
 
 
 @dataclass
@@ -200,11 +201,5 @@ def free_bytes(device: torch.device) -> int | None:
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
+        return available_host_bytes()
     return None
