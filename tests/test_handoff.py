@@ -6,25 +6,33 @@ The graph-replayed engine with these flags is tested in test_engine.py's CUDA ca
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tandem.engine import handoff
 from tandem.engine.handoff import HostFlags, run_host_side
+from tandem.kernels import cpu
 
 
-def fake_gpu(flags: HostFlags, log: list, stop_at: int | None = None):
-    """What a replayed graph does per hand-off: publish q (ready), then hold until the host is done."""
+def fake_gpu(flags: HostFlags, log: list, stop_at: int | None = None, publish=None, merge=None):
+    """What a replayed graph does per hand-off: publish q (ready), then hold until the host is done.
+    publish(i) / merge(i): run just before ready[i] is set / once done[i] is seen."""
 
     def body():
         for i in range(flags.count if stop_at is None else stop_at):
             log.append(("q", i))
+            if publish is not None:
+                publish(i)
             flags.memory[flags._index(0, i)] = 1
             deadline = time.monotonic() + 10
             while not flags.done(i):
                 if time.monotonic() > deadline:
                     log.append(("stuck", i))
                     return
+            if merge is not None:
+                merge(i)
             log.append(("merge", i))
 
     thread = threading.Thread(target=body, daemon=True)
@@ -161,3 +169,206 @@ def test_a_launch_must_be_joined_before_the_next():
         launcher.join()
     finally:
         launcher.close()
+
+
+# ---- compiled hand-off server (`HostFlags.serve`, `cpu.serve_handoffs`) -------------------------------------
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu.is_available(), reason="compiled CPU kernels unavailable")
+
+
+def _ranked(seed: int, batch=2, kv_heads=2, group=4, dim=32, blocks=12, block_size=4, width=5):
+    """A `RankedAttention` over random data, its output buffers and its ranked block ids (some invalid)."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = blocks * block_size
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(batch, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)
+    values = torch.randn(batch, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)
+    ranked = torch.stack([torch.randperm(blocks + 3, generator=gen)[:width] for _ in range(batch * kv_heads)])
+    ranked = ranked.reshape(batch, kv_heads, width).contiguous()  # ids >= blocks: invalid picks, skipped
+    out = torch.zeros(batch, kv_heads * group, dim)
+    lse = torch.zeros(batch, kv_heads * group)
+    call = cpu.RankedAttention(q, keys, values, ranked, 0.17, block_size, out, lse, num_threads=2)
+    return call, out, lse
+
+
+class _Part:
+    """An action with a `native()` form, as the decode path's `CpuPart`: calling it runs the call from Python."""
+
+    def __init__(self, call, skip, count, log, i):
+        self.call, self.skip, self.count, self.log, self.i = call, skip, count, log, i
+        self.available = torch.tensor([40, 13])
+        self.results = []
+
+    def __call__(self):
+        self.log.append(("cpu", self.i))
+        self.results.append(self.call(self.skip, self.count, self.available))
+
+    def native(self):
+        task = self.call.task(self.skip, self.count, self.available)
+
+        def finish():
+            self.results.append(self.call.result(task.result, self.skip, self.count))
+
+        return handoff.NativePart(task, finish)
+
+
+@needs_cpu_kernels
+def test_compiled_parts_are_served_in_order_with_the_results_of_python_calls():
+    """Runs of compiled parts (ranked attention, an empty part) between Python actions: each runs between its
+    ready and done flags, writes what the same call from Python writes and records the same counts."""
+    log = []
+    calls = [_ranked(seed) for seed in range(4)]
+    expected, queries = [], []
+    for call, out, lse in calls:
+        counts = call(1, 4, torch.tensor([40, 13]))
+        expected.append((out.clone(), lse.clone(), counts))
+        out.fill_(7.0), lse.fill_(7.0)
+        q = call.tensors[0]
+        queries.append(q.clone())
+        q.zero_()  # the "GPU" writes q just before its ready flag: a part run early would attend zeros
+    empty_out, empty_lse = torch.ones(2, 8, 32), torch.ones(2, 8)
+    empty = handoff.NativePart(
+        cpu.empty_task(empty_out, empty_lse), lambda: log.append(("finish empty", None))
+    )
+    parts = [_Part(call, 1, 4, log, i) for i, (call, _, _) in enumerate(calls)]
+    python_only = lambda: log.append(("cpu", 2))  # noqa: E731
+    actions = [parts[0], parts[1], python_only, SimpleNamespace(native=lambda: empty), parts[3]]
+    flags = HostFlags(len(actions), None)
+    gpu_log, merged = [], {}
+    with_call = {0: 0, 1: 1, 4: 3}  # hand-off -> call
+
+    def publish(i):
+        if i in with_call:
+            calls[with_call[i]][0].tensors[0].copy_(queries[with_call[i]])
+
+    def merge(i):  # what the GPU reads back once done[i] is set
+        if i in with_call:
+            merged[i] = (calls[with_call[i]][1].clone(), calls[with_call[i]][2].clone())
+
+    gpu = fake_gpu(flags, gpu_log, publish=publish, merge=merge)
+    run_host_side(flags, actions)
+    gpu.join(10)
+    assert gpu_log == [event for i in range(5) for event in (("q", i), ("merge", i))]
+    assert ("cpu", 2) in log and ("cpu", 0) not in log  # part 0 ran compiled, the plain action in Python
+    for i, c in with_call.items():
+        assert torch.equal(merged[i][0], expected[c][0]) and torch.equal(merged[i][1], expected[c][1])
+        assert parts[c].results == [expected[c][2]]
+    assert not empty_out.any() and torch.isneginf(empty_lse).all()
+
+
+@needs_cpu_kernels
+def test_a_failing_compiled_part_raises_its_error_and_releases_every_wait():
+    calls = [_ranked(seed)[0] for seed in range(3)]  # one task per call: each hand-off has its own
+    log = []
+    bad = _Part(calls[1], 3, 2, log, 1)  # skip > count: the call refuses it
+    actions = [_Part(calls[0], 0, 2, log, 0), bad, _Part(calls[2], 0, 2, log, 2)]
+    flags = HostFlags(3, None)
+    gpu = fake_gpu(flags, [])
+    with pytest.raises(ValueError, match="skip / count"):
+        run_host_side(flags, actions)
+    gpu.join(10)
+    assert not gpu.is_alive() and all(flags.done(i) for i in range(3))
+
+
+@needs_cpu_kernels
+def test_compiled_serving_times_out_and_stops_on_a_failed_launch():
+    calls = [_ranked(seed)[0] for seed in range(3)]
+    flags = HostFlags(3, None, timeout=0.2)
+    gpu = fake_gpu(flags, [], stop_at=1)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="hand-off 1"):
+        run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(3)])
+    assert time.monotonic() - start < 5
+    gpu.join(10)
+    assert all(flags.done(i) for i in range(3))
+
+    flags = HostFlags(2, None, timeout=30)
+    launcher = handoff.Launcher()
+
+    def launch():
+        time.sleep(0.05)  # the server is waiting by then
+        raise OSError("cudaGraphLaunch failed")
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="launch failed before hand-off 0") as info:
+            launcher.start(launch)
+            run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(2)], launcher)
+        assert isinstance(info.value.__cause__, OSError)
+        assert time.monotonic() - start < 5
+    finally:
+        launcher.close()
+
+
+def test_without_the_compiled_library_native_parts_run_in_python(monkeypatch):
+    monkeypatch.setattr(handoff.cpu, "is_available", lambda: False)
+    log = []
+
+    class Action:
+        def __call__(self):
+            log.append("python")
+
+        def native(self):
+            raise AssertionError("not asked without the library")
+
+    flags = HostFlags(2, None)
+    gpu = fake_gpu(flags, [])
+    run_host_side(flags, [Action(), Action()])
+    gpu.join(10)
+    assert log == ["python", "python"]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("policy", ["quest", "streaming", "hgca"])
+def test_a_layers_compiled_cpu_part_matches_its_python_one(policy):
+    """The decode path's `CpuPart` after real decode steps (CPU, eager): served compiled, it writes the same out /
+    LSE and records the same counts as called from Python; hgca's part has no compiled form."""
+    from tandem import TandemCache, TandemConfig
+    from tandem.attention.decode import CpuPart
+    from tandem.engine import TandemRunner
+    from tests.tiny import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("Llama", num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512)
+    extra = {"gpu_share": 0.4, "gpu_cache": 0} if policy == "quest" else {}
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=4, budget=0.3, **extra)
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache, use_graphs=False)
+    logits = runner.prefill(torch.randint(0, 100, (2, 150)), chunk_tokens=64, max_new_tokens=8)
+    runner.decode(logits.argmax(-1), 3)
+    layer = cache.tandem_layers()[1]
+    bufs = layer.decode_buffers
+    part = CpuPart(layer, bufs, 0.125, cache.pool, None, False)
+    counters = ("rows_attended", "rows_attended_device", "rows_available", "decode_steps")
+
+    def run(served: bool):
+        bufs.out_host.fill_(7.0), bufs.lse_host.fill_(7.0)
+        before = [getattr(layer, name) for name in counters]
+        if served:
+            native = part.native()
+            if native is None:
+                return None
+            gpu_log = []
+            gpu = fake_gpu(flags, gpu_log)
+            flags.serve(0, [native])
+            native.finish()
+            gpu.join(10)
+            assert gpu_log == [("q", 0), ("merge", 0)]
+        else:
+            part()
+        counts = [getattr(layer, name) - b for name, b in zip(counters, before, strict=True)]
+        return bufs.out_host.clone(), bufs.lse_host.clone(), counts
+
+    flags = HostFlags(1, None)  # made outside inference mode: the "GPU" thread writes it
+    with torch.inference_mode():  # the runner's buffers are inference tensors
+        python, served = run(False), run(True)
+    if policy == "hgca":
+        assert served is None
+        return
+    assert torch.equal(served[0], python[0]) and torch.equal(served[1], python[1])
+    assert served[2] == python[2] and python[2][3] == 1  # one step counted
+    assert python[2][2] > 0  # rows were available on the host
+    if policy == "quest":
+        assert python[2][0] > 0 and torch.isfinite(python[1]).all()
+    else:
+        assert python[2][0] == 0 and torch.isneginf(python[1]).all()

@@ -21,6 +21,8 @@ from functools import partial
 import torch
 
 from ..kernels import ops
+from ..kernels.cpu import ops as cpu_ops
+from ..policies import NONE
 from .host import _record_counts, _record_selection, host_attention
 
 
@@ -135,7 +137,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
         # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
-        step.host_work(partial(_cpu_part, layer, bufs, scale, pool, step, step.flags is None))
+        step.host_work(CpuPart(layer, bufs, scale, pool, step, step.flags is None))
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     else:
@@ -214,6 +216,64 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, s
 def ranked_limit(host) -> int:
     """Block ids at or past this are device_select's invalid picks."""
     return host.capacity // host.block_size
+
+
+class CpuPart:
+    """One layer's CPU part in a captured decode step, run at replay by the engine's host side.
+
+    Calling it runs `_cpu_part` (Python). `native()` instead lays out this step's part as one compiled call for
+    the engine's hand-off server (`tandem.engine.handoff.NativePart`), where it is one: quest's ranked attention
+    (`cpu.RankedAttention`), or nothing to attend (an empty host tier, or a policy that never attends it). The
+    bookkeeping that precedes the call in `host_part` runs in `native()`, the statistics after it in `finish`.
+    """
+
+    def __init__(self, layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: bool) -> None:
+        self.layer, self.bufs, self.scale, self.pool, self.step, self.wait_copy = (
+            layer, bufs, scale, pool, step, wait_copy
+        )  # fmt: skip
+        self._empty = None
+
+    def __call__(self) -> None:
+        _cpu_part(self.layer, self.bufs, self.scale, self.pool, self.step, self.wait_copy)
+
+    def native(self):
+        """This step's `NativePart`, or None where the part must run in Python."""
+        from ..engine.handoff import NativePart  # the engine imports this module
+
+        layer, bufs = self.layer, self.bufs
+        host = layer.host
+        if host is None or host.rows == 0 or not layer.policy.attends_host:
+            if self._empty is None:
+                self._empty = cpu_ops.empty_task(bufs.out_host, bufs.lse_host)
+            finish = self._finish_empty if host is not None and host.rows else self._finish_nothing
+            return NativePart(self._empty, finish)
+        host.wait()
+        ranked = bufs.from_device
+        if ranked is None:
+            return None
+        skip = layer.policy.device_share(layer) if not bufs.recall_planned else 0
+        ranks = layer.policy.ranked_range(layer, ranked, skip)
+        call = bufs.ranked_call(layer, self.scale) if ranks is not None else None
+        if call is None:
+            return None
+        task = call.task(*ranks, host.valid_rows())
+        return NativePart(task, partial(self._finish_ranked, call, task, *ranks))
+
+    def _finish_ranked(self, call, task, skip: int, count: int) -> None:
+        _record_counts(self.layer, *call.result(task.result, skip, count))
+        self._timed(task)
+
+    def _finish_empty(self) -> None:
+        self.layer.host.wait()  # the count reads the valid flags of rows evicted this step
+        _record_selection(self.layer, NONE)  # as host_part's select() -> NONE
+        self._timed(self._empty)
+
+    def _finish_nothing(self) -> None:
+        self._timed(self._empty)
+
+    def _timed(self, task) -> None:
+        if self.step is not None:
+            self.step.host_seconds += task.nanoseconds * 1e-9
 
 
 def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: bool = True) -> None:

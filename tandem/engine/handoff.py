@@ -19,6 +19,12 @@ finished by then (the decode loop waits for each step's end).
 
 If the host's part raises, every `done` flag is set so the graph can finish, and the error propagates.
 
+A CPU part that is one compiled call (quest's ranked attention, or nothing to attend) offers it as a
+`NativePart`: its Python bookkeeping lays the call out before the ready flag, while the GPU still computes the
+query; one call into the CPU library (`cpu.serve_handoffs`) spins on the flag, runs the call and sets `done`; the
+statistics are recorded after, while the GPU merges. Served from Python, that bookkeeping sat between `ready` and
+`done`, on the step's critical path. Other CPU parts run in Python as above.
+
 The launch is not instant, and not always short: the launch call submits the graph's nodes to a queue of bounded
 size while the GPU already runs the first ones, and the GPU soon stops at a `done` flag. A graph too large for the
 queue then blocks its launch call until the GPU drains it, which it never does if the thread in that call is the
@@ -36,6 +42,9 @@ import threading
 import time
 
 import torch
+
+from ..kernels import cpu
+from ..kernels.cpu import _library
 
 STRIDE = 16  # int32s between flags: one 64-byte line each, so the host's writes never share a line
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -169,6 +178,31 @@ class HostFlags:
         for i in range(self.count):
             self.set_done(i)
 
+    def serve(self, first: int, parts: list, launcher: Launcher | None = None) -> None:
+        """Serve hand-offs first, first + 1, ... with the `NativePart`s `parts` in one compiled call: each waits
+        for its ready flag, runs and sets its done flag. Raises the error of a part that failed (its done flag and
+        the later ones unset), a `TimeoutError`, or, once `launcher`'s launch has failed, its error, as
+        `wait_ready` does."""
+        self._index(0, first + len(parts) - 1)
+        base = self.memory.data_ptr()
+        abort = launcher.abort_address if launcher is not None else None
+        status, at = cpu.serve_handoffs(
+            [part.task for part in parts], base + 4 * self._index(0, first), base + 4 * self._index(1, first),
+            STRIDE, abort, self.timeout,
+        )  # fmt: skip
+        if status == _library.SERVED:
+            return
+        i = first + at
+        if status == _library.TASK_FAILED:
+            parts[at].finish()  # raises the call's error
+            raise RuntimeError(f"hand-off {i}'s CPU part failed (code {parts[at].task.result})")
+        if status == _library.ABORTED:
+            raise RuntimeError(f"the step's graph launch failed before hand-off {i}") from launcher.failed()
+        raise TimeoutError(
+            f"the GPU did not hand over hand-off {i}'s query within {self.timeout:.0f} s "
+            "(a stalled or failed graph replay)"
+        )
+
     def ready(self, i: int) -> bool:
         return bool(self._view[self._index(0, i)])
 
@@ -191,6 +225,8 @@ class Launcher:
         self._finished.set()
         self._call = None
         self._error: BaseException | None = None
+        self._abort = ctypes.c_int32(0)  # set with _error: a compiled hand-off server stops waiting on it
+        self.abort_address = ctypes.addressof(self._abort)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -201,6 +237,7 @@ class Launcher:
         if not self._finished.is_set():
             raise RuntimeError("the previous launch has not been joined")
         self._error = None
+        self._abort.value = 0
         self._call = call
         self._finished.clear()
         self._started.clear()
@@ -238,22 +275,47 @@ class Launcher:
                 call()
             except BaseException as error:  # handed to the owner's join()
                 self._error = error
+                self._abort.value = 1
             finally:
                 self._finished.set()
 
 
-def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None) -> None:
+class NativePart:
+    """A hand-off's CPU part as one compiled call, for `HostFlags.serve`.
+
+    task:   the call (`_library.HandoffTask`), laid out for this step
+    finish: called once the task has run: raises the error its `result` means, else records what it did
+    """
+
+    __slots__ = ("task", "finish")
+
+    def __init__(self, task, finish) -> None:
+        self.task, self.finish = task, finish
+
+
+def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, compiled: bool = True) -> None:
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
     On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
+
+    An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out before
+    its ready flag, served by the compiled library (`HostFlags.serve`: the flag, the call and the done flag
+    without Python in between) and finished after its done flag. Other actions, and all of them with `compiled`
+    False, are called here between the flags.
 
     launcher: the `Launcher` that is launching the graph, or None (launched before this call). It is joined
     before this returns, and a launch that fails ends the wait for the next query with its error."""
     failed = launcher.failed if launcher is not None else None
     try:
         for i, action in enumerate(actions):
-            flags.wait_ready(i, failed)
-            action()
-            flags.set_done(i)
+            # laid out while the GPU still computes hand-off i's query: off the path from ready to done
+            part = _native_part(action) if compiled else None
+            if part is None:
+                flags.wait_ready(i, failed)
+                action()
+                flags.set_done(i)
+            else:
+                flags.serve(i, [part], launcher)
+                part.finish()  # statistics, while the GPU merges and goes on
     except BaseException:
         flags.set_all_done()
         if launcher is not None:
@@ -263,3 +325,10 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None) -
         raise
     if launcher is not None:
         launcher.join()
+
+
+def _native_part(action) -> NativePart | None:
+    native = getattr(action, "native", None)
+    if native is None or not cpu.is_available():
+        return None
+    return native()

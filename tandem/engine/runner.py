@@ -54,12 +54,15 @@ class DecodeStep:
                 calling thread, a 96-layer step deadlocked)
     segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
                 one graph, and `actions` holds the CPU parts in hand-off order
+    compiled_host_side: with flags, serve the hand-offs whose CPU part is one compiled call from the CPU library
+                (`handoff.run_host_side`); False serves every hand-off from Python (for comparisons)
     """
 
     def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
         self.device = device
         self.flags = flags
         self.launcher = handoff_module.Launcher() if flags is not None else None
+        self.compiled_host_side = True
         self.actions: list = []
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
@@ -155,7 +158,7 @@ class DecodeStep:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
             self.launcher.start(lambda: _replay_on(graph, stream))
-            handoff_module.run_host_side(self.flags, self.actions, self.launcher)
+            handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
             return
         for graph, after in self.segments:
             graph.replay()

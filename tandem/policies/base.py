@@ -63,6 +63,9 @@ class Policy:
     # select() returns views of the same index / length tensors step after step, updated in place (hgca): the
     # decode path then prepares one compiled call over them instead of launching the general kernel each step
     keeps_selection = False
+    # False when select() always returns NONE (streaming): the decode path then serves the CPU part as an empty
+    # compiled task, without calling select()
+    attends_host = True
 
     def __init__(self, config) -> None:
         self.config = config

@@ -18,6 +18,7 @@ class StreamingPolicy(Policy):
     """No host entry is attended: sinks + recent window only (StreamingLLM)."""
 
     name = "streaming"
+    attends_host = False
 
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         return NONE

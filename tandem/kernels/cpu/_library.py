@@ -90,6 +90,38 @@ class ScoreArgs(ctypes.Structure):
     ]
 
 
+class HandoffTask(ctypes.Structure):
+    """Mirror of `tandem::HandoffTask` in csrc/handoff.cpp (same field order): one hand-off's CPU part, served
+    by `tandem_serve_handoffs`."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64),  # EMPTY_TASK or RANKED_TASK
+        ("args", ctypes.c_void_p),
+        ("isa", ctypes.c_int64),
+        ("dtype", ctypes.c_int64),
+        ("q_dtype", ctypes.c_int64),
+        ("num_threads", ctypes.c_int64),
+        ("ranked", ctypes.c_void_p),
+        ("ranked_width", ctypes.c_int64),
+        ("skip", ctypes.c_int64),
+        ("count", ctypes.c_int64),
+        ("indices", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("available", ctypes.c_void_p),
+        ("stats", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("out_numel", ctypes.c_int64),
+        ("lse_numel", ctypes.c_int64),
+        ("result", ctypes.c_int64),
+        ("nanoseconds", ctypes.c_int64),
+    ]
+
+
+EMPTY_TASK, RANKED_TASK = 0, 1  # HandoffTask.kind
+SERVED, TASK_FAILED, TIMED_OUT, ABORTED = 0, 1, 2, 3  # tandem_serve_handoffs' return values
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
@@ -101,6 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_topk": (None, [p, i64, i64, i64, p, p, i32]),
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),
         "tandem_read_sum": (ctypes.c_double, [i32, p, i64, i32]),
+        "tandem_serve_handoffs": (i64, [p, i64, p, p, i64, p, ctypes.c_double, p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

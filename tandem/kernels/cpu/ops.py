@@ -227,9 +227,45 @@ class RankedAttention:
         )  # fmt: skip
         self.tail = (_ptr(self.indices), _ptr(self.lengths))
         self.outputs = (self.stats, _ptr(out), _ptr(lse), self.threads)
+        self._task, self._task_available = None, None
 
     def __call__(self, skip: int, count: int, available: torch.Tensor | None = None) -> tuple[int, int, int]:
         """Attend ranks [skip, count) (0 <= skip <= count <= W); `available`: [B] int64 contiguous, or None."""
+        self._check_available(available)
+        bad = self.lib.tandem_ranked_attention(
+            *self.call_args, skip, count, *self.tail, _ptr(available), *self.outputs
+        )
+        return self.result(bad, skip, count)
+
+    def task(self, skip: int, count: int, available: torch.Tensor | None = None) -> _library.HandoffTask:
+        """`self(skip, count, available)` as a hand-off task for `serve_handoffs`, not run yet; once served,
+        `self.result(task.result, skip, count)` is what the call returns. One task per instance, refilled by each
+        call here."""
+        self._check_available(available)
+        task = self._task
+        if task is None:
+            task = self._task = _library.HandoffTask(
+                kind=_library.RANKED_TASK, args=ctypes.addressof(self.args), isa=self.call_args[0],
+                dtype=self.call_args[1], q_dtype=self.call_args[3], num_threads=self.threads,
+                ranked=self.call_args[4], ranked_width=self.width, indices=self.tail[0], lengths=self.tail[1],
+                stats=ctypes.addressof(self.stats), out=self.outputs[1], lse=self.outputs[2],
+            )  # fmt: skip
+        task.skip, task.count, task.available = skip, count, _ptr(available)
+        task.result, task.nanoseconds = 0, 0
+        self._task_available = available  # alive until served
+        return task
+
+    def result(self, bad: int, skip: int, count: int) -> tuple[int, int, int]:
+        """(attended, device, available) of a call that returned `bad`, or the error it means."""
+        if bad == -2:
+            raise ValueError(f"skip / count: need 0 <= skip <= count <= {self.width}, got {skip} / {count}")
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
+        if bad:
+            raise ValueError(f"ranked: {bad} selected rows fall outside the store; check the block ids")
+        return self.stats[0], self.stats[1], self.stats[2]
+
+    def _check_available(self, available: torch.Tensor | None) -> None:
         if available is not None and (
             available.dtype != torch.int64
             or available.shape != (self.batch,)
@@ -238,16 +274,36 @@ class RankedAttention:
             raise ValueError(
                 f"available: expected [{self.batch}] int64 contiguous, got {tuple(available.shape)} {available.dtype}"
             )
-        bad = self.lib.tandem_ranked_attention(
-            *self.call_args, skip, count, *self.tail, _ptr(available), *self.outputs
-        )
-        if bad == -2:
-            raise ValueError(f"skip / count: need 0 <= skip <= count <= {self.width}, got {skip} / {count}")
-        if bad < 0:
-            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
-        if bad:
-            raise ValueError(f"ranked: {bad} selected rows fall outside the store; check the block ids")
-        return self.stats[0], self.stats[1], self.stats[2]
+
+
+def empty_task(out: torch.Tensor, lse: torch.Tensor) -> _library.HandoffTask:
+    """A hand-off task with nothing to attend: `serve_handoffs` writes zeros into `out` and -inf into `lse`
+    (float32, contiguous; they must outlive the task)."""
+    for name, t in (("out", out), ("lse", lse)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    return _library.HandoffTask(
+        kind=_library.EMPTY_TASK, out=_ptr(out), lse=_ptr(lse), out_numel=out.numel(), lse_numel=lse.numel()
+    )
+
+
+def serve_handoffs(tasks, ready: int, done: int, stride: int, abort: int | None, timeout: float):
+    """Serve hand-offs in order without Python in between: for each task, spin until the int32 at `ready + 4 *
+    stride * i` is set, run the task, set the int32 at `done + 4 * stride * i` (addresses of pinned flags).
+    Waiting stops after `timeout` seconds per hand-off, or once the int32 at `abort` (0 = none) is set.
+
+    Returns (status, index): `_library.SERVED` (index = len(tasks)), `TASK_FAILED` (that task's `result` says
+    why; its done flag and the later ones are not set), `TIMED_OUT` or `ABORTED` (while waiting for that
+    hand-off). Needs the compiled library (`is_available()`)."""
+    lib = _native()
+    if lib is None:
+        raise RuntimeError(f"serve_handoffs needs the compiled CPU kernels: {_library.unavailable_reason()}")
+    pointers = (ctypes.POINTER(_library.HandoffTask) * len(tasks))(*(ctypes.pointer(t) for t in tasks))
+    at = ctypes.c_int64(len(tasks))
+    status = lib.tandem_serve_handoffs(
+        pointers, len(tasks), ready, done, stride, abort or None, float(timeout), ctypes.byref(at)
+    )
+    return status, at.value
 
 
 class PreparedAttention:
