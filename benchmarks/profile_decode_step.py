@@ -10,6 +10,10 @@ launches and bookkeeping; `quest` at a device share), the engine decodes with CU
   where the GPU waited for the host;
 - the same CPU part timed back to back on the main thread after the run (the kernel's isolated cost).
 
+The engine serves the hand-offs of compiled CPU parts (quest, streaming) in C++ (`handoff.run_host_side`): their
+per-part timers stay empty and `cpu_parts_ms` is the engine's own time in CPU parts; `--python-host-side` serves
+every hand-off from Python with the per-part timers, as the engine did before.
+
     python benchmarks/profile_decode_step.py --model llama-3.1-8b --contexts 64k,128k --configs streaming,quest:0,quest:0.5
 """
 
@@ -33,6 +37,7 @@ from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
+from tandem.engine import handoff as handoff_module
 from tandem.engine import runner as runner_module
 from tandem.kernels import ops
 from tandem.kernels.cpu import ops as cpu_ops
@@ -41,6 +46,7 @@ from tandem.policies.quest import QuestPolicy
 TIMERS: collections.Counter = collections.Counter()
 MARK_STEPS = False
 PER_STEP: list[dict] = []
+COMPILED = [True]  # DecodeStep.compiled_host_side for the steps profiled
 
 
 def timed(name, fn):
@@ -110,6 +116,11 @@ def instrument() -> None:
             self.flags.reset()
             self.segments[0][0].replay()
             TIMERS["launch"] += time.perf_counter() - start
+            if self.compiled_host_side:  # as the engine serves them (compiled parts: no per-part timers)
+                start = time.perf_counter()
+                handoff_module.run_host_side(self.flags, self.actions, None, True)
+                TIMERS["host_side"] += time.perf_counter() - start
+                return
             try:
                 for i, action in enumerate(self.actions):
                     start = time.perf_counter()
@@ -136,6 +147,7 @@ def instrument() -> None:
     prepare = runner_module.DecodeStep.prepare
 
     def timed_prepare(self, layers):
+        self.compiled_host_side = COMPILED[0]
         PER_STEP.append(dict(TIMERS))
         TIMERS.clear()
         start = time.perf_counter()
@@ -237,6 +249,11 @@ def main() -> None:
         help="TandemRunner's handoff: auto, memops or launches; comma-separated to compare",
     )
     p.add_argument("--fused", default="on", help="the fused RMSNorm / RoPE kernels: on, off or on,off")
+    p.add_argument(
+        "--python-host-side",
+        action="store_true",
+        help="serve every hand-off from Python with per-part timers (the engine serves compiled parts in C++)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = build_random_model(args.model, "cuda", torch.bfloat16, num_layers=args.layers)
@@ -265,6 +282,7 @@ def main() -> None:
             runner.set_positions(torch.full((args.batch,), context))
             PER_STEP.clear()
             TIMERS.clear()
+            COMPILED[0] = not args.python_host_side
             _, seconds = runner.decode(first, 4 + args.steps)
             PER_STEP.append(dict(TIMERS))
             TIMERS.clear()
@@ -272,6 +290,8 @@ def main() -> None:
             row = {"context": context, "batch": args.batch, "config": spec, "handoff": runner.handoff}
             row["fused"] = fused
             row["step_ms"] = round(statistics.median(seconds[4:]) * 1e3, 2)
+            row["host_side"] = "python" if args.python_host_side else "compiled"
+            row["cpu_parts_ms"] = round(statistics.median(runner.host_seconds[4:]) * 1e3, 3)
             keys = sorted({k for s in steps for k in s})
             for key in keys:
                 row[f"host_{key}_ms"] = round(statistics.median(s.get(key, 0.0) for s in steps) * 1e3, 3)
