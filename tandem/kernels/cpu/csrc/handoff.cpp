@@ -3,8 +3,10 @@
 // The graph hands each layer's query to the host by writing `ready[i] = 1` into pinned memory and waits for
 // `done[i] = 1` before it merges the layer's CPU result (tandem/engine/handoff.py). Served from Python, every
 // hand-off paid tens of microseconds of interpreter time between the flag and the kernel and again after it,
-// on the step's critical path: the GPU waits for `done`. Here one call serves a run of consecutive hand-offs
-// whose CPU parts are compiled calls laid out beforehand (`HandoffTask`), spinning on the flags in C++.
+// on the step's critical path: the GPU waits for `done`. Here one call serves consecutive hand-offs whose CPU
+// parts are compiled calls laid out beforehand (`HandoffTask`), spinning on the flags in C++. The engine passes
+// one hand-off per call and lays out the next one while the GPU computes its query: laying out all of a step's
+// hand-offs first delayed the first one by that time (benchmarks/results/ab_host_side_h100/).
 #include <chrono>
 #include <cmath>
 #include <cstdint>
