@@ -372,3 +372,30 @@ def test_a_layers_compiled_cpu_part_matches_its_python_one(policy):
         assert python[2][0] > 0 and torch.isfinite(python[1]).all()
     else:
         assert python[2][0] == 0 and torch.isneginf(python[1]).all()
+
+
+@needs_cpu_kernels
+def test_compiled_waits_return_to_python_in_slices_and_each_hand_off_gets_the_whole_timeout(monkeypatch):
+    """A long wait comes back to Python every SERVE_SLICE (so Ctrl-C is handled); the timeout counts per hand-off,
+    so two hand-offs each arriving just inside it are both served."""
+    calls = []
+    serve = cpu.serve_handoffs
+
+    def counted(*args):
+        calls.append(args[-1])
+        return serve(*args)
+
+    monkeypatch.setattr(handoff.cpu, "serve_handoffs", counted)
+    monkeypatch.setattr(handoff, "SERVE_SLICE", 0.05)
+    parts = [handoff.NativePart(cpu.empty_task(torch.ones(4), torch.ones(2)), lambda: None) for _ in range(2)]
+    flags = HostFlags(2, None, timeout=0.4)
+    gpu_log = []
+
+    def publish(i):
+        time.sleep(0.3)  # each hand-off 0.3 s after the previous one: 0.6 s in all, above the 0.4 s timeout
+
+    gpu = fake_gpu(flags, gpu_log, publish=publish)
+    flags.serve(0, parts)
+    gpu.join(10)
+    assert gpu_log == [("q", 0), ("merge", 0), ("q", 1), ("merge", 1)]
+    assert len(calls) >= 8 and max(calls) <= 0.05  # ~12 slices of 0.05 s

@@ -47,6 +47,9 @@ from ..kernels import cpu
 from ..kernels.cpu import _library
 
 STRIDE = 16  # int32s between flags: one 64-byte line each, so the host's writes never share a line
+# seconds a compiled wait for a ready flag runs before it returns to Python, which handles signals (Ctrl-C)
+# and, within the timeout, waits again
+SERVE_SLICE = 0.1
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory barrier before the write
 
@@ -186,12 +189,22 @@ class HostFlags:
         self._index(0, first + len(parts) - 1)
         base = self.memory.data_ptr()
         abort = launcher.abort_address if launcher is not None else None
-        status, at = cpu.serve_handoffs(
-            [part.task for part in parts], base + 4 * self._index(0, first), base + 4 * self._index(1, first),
-            STRIDE, abort, self.timeout,
-        )  # fmt: skip
+        tasks = [part.task for part in parts]
+        served, deadline = 0, time.perf_counter() + self.timeout
+        while True:
+            # waits of at most SERVE_SLICE seconds per call, so that Python handles signals (Ctrl-C) meanwhile
+            wait = max(0.0, min(SERVE_SLICE, deadline - time.perf_counter()))
+            status, at = cpu.serve_handoffs(
+                tasks[served:], base + 4 * self._index(0, first + served),
+                base + 4 * self._index(1, first + served), STRIDE, abort, wait,
+            )  # fmt: skip
+            if status != _library.TIMED_OUT or time.perf_counter() >= deadline:
+                break
+            if at:  # progress: the next hand-off's wait starts now
+                served, deadline = served + at, time.perf_counter() + self.timeout
         if status == _library.SERVED:
             return
+        at += served
         i = first + at
         if status == _library.TASK_FAILED:
             parts[at].finish()  # raises the call's error

@@ -227,7 +227,7 @@ class RankedAttention:
         )  # fmt: skip
         self.tail = (_ptr(self.indices), _ptr(self.lengths))
         self.outputs = (self.stats, _ptr(out), _ptr(lse), self.threads)
-        self._task, self._task_available = None, None
+        self._task = None
 
     def __call__(self, skip: int, count: int, available: torch.Tensor | None = None) -> tuple[int, int, int]:
         """Attend ranks [skip, count) (0 <= skip <= count <= W); `available`: [B] int64 contiguous, or None."""
@@ -252,7 +252,8 @@ class RankedAttention:
             )  # fmt: skip
         task.skip, task.count, task.available = skip, count, _ptr(available)
         task.result, task.nanoseconds = 0, 0
-        self._task_available = available  # alive until served
+        task.tensors = (self.tensors, self.indices, self.lengths, available)  # alive as long as the task
+        task.call = self  # its args and stats
         return task
 
     def result(self, bad: int, skip: int, count: int) -> tuple[int, int, int]:
@@ -278,13 +279,15 @@ class RankedAttention:
 
 def empty_task(out: torch.Tensor, lse: torch.Tensor) -> _library.HandoffTask:
     """A hand-off task with nothing to attend: `serve_handoffs` writes zeros into `out` and -inf into `lse`
-    (float32, contiguous; they must outlive the task)."""
+    (float32, contiguous; the task keeps them alive)."""
     for name, t in (("out", out), ("lse", lse)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
-    return _library.HandoffTask(
+    task = _library.HandoffTask(
         kind=_library.EMPTY_TASK, out=_ptr(out), lse=_ptr(lse), out_numel=out.numel(), lse_numel=lse.numel()
     )
+    task.tensors = (out, lse)  # the addresses above stay valid as long as the task
+    return task
 
 
 def serve_handoffs(tasks, ready: int, done: int, stride: int, abort: int | None, timeout: float):
