@@ -399,3 +399,44 @@ def test_compiled_waits_return_to_python_in_slices_and_each_hand_off_gets_the_wh
     gpu.join(10)
     assert gpu_log == [("q", 0), ("merge", 0), ("q", 1), ("merge", 1)]
     assert len(calls) >= 8 and max(calls) <= 0.05  # ~12 slices of 0.05 s
+
+
+@needs_cpu_kernels
+def test_a_prepared_call_and_its_task_are_freed_without_the_garbage_collector():
+    """No reference cycle between a call and its task: a cycle left the decode buffers (pinned on CUDA) to the
+    garbage collector, which ran inside a later graph capture and made it fail."""
+    import gc
+    import weakref
+
+    call, _, _ = _ranked(0)
+    call.task(0, 2, torch.tensor([40, 13]))
+    ref = weakref.ref(call)
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        del call
+        assert ref() is None
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_the_garbage_collector_is_off_while_a_step_is_recorded():
+    import gc
+
+    from tandem.engine.runner import DecodeStep
+
+    seen = []
+    x = torch.zeros(4, device="cuda")
+
+    def body():
+        seen.append(gc.isenabled())
+        x.add_(1)
+
+    step = DecodeStep(torch.device("cuda"))
+    step.capture(body)
+    step.replay()
+    torch.cuda.synchronize()
+    assert seen == [False] and gc.isenabled() and x.sum().item() == 4

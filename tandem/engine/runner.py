@@ -25,6 +25,7 @@ driver-thread round trip, 10 ms per step on an 8B model, against tens of microse
 from __future__ import annotations
 
 import contextlib
+import gc
 import platform
 import time
 
@@ -109,6 +110,18 @@ class DecodeStep:
         """Record `body()` (one decode step) as CUDA graphs sharing one memory pool: one graph with hand-off
         flags, or without them graphs cut where a layer calls `split`. Nothing runs on the GPU while
         recording; `replay` then runs the step."""
+        # garbage collected during the capture could free pinned host memory, which a capture does not allow
+        # (the capture fails); torch.cuda.graph collects first as well
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture(body)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    def _capture(self, body) -> None:
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default one
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -252,8 +252,9 @@ class RankedAttention:
             )  # fmt: skip
         task.skip, task.count, task.available = skip, count, _ptr(available)
         task.result, task.nanoseconds = 0, 0
-        task.tensors = (self.tensors, self.indices, self.lengths, available)  # alive as long as the task
-        task.call = self  # its args and stats
+        # what the task points at lives as long as it does; not `self`, which holds the task (a reference cycle
+        # would leave this call's pinned buffers to the garbage collector, which may run inside a graph capture)
+        task.keep = (self.args, self.stats, self.tensors, self.indices, self.lengths, available)
         return task
 
     def result(self, bad: int, skip: int, count: int) -> tuple[int, int, int]:
@@ -286,7 +287,7 @@ def empty_task(out: torch.Tensor, lse: torch.Tensor) -> _library.HandoffTask:
     task = _library.HandoffTask(
         kind=_library.EMPTY_TASK, out=_ptr(out), lse=_ptr(lse), out_numel=out.numel(), lse_numel=lse.numel()
     )
-    task.tensors = (out, lse)  # the addresses above stay valid as long as the task
+    task.keep = (out, lse)  # the addresses above stay valid as long as the task
     return task
 
 
