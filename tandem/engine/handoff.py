@@ -182,10 +182,10 @@ class HostFlags:
             self.set_done(i)
 
     def serve(self, first: int, parts: list, launcher: Launcher | None = None) -> None:
-        """Serve hand-offs first, first + 1, ... with the `NativePart`s `parts` in one compiled call: each waits
-        for its ready flag, runs and sets its done flag. Raises the error of a part that failed (its done flag and
-        the later ones unset), a `TimeoutError`, or, once `launcher`'s launch has failed, its error, as
-        `wait_ready` does."""
+        """Serve hand-offs first, first + 1, ... with the `NativePart`s `parts` through the CPU library: each
+        waits for its ready flag, runs and sets its done flag, with no Python in between (Python only resumes a
+        wait every SERVE_SLICE seconds). Raises the error of a part that failed (its done flag and the later ones
+        unset), a `TimeoutError`, or, once `launcher`'s launch has failed, its error, as `wait_ready` does."""
         self._index(0, first + len(parts) - 1)
         base = self.memory.data_ptr()
         abort = launcher.abort_address if launcher is not None else None
