@@ -82,6 +82,25 @@ def test_full_policy_equals_dense_over_many_decode_steps(group, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_decode_from_a_prompt_inside_the_hot_tier_stays_dense_as_blocks_start_to_move_to_the_host(device):
+    """While nothing is offloaded the decode path skips the CPU part and the merge (CPU); every step still equals
+    dense attention, before and after the first block reaches the host tier."""
+    seq = Sequence(2, 8, 2, 16, 6 + 40, pads=[0, 2])
+    cfg = TandemConfig(
+        policy="full", sink_tokens=5, window_tokens=13, block_size=4, prefill_chunk=16, device="cpu"
+    )
+    layer = LayerKV(cfg, 0, 8, 2, 16)
+    pool = TaskPool(1)
+    _check(seq.feed(layer, pool, 0, 6, device), seq.dense(0, 6), seq.valid[:, :6], torch.float32)
+    host_rows = []
+    for t in range(6, 46):
+        host_rows.append(layer.host.rows if layer.host is not None else 0)
+        out = seq.feed(layer, pool, t, t + 1, device)
+        _check(out, seq.dense(t, t + 1), seq.valid[:, t : t + 1], torch.float32)
+    assert host_rows[0] == 0 and host_rows[-1] > 0  # both branches ran
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_append_on_nonempty_cache_is_exact(device):
     seq = Sequence(2, 8, 2, 32, 150, pads=[0, 11])
     cfg = TandemConfig(

@@ -125,9 +125,12 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     plan = _recall_plan(layer, bufs, ranked, step)
     bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
     if not q.is_cuda:
-        bufs.q_host.copy_(q3)
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
+        if layer.host is None or layer.host.rows == 0:
+            # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
+            return out[:, :, None]
+        bufs.q_host.copy_(q3)
         _cpu_part(layer, bufs, scale, pool, step)
     elif step is not None and step.capturing:
         # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
