@@ -127,7 +127,7 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
     if not q.is_cuda:
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
-        if layer.host is None or layer.host.rows == 0:
+        if _nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
             return out[:, :, None]
         bufs.q_host.copy_(q3)
@@ -245,18 +245,13 @@ class CpuPart:
 
         layer, bufs = self.layer, self.bufs
         host = layer.host
-        if host is None or host.rows == 0 or not layer.policy.attends_host:
+        empty = _nothing_offloaded(layer)
+        if empty or not layer.policy.attends_host:
             if self._empty is None:
                 self._empty = cpu_ops.empty_task(bufs.out_host, bufs.lse_host)
-            finish = self._finish_empty if host is not None and host.rows else self._finish_nothing
-            return NativePart(self._empty, finish)
+            return NativePart(self._empty, self._finish_nothing if empty else self._finish_empty)
         host.wait()
-        ranked = bufs.from_device
-        if ranked is None:
-            return None
-        skip = layer.policy.device_share(layer) if not bufs.recall_planned else 0
-        ranks = layer.policy.ranked_range(layer, ranked, skip)
-        call = bufs.ranked_call(layer, self.scale) if ranks is not None else None
+        _, call, ranks = _ranked_call(layer, bufs, self.scale)
         if call is None:
             return None
         task = call.task(*ranks, host.valid_rows())
@@ -290,13 +285,31 @@ def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: b
         step.host_seconds += time.perf_counter() - start
 
 
+def _nothing_offloaded(layer) -> bool:
+    """No host row to attend: no host tier yet, or an empty one."""
+    return layer.host is None or layer.host.rows == 0
+
+
+def _ranked_call(layer, bufs: DecodeBuffers, scale: float):
+    """(skip, call, ranks) of this step's CPU part: `skip` ranks of the device's ranking that device_part attended
+    (with a recall plan the CPU's list holds only its own blocks: 0), and, where the policy keeps exactly ranks
+    `ranks` = (skip, count) of it, the compiled call over them (`cpu.RankedAttention`); else call, ranks = None."""
+    ranked = bufs.from_device
+    if ranked is None:
+        return 0, None, None
+    skip = layer.policy.device_share(layer) if not bufs.recall_planned else 0
+    ranks = layer.policy.ranked_range(layer, ranked, skip)
+    call = bufs.ranked_call(layer, scale) if ranks is not None else None
+    return skip, call, ranks if call is not None else None
+
+
 def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
     `wait`: first wait for the host tier's pending copies into host memory.
     """
     host = layer.host
-    if host is None or host.rows == 0:
+    if _nothing_offloaded(layer):
         bufs.out_host.zero_()
         bufs.lse_host.fill_(float("-inf"))
         return
@@ -304,10 +317,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         host.wait()
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
-    # ranks device_part attended; with a recall plan the CPU's list holds only its own blocks
-    skip = layer.policy.device_share(layer) if ranked is not None and not bufs.recall_planned else 0
-    ranks = layer.policy.ranked_range(layer, ranked, skip) if ranked is not None else None
-    call = bufs.ranked_call(layer, scale) if ranks is not None else None
+    skip, call, ranks = _ranked_call(layer, bufs, scale)
     if call is not None:
         # the policy keeps ranks [skip, count) of the device's ranking: one compiled call sorts them, attends
         # them into out/lse_host and counts the rows (the same as select + host_attention below, less Python)
