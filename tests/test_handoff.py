@@ -350,7 +350,7 @@ def test_a_layers_compiled_cpu_part_matches_its_python_one(policy):
                 return None
             gpu_log = []
             gpu = fake_gpu(flags, gpu_log)
-            flags.serve(0, [native])
+            flags.serve(0, native)
             native.finish()
             gpu.join(10)
             assert gpu_log == [("q", 0), ("merge", 0)]
@@ -395,7 +395,7 @@ def test_compiled_waits_return_to_python_in_slices_and_each_hand_off_gets_the_wh
         time.sleep(0.3)  # each hand-off 0.3 s after the previous one: 0.6 s in all, above the 0.4 s timeout
 
     gpu = fake_gpu(flags, gpu_log, publish=publish)
-    flags.serve(0, parts)
+    run_host_side(flags, [SimpleNamespace(native=lambda part=part: part) for part in parts])
     gpu.join(10)
     assert gpu_log == [("q", 0), ("merge", 0), ("q", 1), ("merge", 1)]
     assert len(calls) >= 8 and max(calls) <= 0.05  # ~12 slices of 0.05 s

@@ -181,34 +181,26 @@ class HostFlags:
         for i in range(self.count):
             self.set_done(i)
 
-    def serve(self, first: int, parts: list, launcher: Launcher | None = None) -> None:
-        """Serve hand-offs first, first + 1, ... with the `NativePart`s `parts` through the CPU library: each
-        waits for its ready flag, runs and sets its done flag, with no Python in between (Python only resumes a
-        wait every SERVE_SLICE seconds). Raises the error of a part that failed (its done flag and the later ones
-        unset), a `TimeoutError`, or, once `launcher`'s launch has failed, its error, as `wait_ready` does."""
-        self._index(0, first + len(parts) - 1)
+    def serve(self, i: int, part: NativePart, launcher: Launcher | None = None) -> None:
+        """Serve hand-off i with the `NativePart` `part` through the CPU library: wait for its ready flag, run the
+        call and set its done flag, with no Python in between (Python only resumes the wait every SERVE_SLICE
+        seconds). Raises the call's error (the done flag unset), a `TimeoutError`, or, once `launcher`'s launch
+        has failed, its error, as `wait_ready` does."""
         base = self.memory.data_ptr()
+        ready, done = base + 4 * self._index(0, i), base + 4 * self._index(1, i)
         abort = launcher.abort_address if launcher is not None else None
-        tasks = [part.task for part in parts]
-        served, deadline = 0, time.perf_counter() + self.timeout
+        deadline = time.perf_counter() + self.timeout
         while True:
             # waits of at most SERVE_SLICE seconds per call, so that Python handles signals (Ctrl-C) meanwhile
             wait = max(0.0, min(SERVE_SLICE, deadline - time.perf_counter()))
-            status, at = cpu.serve_handoffs(
-                tasks[served:], base + 4 * self._index(0, first + served),
-                base + 4 * self._index(1, first + served), STRIDE, abort, wait,
-            )  # fmt: skip
+            status, _ = cpu.serve_handoffs([part.task], ready, done, STRIDE, abort, wait)
             if status != _library.TIMED_OUT or time.perf_counter() >= deadline:
                 break
-            if at:  # progress: the next hand-off's wait starts now
-                served, deadline = served + at, time.perf_counter() + self.timeout
         if status == _library.SERVED:
             return
-        at += served
-        i = first + at
         if status == _library.TASK_FAILED:
-            parts[at].finish()  # raises the call's error
-            raise RuntimeError(f"hand-off {i}'s CPU part failed (code {parts[at].task.result})")
+            part.finish()  # raises the call's error
+            raise RuntimeError(f"hand-off {i}'s CPU part failed (code {part.task.result})")
         if status == _library.ABORTED:
             raise RuntimeError(f"the step's graph launch failed before hand-off {i}") from launcher.failed()
         raise TimeoutError(
@@ -327,7 +319,7 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, c
                 action()
                 flags.set_done(i)
             else:
-                flags.serve(i, [part], launcher)
+                flags.serve(i, part, launcher)
                 part.finish()  # statistics, while the GPU merges and goes on
     except BaseException:
         flags.set_all_done()
