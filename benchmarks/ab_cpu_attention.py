@@ -1,8 +1,8 @@
-"""Same-process A/B timing of two versions of the CPU kernels (two csrc trees): attention, or scoring + top-k.
+"""Same-process A/B timing of versions of the CPU kernels (two or more csrc trees): attention, or scoring + top-k.
 
 The GPU host's memory bandwidth moves with other tenants by up to 1.5x within minutes, so two versions timed
-in two processes a minute apart cannot be told apart at a few percent. This builds both trees as separate
-libraries, loads both, and alternates their calls (order flipped every iteration) over rotated 128K-token
+in two processes a minute apart cannot be told apart at a few percent. This builds each tree as a separate
+library, loads them all, and alternates their calls (order rotated every iteration) over rotated 128K-token
 Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and batch 1 and 8. With
 `--kernel score` it times Quest's scoring + top-5% over rotated 128K-token digests (16-token physical blocks,
 logical 16 and 64) instead, allocated like the host tier's.
@@ -11,7 +11,7 @@ logical 16 and 64) instead, allocated like the host tier's.
     PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc
     PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc --kernel score
 
-Prints median ms per call and the ratio b/a per configuration. A diagnostic, not a test.
+Prints median ms per call and its ratio to the first version's, per configuration. A diagnostic, not a test.
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ def build(source_dir: str, target: Path) -> ctypes.CDLL:
 
 
 def alternate(libs: dict, calls: list, num_calls: int, invoke) -> dict[str, float]:
-    """Median ms per call of each version; b takes the other half of `calls` from the one a just took."""
-    times = {"a": [], "b": []}
+    """Median ms per call of each version. The versions take turns in an order rotated every iteration, and in
+    one iteration each reads another part of `calls` than the others (another store or selection)."""
+    names = list(libs)
+    times = {n: [] for n in names}
     for i in range(num_calls):
-        for name in ("a", "b") if i % 2 else ("b", "a"):
-            call = calls[(i + (len(calls) // 2 if name == "b" else 0)) % len(calls)]
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            call = calls[(i + names.index(name) * len(calls) // len(names)) % len(calls)]
             start = time.perf_counter()
             invoke(libs[name], call)
             times[name].append(time.perf_counter() - start)
@@ -62,8 +65,9 @@ def alternate(libs: dict, calls: list, num_calls: int, invoke) -> dict[str, floa
 
 
 def report(label: str, ms: dict[str, float], mb: float) -> None:
-    print(f"{label}: a {ms['a']:.3f} ms ({mb / ms['a']:.0f} GB/s)  b {ms['b']:.3f} ms ({mb / ms['b']:.0f} GB/s)  "
-          f"b/a {ms['b'] / ms['a']:.3f}", flush=True)  # fmt: skip
+    first = next(iter(ms.values()))
+    parts = [f"{n} {t:.3f} ms ({mb / t:.0f} GB/s, {t / first:.3f}x)" for n, t in ms.items()]
+    print(f"{label}: " + "  ".join(parts), flush=True)
 
 
 def attention(libs: dict, num_calls: int) -> None:
@@ -83,8 +87,8 @@ def attention(libs: dict, num_calls: int) -> None:
         for selection, block in (("token", 1), ("block16", 16), ("block64", 64)):
             units = CONTEXT // block
             count = round(0.05 * units)
-            # two disjoint selections per store: version b reads the other one of the store a just read
-            picks = make_selections(batch, units, count, 2, gen)
+            # disjoint selections per store, one per version: in one iteration no two versions read the same rows
+            picks = make_selections(batch, units, count, max(2, len(libs)), gen)
             lengths = torch.full((batch, NUM_KV_HEADS), count)
             calls = [
                 AttendArgs(
@@ -166,13 +170,17 @@ def score(libs: dict, num_calls: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("a", help="csrc directory of version a")
-    p.add_argument("b", help="csrc directory of version b")
+    p.add_argument(
+        "versions", nargs="+", help="csrc directories of the versions (2 or more; ratios to the first)"
+    )
     p.add_argument("--kernel", choices=["attention", "score"], default="attention")
     p.add_argument("--calls", type=int, default=60, help="calls per version and configuration")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    libs = {"a": build(args.a, tmp / "a.so"), "b": build(args.b, tmp / "b.so")}
+    if len(args.versions) < 2:
+        p.error(f"need at least 2 csrc directories to compare, got {len(args.versions)}")
+    names = [chr(ord("a") + i) for i in range(len(args.versions))]
+    libs = {n: build(d, tmp / f"{n}.so") for n, d in zip(names, args.versions, strict=True)}
     (attention if args.kernel == "attention" else score)(libs, args.calls)
 
 

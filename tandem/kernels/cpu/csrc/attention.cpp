@@ -20,7 +20,7 @@ namespace {
 constexpr float kLn2 = 0.69314718055994530942f;
 // Fewer rows than this per chunk and the piece set-up and the merge cost more than they save.
 constexpr int64_t kMinRowsPerChunk = 64;
-constexpr int64_t kChunksPerThread = 4;
+constexpr int64_t kChunksPerThread = 8;
 
 // out[seg] / lse[seg] from the pieces in slots [slot0, slot1]; state layout per slot: m, l, acc.
 void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int64_t slot1, int64_t nq,
