@@ -278,6 +278,38 @@ def test_block_scores_match_reference(isa, dtype, group):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7])
+def test_block_scores_small_groups_with_empty_digests(isa, dtype, group):
+    # every query-block split under 8 queries (4 + 2 + 1), with empty digests among scored ones
+    q = torch.randn(2, 2 * group, 1, 128)
+    key_min, key_max = make_digests(2, 2, 61, 128, dtype, seed=group)
+    empty = torch.zeros(2, 2, 61, dtype=torch.bool)
+    for b, h, blk in ((0, 0, 4), (0, 1, 5), (1, 0, 30), (1, 1, 60)):
+        key_min[b, h, blk], key_max[b, h, blk] = float("inf"), float("-inf")
+        empty[b, h, blk] = True
+    scores = cpu.block_scores(q, key_min, key_max)
+    assert (scores[empty] == float("-inf")).all() and torch.isfinite(scores[~empty]).all()
+    expected = reference.block_scores(
+        q, key_min.where(~empty[..., None], 0), key_max.where(~empty[..., None], 0)
+    )
+    assert_close(scores[~empty], expected[~empty], dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("factor", [1, 3])
+def test_score_topk_with_a_short_last_logical_block(isa, factor):
+    # 61 physical blocks at factor 3: the last logical block has one
+    q = torch.randn(1, 8, 1, 128)
+    key_min, key_max = make_digests(1, 2, 61, 128, torch.bfloat16, seed=factor)
+    ids, lengths = cpu.score_topk(q, key_min, key_max, 9, factor)
+    ref_ids, ref_lengths = reference.topk_blocks(
+        reference.block_scores(q, *reference.coarsen_digest(key_min, key_max, factor)), 9
+    )
+    assert torch.equal(ids, ref_ids) and torch.equal(lengths, ref_lengths)
+
+
+@needs_native
 @pytest.mark.parametrize("factor", [1, 2, 4, 8])
 def test_score_topk_matches_reference(isa, factor):
     q = torch.randn(2, 8, 1, 128)
