@@ -140,11 +140,17 @@ def rotation(store_bytes: int, call_bytes: int, budget_bytes: float) -> tuple[in
     return stores, max(1, math.ceil(needed / stores))
 
 
-def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False):
+def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False, interleaved: bool = False):
+    """K and V stores [batch, NUM_KV_HEADS, context, HEAD_DIM] allocated like the host tier's; `interleaved`: views
+    of one buffer in which each token's K row is followed by its V row (a layout experiment)."""
     # random rows repeated along the context: real values (never zeros) without minutes of RNG
     base = torch.randn(batch, NUM_KV_HEADS, 4096, HEAD_DIM).to(dtype)
-    k = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
-    v = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
+    if interleaved:
+        kv = host_empty((batch, NUM_KV_HEADS, context, 2, HEAD_DIM), dtype, pin=False, huge=huge)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    else:
+        k = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
+        v = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
     for start in range(0, context, 4096):
         n = min(4096, context - start)
         k[:, :, start : start + n] = base[:, :, :n]
