@@ -56,8 +56,8 @@ def alternate(libs: dict, calls: list, num_calls: int, invoke) -> dict[str, floa
     times = {n: [] for n in names}
     for i in range(num_calls):
         for j in range(len(names)):
-            name = names[(i + j) % len(names)]
-            call = calls[(i + names.index(name) * len(calls) // len(names)) % len(calls)]
+            v = (i + j) % len(names)  # version v reads the v-th part of `calls`
+            name, call = names[v], calls[(i + v * len(calls) // len(names)) % len(calls)]
             start = time.perf_counter()
             invoke(libs[name], call)
             times[name].append(time.perf_counter() - start)

@@ -68,6 +68,14 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--budget and --target must be in (0, 1], got {args.budget} and {args.target}")
     if args.stores < 2:
         p.error(f"--stores must be at least 2, got {args.stores}")
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1, got {args.reps}")
+    try:
+        args.tokens = tokens(args.context)
+    except ValueError:
+        p.error(f"--context must be a token count such as 131072 or 128k, got {args.context!r}")
+    if args.tokens < 1024:  # below, the sweep's 64-token selections are all one block: no slope to fit
+        p.error(f"--context must be at least 1k tokens, got {args.context!r}")
     return args
 
 
@@ -78,7 +86,7 @@ def main() -> None:
     threads = _library.default_num_threads()
     info = machine_info(threads)
     print(json.dumps(info), flush=True)
-    context = tokens(args.context)
+    context = args.tokens
     probe = ReadProbe(threads)
     gen = torch.Generator().manual_seed(0)
     stores = [
@@ -144,12 +152,13 @@ def main() -> None:
         f"# Batch-1 sparse attention against its time budget, {info['cpu_model']} ({info['cores']} cores)",
         "",
         f"One request, {args.context} tokens, {100 * args.budget:g}% attended, Llama-3.1-8B layer (32 q / 8 KV "
-        f"heads, d=128, bf16 on huge pages, {args.layout} K / V), `cpu.PreparedAttention`, {threads} threads unless a column says "
-        f"otherwise, ISA `{info['isa']}`, prefetch {info['prefetch']}. `cold`: rows from DRAM (calls rotate over "
-        f"{args.stores} stores and 2 disjoint selections), median of {args.reps}; `read BW`: the best of a 1 GiB "
-        f"read just before and just after the row (this run {low:.0f}-{high:.0f} GB/s); `target ms`: the time "
-        f"in which the call reads its MB at {100 * args.target:g}% of that; `hot`: the same call repeated, its "
-        f"rows in cache. Empty call (no rows): {empty_us:.1f} us.",
+        f"heads, d=128, bf16 on huge pages, {args.layout} K / V), `cpu.PreparedAttention`, {threads} threads "
+        f"unless a column says otherwise, ISA `{info['isa']}`, prefetch {info['prefetch']}. `cold`: rows from DRAM "
+        f"(calls rotate over {args.stores} stores and 2 disjoint selections), median of {args.reps}; MB: the K + V "
+        f"rows read; `read BW`: the best of a 1 GiB read just before and just after the row (this run "
+        f"{low:.0f}-{high:.0f} GB/s); `target ms`: the time in which the call reads its MB at "
+        f"{100 * args.target:g}% of that; `hot`: the same call repeated, its rows in cache. Empty call (no rows): "
+        f"{empty_us:.1f} us.",
         "",
         f"| selection | MB | read BW GB/s | cold ms | GB/s | % read BW | target ms | {hot_cols} | hot / target |",
         "|" + "---|" * (8 + len(thread_counts)),
