@@ -6,7 +6,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 
-POLICIES = ("full", "streaming", "hgca", "quest")
+POLICIES = ("full", "streaming", "hgca", "quest", "fluxion")
+FLUXION_MODES = ("predictor", "static")
+FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
 # host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
 # 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); benchmarks/results/bench_8b_h100_memops,
@@ -50,7 +52,9 @@ class TandemConfig:
     Attributes:
         policy: which offloaded (host) entries each head attends during decode: `full` (all), `streaming`
             (none: sinks + window only), `hgca` (moving-average attention weight above `beta / n`, per head),
-            `quest` (top `budget` fraction of blocks by the min/max key bound, per KV head).
+            `quest` (top `budget` fraction of blocks by the min/max key bound, per KV head), `fluxion` (per-head
+            budgets that keep each head's output within `tau` of full attention, streaming heads skipped, the
+            block size chosen per GQA group; from a calibration `profile`).
         sink_tokens: first tokens of every sequence kept on the compute device for good.
         window_tokens: recent tokens kept on the compute device. An int is a token count; a float in (0, 1)
             is a fraction of the first prompt's length (at least one block).
@@ -82,6 +86,17 @@ class TandemConfig:
             It costs `gpu_cache * budget` of the host tier's bytes in device memory; a size set here is kept, and a
             `MemoryError` names it if it does not fit.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
+        tau: for `fluxion`, the attention-output error each head may keep (fluxion.txt Eq. 2): its output may
+            differ from full attention's by `tau` times the layer's largest head output. 0, or one of the
+            profile's calibrated values (0.02, 0.05, 0.1, 0.2 in the shipped one); 0 attends everything.
+        profile: for `fluxion`, the calibration profile file (`tandem calibrate --out`); None: the one shipped for
+            the default model. A profile of a model with other shapes is refused.
+        fluxion_mode: for `fluxion`, where each step's per-head (bgt0, k, streaming) come from: "predictor" (the
+            profile's MLP over 41 features of the step) or "static" (the profile's calibrated per-head values).
+        granularity: for `fluxion`, a fixed logical block size (16, 32, 64 or 128) instead of each GQA group's
+            Eq. 3 choice (None, the default); an ablation.
+        skip_streaming: for `fluxion`, streaming heads select nothing (True, default); False gives every head
+            its Eq. 1 budget (an ablation).
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
             13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
@@ -108,6 +123,11 @@ class TandemConfig:
     gpu_cache: float | None = None
     device: str = "auto"
     huge_pages: bool = True
+    tau: float = 0.1
+    profile: str | None = None
+    fluxion_mode: str = "predictor"
+    granularity: int | None = None
+    skip_streaming: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -155,6 +175,35 @@ class TandemConfig:
         if self.huge_pages not in (True, False):  # 1 / 0 too: `--set quest.huge_pages=0,1`
             _fail("huge_pages", self.huge_pages, "True or False (1 or 0)")
         self.huge_pages = bool(self.huge_pages)
+        self._check_fluxion()
+
+    def _check_fluxion(self) -> None:
+        self._check_float(
+            "tau", 0.0, 1.0, "0 or a threshold in (0, 1) calibrated in the profile", low_open=False
+        )
+        if self.tau >= 1.0:
+            _fail("tau", self.tau, "0 or a threshold in (0, 1) calibrated in the profile")
+        if self.profile is not None and not isinstance(self.profile, (str, os.PathLike)):
+            _fail("profile", self.profile, "None (the default model's profile) or a path to a profile file")
+        if self.profile is not None:
+            self.profile = os.fspath(self.profile)
+        if self.fluxion_mode not in FLUXION_MODES:
+            _fail("fluxion_mode", self.fluxion_mode, " or ".join(map(repr, FLUXION_MODES)))
+        if self.granularity is not None and (
+            isinstance(self.granularity, bool) or self.granularity not in FLUXION_GRANULARITIES
+        ):
+            _fail("granularity", self.granularity, "None (Eq. 3 per group) or one of 16, 32, 64, 128")
+        if self.granularity is not None:
+            self.granularity = int(self.granularity)
+        if self.skip_streaming not in (True, False):
+            _fail("skip_streaming", self.skip_streaming, "True or False (1 or 0)")
+        self.skip_streaming = bool(self.skip_streaming)
+        if self.policy == "fluxion" and self.block_size != 16:
+            _fail(
+                "block_size",
+                self.block_size,
+                "16 with policy='fluxion' (its logical blocks are 16-128 tokens)",
+            )
 
     def _check_int(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)

@@ -1,4 +1,5 @@
-"""`tandem generate` end to end on the default model, and its error paths (no tracebacks)."""
+"""`tandem generate` end to end on the default model, and its error paths (no tracebacks); without the model, its
+arguments into `TandemConfig` and its stats line."""
 
 import json
 import subprocess
@@ -7,9 +8,8 @@ import sys
 import pytest
 
 import tandem.models
-from tandem.cli import main
-
-pytestmark = pytest.mark.model
+from tandem.cli import build_parser, generate, main
+from tandem.config import TandemConfig
 
 
 def _run(args, monkeypatch, smollm, capsys):
@@ -18,6 +18,7 @@ def _run(args, monkeypatch, smollm, capsys):
     return code, capsys.readouterr()
 
 
+@pytest.mark.model
 def test_generate_json_on_the_default_model(smollm, monkeypatch, capsys, prose):
     code, out = _run(
         [
@@ -46,6 +47,32 @@ def test_generate_json_on_the_default_model(smollm, monkeypatch, capsys, prose):
     assert 0.05 < stats["mean_fraction_attended"] < 0.2
 
 
+@pytest.mark.model
+def test_generate_fluxion_at_tau_zero_attends_everything(smollm, monkeypatch, capsys, prose):
+    """At tau = 0 no head may lose anything: no streaming heads, every budget 1, every host entry attended (no
+    profile is read)."""
+    args = [
+        "generate",
+        "--prompt",
+        prose[:6000],
+        "--max-new-tokens",
+        "3",
+        "--policy",
+        "fluxion",
+        "--tau",
+        "0",
+    ]
+    code, out = _run(args + ["--json"], monkeypatch, smollm, capsys)
+    assert code == 0, out.err
+    stats = json.loads(out.out)["stats"]
+    assert stats["policy"] == "fluxion" and stats["host_rows"] > 0
+    assert stats["streaming_head_share"] == 0 and stats["mean_head_budget"] == pytest.approx(1.0)
+    assert stats["mean_fraction_attended"] == pytest.approx(1.0)
+    code, out = _run(args, monkeypatch, smollm, capsys)
+    assert code == 0 and "(fluxion) | streaming heads 0.0% | mean head budget 100.0%" in out.err
+
+
+@pytest.mark.model
 def test_generate_streams_text_and_prints_stats(smollm, monkeypatch, capsys):
     code, out = _run(
         ["generate", "--chat", "--prompt", "What is 2 + 2?", "--max-new-tokens", "6"],
@@ -57,6 +84,7 @@ def test_generate_streams_text_and_prints_stats(smollm, monkeypatch, capsys):
     assert out.out.strip() and "[tandem] prompt" in out.err and "decode" in out.err
 
 
+@pytest.mark.model
 def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, capsys):
     """--engine on (the runner, eager on CPU) and --engine off (model.generate) give the same greedy text with
     every entry kept, both stopping at the end-of-sequence token the model emits before the limit."""
@@ -77,6 +105,7 @@ def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, caps
     assert on["stats"]["generated_tokens"] == off["stats"]["generated_tokens"] < 24
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -100,12 +129,14 @@ def test_bad_input_gives_one_clear_error(args, message, smollm, monkeypatch, cap
     assert message in out.err and "Traceback" not in out.err
 
 
+@pytest.mark.model
 def test_missing_model_path_is_a_clear_error(capsys):
     code = main(["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert code == 2 and "does not exist" in err and "/nonexistent/model.gguf" in err
 
 
+@pytest.mark.model
 def test_non_gguf_file_and_non_model_directory_are_refused(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"0")
     with pytest.raises(ValueError, match="is not a .gguf file"):
@@ -114,8 +145,76 @@ def test_non_gguf_file_and_non_model_directory_are_refused(tmp_path):
         tandem.models.load_model(tmp_path)
 
 
+@pytest.mark.model
 def test_console_script_help_runs():
     done = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "generate", "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "--policy" in done.stdout and "--window-tokens" in done.stdout
+
+
+# ---- without the model ----------------------------------------------------------------------------------------
+def _generate_args(*extra):
+    return build_parser().parse_args(["generate", "--prompt", "hi", *extra])
+
+
+def test_fluxion_flags_build_the_config():
+    config = generate.build_config(
+        _generate_args("--policy", "fluxion", "--tau", "0.05", "--profile", "cal/p.pt", "--fluxion-mode", "static",
+                       "--granularity", "32", "--no-skip-streaming", "--window-tokens", "512")
+    )  # fmt: skip
+    assert (config.policy, config.tau, config.profile, config.fluxion_mode) == (
+        "fluxion",
+        0.05,
+        "cal/p.pt",
+        "static",
+    )
+    assert config.granularity == 32 and config.skip_streaming is False and config.window_tokens == 512
+    default = TandemConfig(policy="fluxion")
+    config = generate.build_config(_generate_args("--policy", "fluxion"))
+    for name in (
+        "tau",
+        "profile",
+        "fluxion_mode",
+        "granularity",
+        "skip_streaming",
+        "sink_tokens",
+        "block_size",
+    ):
+        assert getattr(config, name) == getattr(default, name), name
+
+
+def test_bad_fluxion_flags_are_refused_before_the_model_loads(monkeypatch, capsys):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(tandem.models, "load_model", no_model)
+    assert main(["generate", "--prompt", "hi", "--policy", "fluxion", "--tau", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "tandem: error: TandemConfig.tau=1.5 is out of range" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        _generate_args("--granularity", "24")
+    assert "argument --granularity: invalid choice: 24" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _generate_args("--fluxion-mode", "dynamic")
+    assert "argument --fluxion-mode: invalid choice: 'dynamic'" in capsys.readouterr().err
+
+
+def test_generate_help_lists_fluxion(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("fluxion", "--tau", "--profile", "--fluxion-mode", "--granularity", "--no-skip-streaming"):
+        assert flag in text, flag
+
+
+def test_stats_line_adds_fluxion_statistics():
+    stats = dict(prompt_tokens=3000, generated_tokens=8, prefill_seconds=1.5, decode_tokens_per_s=20.0,
+                 hot_bytes=2**20, host_bytes=3 * 2**20, mean_fraction_attended=0.042, policy="quest")  # fmt: skip
+    line = generate.stats_line(stats)
+    assert line.endswith("host entries attended 4.2% (quest)") and "streaming" not in line
+    fluxion = dict(stats, policy="fluxion", streaming_head_share=0.375, mean_head_budget=0.031)
+    assert generate.stats_line(fluxion).endswith(
+        "host entries attended 4.2% (fluxion) | streaming heads 37.5% | mean head budget 3.1%"
+    )
+    assert "streaming heads n/a" in generate.stats_line(dict(fluxion, streaming_head_share=None))

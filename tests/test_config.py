@@ -22,8 +22,9 @@ def test_defaults():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_and_edge_values_accepted(policy):
+    block_size = 16 if policy == "fluxion" else 1  # fluxion's logical blocks are made of 16-token ones
     cfg = TandemConfig(
-        policy=policy, sink_tokens=0, window_tokens=1, block_size=1, budget=1, beta=1e-9, maw_alpha=1,
+        policy=policy, sink_tokens=0, window_tokens=1, block_size=block_size, budget=1, beta=1e-9, maw_alpha=1,
         observation_tokens=1, prefill_chunk=1, cpu_threads=1, device="cuda:3",
     )  # fmt: skip
     # float fields given as ints are stored as floats

@@ -5,6 +5,7 @@ tells policies apart), and the attention-output error of `full` is zero up to fl
 import json
 import re
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,11 +13,18 @@ import torch.nn.functional as F
 
 import tandem.models
 from tandem.cli import main
+from tandem.config import TandemConfig
 from tandem.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
 from tandem.evaluation.metrics import head_errors, reference_attention
 from tandem.evaluation.names import GENERATION_TASKS
 from tandem.evaluation.report import markdown, merge_results, summarize, verdicts
-from tandem.evaluation.runner import check_lengths, make_variants, parse_lengths
+from tandem.evaluation.runner import (
+    cache_statistics,
+    check_lengths,
+    check_profiles,
+    make_variants,
+    parse_lengths,
+)
 from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
 
 
@@ -36,6 +44,33 @@ from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
         ({"sets": ["quest.budget=2"]}, "--set quest[budget=2]: TandemConfig.budget=2 is out of range"),
         ({"samples": 0}, "--samples=0 is out of range"),
         ({"ppl_tokens": 600, "lengths": "1k"}, "--ppl-tokens=600 must be less than half"),
+        (
+            {"policies": "full,fluxion", "sets": ["fluxion.tau=1.5"]},
+            "--set fluxion[tau=1.5]: TandemConfig.tau=1.5 is out of range",
+        ),
+        ({"policies": "fluxion", "sets": ["fluxion.tau=x"]}, "--set 'fluxion.tau=x': 'x' is not a number"),
+        (
+            {"policies": "fluxion", "sets": ["fluxion.granularity=24"]},
+            "--set fluxion[granularity=24]: TandemConfig.granularity=24 is out of range: allowed None",
+        ),
+        (
+            {"policies": "fluxion", "sets": ["fluxion.granularity=big"]},
+            "--set 'fluxion.granularity=big': 'big' is not a number or 'none'",
+        ),
+        (
+            {"policies": "fluxion", "sets": ["fluxion.skip_streaming=yes"]},
+            "--set 'fluxion.skip_streaming=yes': 'yes' is not 0 or 1",
+        ),
+        (
+            {"policies": "fluxion", "sets": ["fluxion.fluxion_mode=dynamic"]},
+            "--set fluxion[fluxion_mode=dynamic]: TandemConfig.fluxion_mode='dynamic' is out of range",
+        ),
+        (
+            {"policies": "fluxion", "sets": ["fluxion.profile=a.pt,,b.pt"]},
+            "fluxion.profile=a.pt,,b.pt': empty value",
+        ),
+        ({"policies": "fluxion", "sets": ["fluxion.block_size=32"]}, "16 with policy='fluxion'"),
+        ({"policies": "full,quest", "sets": ["tau=0.1"]}, "'tau' applies only to policy 'fluxion'"),
     ],
 )
 def test_bad_arguments_name_the_argument_and_allowed_values(kwargs, message):
@@ -64,6 +99,88 @@ def test_lengths_sweeps_and_model_maximum():
     check_lengths([1024, 8192], 8192)
     with pytest.raises(ValueError, match="--lengths: 16384 tokens exceed the model's maximum of 8192"):
         check_lengths([1024, 16384], 8192)
+
+
+def test_fluxion_sweeps_parse_into_labelled_variants():
+    assert [v.label for v in make_plan(policies="full,quest,hgca,fluxion", tasks="niah").variants] == [
+        "full",
+        "quest",
+        "hgca",
+        "fluxion",
+    ]
+    variants = make_variants(["full", "fluxion"], ["fluxion.tau=0.02,0.05,0.1,0.2"])
+    assert [v.label for v in variants] == [
+        "full",
+        "fluxion[tau=0.02]",
+        "fluxion[tau=0.05]",
+        "fluxion[tau=0.1]",
+        "fluxion[tau=0.2]",
+    ]
+    assert [v.config.tau for v in variants[1:]] == [0.02, 0.05, 0.1, 0.2]
+    assert variants[1].overrides == {"tau": 0.02} and variants[0].config == TandemConfig(
+        policy="full", cpu_threads=variants[0].config.cpu_threads
+    )
+    ablation = make_variants(
+        ["fluxion"],
+        [
+            "fluxion.fluxion_mode=static",
+            "fluxion.granularity=none,16",
+            "fluxion.skip_streaming=0,1",
+            "fluxion.profile=default,cal/p.pt",
+        ],
+    )
+    assert len(ablation) == 8 and ablation[0].label == (
+        "fluxion[fluxion_mode=static,granularity=none,skip_streaming=0,profile=default]"
+    )
+    last = ablation[-1].config
+    assert (last.fluxion_mode, last.granularity, last.skip_streaming, last.profile) == (
+        "static",
+        16,
+        True,
+        "cal/p.pt",
+    )
+    first = ablation[0].config
+    assert first.granularity is None and first.skip_streaming is False and first.profile is None
+    # a fluxion key without 'fluxion.' changes only the fluxion variants
+    everywhere = make_variants(["quest", "fluxion"], ["tau=0.05", "window_tokens=512"])
+    assert [v.label for v in everywhere] == [
+        "quest[window_tokens=512]",
+        "fluxion[tau=0.05,window_tokens=512]",
+    ]
+
+
+def test_fluxion_profiles_are_checked_before_any_run():
+    shapes = SimpleNamespace(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576
+    )
+    missing = make_variants(["full", "fluxion"], ["fluxion.profile=/nonexistent/p.pt", "fluxion.tau=0,0.1"])
+    check_profiles(missing[:2], shapes)  # tau = 0 attends everything and reads no profile
+    with pytest.raises(
+        FileNotFoundError, match=re.escape("--set fluxion[profile=/nonexistent/p.pt,tau=0.1]: ")
+    ):
+        check_profiles(missing, shapes)
+
+
+def test_cache_statistics_keep_fluxion_statistics():
+    class Cache:
+        def __init__(self, **stats):
+            self.stats = lambda: dict(stats, policy="x", tokens=1, host_rows=1)
+
+    assert cache_statistics(Cache(mean_fraction_attended=0.25)) == {"fraction_attended": 0.25}
+    fluxion = cache_statistics(
+        Cache(
+            mean_fraction_attended=0.05,
+            streaming_head_share=0.4,
+            mean_head_budget=0.03,
+            granularity_share=None,
+        )
+    )
+    assert fluxion == {
+        "fraction_attended": 0.05,
+        "streaming_head_share": 0.4,
+        "mean_head_budget": 0.03,
+        "granularity_share": None,
+    }
 
 
 # ---- haystack, scoring, metrics, reports ----------------------------------------------------------------------
@@ -152,6 +269,36 @@ def test_summary_delta_verdict_markdown_and_merge():
     assert "**quest** does not meet" in text and "tandem eval --lengths 2k" in text
 
 
+def test_fluxion_statistics_in_cells_verdicts_markdown_and_merge():
+    runs = [r for r in _runs() if r["policy"] == "full"]
+    for i, (share, budget, grain) in enumerate(((0.5, 0.02, {16: 0.75, 32: 0.25}), (0.3, 0.04, {32: 1.0}))):
+        stats = dict(streaming_head_share=share, mean_head_budget=budget, granularity_share=grain)
+        runs.append(
+            dict(
+                task="niah", length=1024, policy="fluxion", sample=i, score=1, fraction_attended=0.04, **stats
+            )
+        )
+    cells = summarize(runs, ["niah", "ppl"], [1024], ["full", "fluxion"], "full")
+    niah = {c["policy"]: c for c in cells if c["task"] == "niah"}
+    assert niah["fluxion"]["streaming_head_share"] == pytest.approx(0.4)
+    assert niah["fluxion"]["mean_head_budget"] == pytest.approx(0.03)
+    assert niah["fluxion"]["granularity_share"] == pytest.approx({16: 0.375, 32: 0.625})
+    assert "streaming_head_share" not in niah["full"] and "granularity_share" not in niah["full"]
+    (verdict,) = verdicts(cells, ["full", "fluxion"], "full")
+    assert verdict["meets"] and verdict["mean_streaming_head_share"] == pytest.approx(0.4)
+    results = {"meta": {"tasks": ["niah", "ppl"]}, "baseline": "full", "cells": cells, "runs": runs}
+    reloaded = json.loads(json.dumps(results))  # results.json: the block sizes come back as strings
+    merged = merge_results([reloaded])
+    merged_cell = next(c for c in merged["cells"] if c["policy"] == "fluxion")
+    assert merged_cell["granularity_share"] == pytest.approx({16: 0.375, 32: 0.625})
+    text = markdown(merged)
+    assert (
+        "- **fluxion** meets the bar (worst Δ +0 points, mean Δ +0.0, host entries attended 4.0% mean / 4.0% max, "
+        "streaming heads 40.0% mean, head budget 3.0% mean)." in text
+    )
+    assert "| niah | 1K | 100 (±0) · 100.0% | 100 (±0) · 4.0% |" in text
+
+
 # ---- on the real model ----------------------------------------------------------------------------------------
 @pytest.mark.model
 def test_task_prompts_fit_their_length_and_hold_their_answers(smollm):
@@ -206,3 +353,19 @@ def test_attention_output_error_is_zero_for_full_only(smollm, prose):
     assert all(run["steps"] == 3 for run in results["runs"] if run["task"] == "error")
     ppl = {p: cells["ppl", p]["score"] for p in ("full", "streaming", "quest")}
     assert all(1 < v < 100 for v in ppl.values())
+
+
+@pytest.mark.model
+def test_fluxion_statistics_are_recorded_per_run_and_cell(smollm):
+    """fluxion at tau = 0 (no profile needed) attends everything: its runs and cells carry its statistics."""
+    model, tok = smollm
+    plan = make_plan(
+        "full,fluxion", "niah,ppl", "1k", samples=1, sets=["fluxion.tau=0"], ppl_tokens=8, error_steps=2
+    )
+    results = evaluate(model, tok, plan, load_haystack())
+    runs = [r for r in results["runs"] if r["policy"] == "fluxion[tau=0]"]
+    assert {r["task"] for r in runs} == {"niah", "ppl"}
+    for record in runs + [c for c in results["cells"] if c["policy"] == "fluxion[tau=0]"]:
+        assert record["streaming_head_share"] == 0 and record["mean_head_budget"] == pytest.approx(1.0)
+        assert record["fraction_attended"] == pytest.approx(1.0)
+    assert all("streaming_head_share" not in r for r in results["runs"] if r["policy"] == "full")

@@ -60,6 +60,8 @@ def _append(layer, q, k_new, v_new, valid_new, scale, pool):
     layer.append(k_new, v_new, valid_new)
     if layer.policy.needs_maw:
         _observe(layer, q, scale)
+    if layer.policy.needs_anchor and layer.observe_appends:
+        layer.policy.on_anchor(layer, q[:, :, -1], scale)  # the prompt's last query: fluxion's anchor q'
     return out
 
 

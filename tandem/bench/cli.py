@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     model_info.update(weight_bytes=weight_bytes, dtype=args.dtype)
     out_dir = Path(args.out)
     result = {"machine": machine, "bandwidth": bw, "model": model_info, "args": vars(args), "rows": []}
+    if model_info["weights"] == "random":
+        result["fluxion_replay"] = _replay_fluxion(variants, model, out_dir)
     # the first configuration timed in a process runs slow on every step (allocator, kernel selection): pay
     # that once on a throwaway run
     baselines.run_hf_baseline(model, "dynamic", 1, min(contexts), 3, 2, seed=args.seed)
@@ -199,6 +201,45 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_table(result["rows"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _replay_fluxion(variants, model, out_dir: Path) -> dict:
+    """Random weights make fluxion's predictor meaningless: each fluxion variant instead replays the static
+    per-head budgets and streaming labels its profile measured on a real model, mapped onto this shape
+    (`calibration.replay`). Says so, and returns what was replayed."""
+    from ..calibration.profile import load_profile
+    from ..calibration.replay import replay_profile, replay_summary
+
+    text = model.config.get_text_config(decoder=True)
+    num_q_heads = text.num_attention_heads
+    shape = (
+        text.num_hidden_layers,
+        num_q_heads,
+        getattr(text, "num_key_value_heads", None) or num_q_heads,
+        getattr(text, "head_dim", None) or text.hidden_size // num_q_heads,
+    )
+    replays = {}
+    for variant in variants:
+        config = variant.config
+        if config.policy != "fluxion" or config.tau == 0:
+            continue
+        source = load_profile(config.profile)
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in variant.label)
+        path = out_dir / f"replayed_profile_{safe}.pt"
+        replayed = replay_profile(source, *shape)
+        replayed.save(path)
+        config.profile, config.fluxion_mode = str(path), "static"
+        summary = replay_summary(replayed, replayed.tau_key(config.tau))
+        replays[variant.label] = dict(
+            summary, source=source.meta.get("model"), tau=config.tau, profile=str(path)
+        )
+        print(
+            f"{variant.label}: random weights, so the predictor is off: replaying the static per-head budgets "
+            f"calibrated on {source.meta.get('model')} (tau {config.tau:g}; {100 * summary['streaming_share']:.0f}% "
+            f"streaming heads, mean budget {100 * summary['mean_budget16']:.1f}% at 16-token blocks)",
+            flush=True,
+        )
+    return replays
 
 
 # host bytes per KV byte a system keeps in host memory: HF's offloaded cache was killed by the kernel at

@@ -120,6 +120,13 @@ def markdown(result: dict) -> str:
     ]
     if result.get("settings"):
         out.append("- Settings: " + ", ".join(f"{k} {v}" for k, v in result["settings"].items()) + ".")
+    for label, replay in (result.get("fluxion_replay") or {}).items():
+        out.append(
+            f"- `{label}` on random weights replays the static per-head budgets calibrated on {replay['source']} "
+            f"(tau {replay['tau']:g}: {100 * replay['streaming_share']:.0f}% streaming heads, mean budget "
+            f"{100 * replay['mean_budget16']:.1f}% of the host tier at 16-token blocks), mapped onto this shape; "
+            "no predictor runs."
+        )
     out += [
         "",
         "TPOT = time per output token (one decode step of the whole batch); tokens/s = batch / median TPOT. "

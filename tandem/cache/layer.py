@@ -30,9 +30,13 @@ class LayerKV:
         head_dim: int,
         side_streams: dict | None = None,
         recall_budget: RecallBudget | None = None,
+        num_layers: int | None = None,
     ) -> None:
         self.config = config
         self.layer_idx = layer_idx
+        self.num_layers = (
+            num_layers  # the model's layer count, where known (fluxion checks its profile by it)
+        )
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.policy = make_policy(config)
         self.hot: HotTier | None = None
@@ -161,6 +165,9 @@ class LayerKV:
         self.collect_statistics()
         self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
         self.rows_available = self.decode_steps = 0
+        reset = getattr(self.policy, "reset_statistics", None)
+        if reset is not None:
+            reset()
 
     # ---- appends -------------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..bench import cli as bench
+from ..calibration import cli as calibrate
 from ..evaluation import cli as evaluate
 from ..simulator import cli as simulate
 from . import generate
@@ -45,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(be)
     be.set_defaults(run=bench.run)
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure a model's per-head budgets and write the profile policy 'fluxion' reads",
+        description=calibrate.DESCRIPTION,
+    )
+    calibrate.add_arguments(cal)
+    cal.set_defaults(run=calibrate.run)
     return parser
 
 

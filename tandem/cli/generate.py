@@ -8,7 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import DEFAULT_GPU_CACHE, DEFAULT_GPU_SHARE, POLICIES, TandemConfig, parse_number
+from ..config import (
+    DEFAULT_GPU_CACHE,
+    DEFAULT_GPU_SHARE,
+    FLUXION_GRANULARITIES,
+    FLUXION_MODES,
+    POLICIES,
+    TandemConfig,
+    parse_number,
+)
 
 DESCRIPTION = (
     "Generate text with the KV cache split between the compute device (sinks + recent window) and host memory "
@@ -70,6 +78,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="quest with a GPU share: keep recently selected host blocks in GPU memory, this many times the "
         f"budget, and attend them there (same result, fewer host reads; default: {DEFAULT_GPU_CACHE} with CUDA, "
         "less if all layers' caches would take over half the free GPU memory, else 0 = off)",
+    )
+    p.add_argument(
+        "--tau",
+        type=float,
+        default=TandemConfig.tau,
+        help="fluxion: attention-output error each head may keep (Eq. 2), 0 or a value calibrated in the "
+        f"profile (default {TandemConfig.tau:g}; 0 attends everything)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="fluxion: calibration profile from `tandem calibrate --out` (default: the default model's)",
+    )
+    p.add_argument(
+        "--fluxion-mode",
+        choices=FLUXION_MODES,
+        default=TandemConfig.fluxion_mode,
+        help="fluxion: per-head budgets from the profile's predictor, per step, or its static per-head values "
+        f"(default {TandemConfig.fluxion_mode})",
+    )
+    p.add_argument(
+        "--granularity",
+        type=int,
+        choices=FLUXION_GRANULARITIES,
+        default=None,
+        help="fluxion: fixed logical block size in tokens (default: each GQA group's Eq. 3 choice per step)",
+    )
+    p.add_argument(
+        "--no-skip-streaming",
+        dest="skip_streaming",
+        action="store_false",
+        help="fluxion: give streaming heads their Eq. 1 budget too (default: they select no host entries)",
     )
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
@@ -163,6 +203,47 @@ def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
     return torch.cat(tokens)
 
 
+def build_config(args: argparse.Namespace) -> TandemConfig:
+    """The `TandemConfig` of parsed `tandem generate` arguments; ValueError names the bad field."""
+    return TandemConfig(
+        policy=args.policy,
+        sink_tokens=args.sink_tokens,
+        window_tokens=args.window_tokens,
+        block_size=args.block_size,
+        budget=args.budget,
+        beta=args.beta,
+        gpu_share=args.gpu_share,
+        gpu_cache=args.gpu_cache,
+        cpu_threads=args.cpu_threads,
+        tau=args.tau,
+        profile=args.profile,
+        fluxion_mode=args.fluxion_mode,
+        granularity=args.granularity,
+        skip_streaming=args.skip_streaming,
+    )
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def stats_line(stats: dict) -> str:
+    """The line `tandem generate` ends with on stderr; fluxion adds its share of streaming heads and mean head
+    budget (a fraction of the host entries)."""
+    line = (
+        f"[tandem] prompt {stats['prompt_tokens']} tok | generated {stats['generated_tokens']} tok | "
+        f"prefill {stats['prefill_seconds']:.2f} s | decode {stats['decode_tokens_per_s'] or 0:.2f} tok/s | "
+        f"hot {stats['hot_bytes'] / 2**20:.1f} MiB | host {stats['host_bytes'] / 2**20:.1f} MiB | "
+        f"host entries attended {_percent(stats['mean_fraction_attended'])} ({stats['policy']})"
+    )
+    if stats["policy"] == "fluxion":
+        line += (
+            f" | streaming heads {_percent(stats.get('streaming_head_share'))} | "
+            f"mean head budget {_percent(stats.get('mean_head_budget'))}"
+        )
+    return line
+
+
 def run(args) -> int:
     import torch
 
@@ -173,17 +254,7 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
     if args.engine == "on" and args.do_sample:
         raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
-    config = TandemConfig(
-        policy=args.policy,
-        sink_tokens=args.sink_tokens,
-        window_tokens=args.window_tokens,
-        block_size=args.block_size,
-        budget=args.budget,
-        beta=args.beta,
-        gpu_share=args.gpu_share,
-        gpu_cache=args.gpu_cache,
-        cpu_threads=args.cpu_threads,
-    )
+    config = build_config(args)
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.chat:
@@ -271,12 +342,5 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"text": text, "stats": stats}))
     else:
-        frac = stats["mean_fraction_attended"]
-        print(
-            f"[tandem] prompt {prompt_tokens} tok | generated {generated} tok | prefill {stats['prefill_seconds']:.2f} s | "
-            f"decode {decode_rate or 0:.2f} tok/s | hot {stats['hot_bytes'] / 2**20:.1f} MiB | "
-            f"host {stats['host_bytes'] / 2**20:.1f} MiB | host entries attended "
-            f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} ({config.policy})",
-            file=sys.stderr,
-        )
+        print(stats_line(stats), file=sys.stderr)
     return 0

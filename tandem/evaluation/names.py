@@ -16,4 +16,11 @@ SETTABLE = (
     "gpu_share",
     "gpu_cache",
     "huge_pages",
+    "tau",
+    "profile",
+    "fluxion_mode",
+    "granularity",
+    "skip_streaming",
 )
+# of those, the knobs only `fluxion` reads: without 'POLICY.' a sweep of one changes the fluxion variants alone
+FLUXION_SETTABLE = ("tau", "profile", "fluxion_mode", "granularity", "skip_streaming")

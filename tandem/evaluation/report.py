@@ -45,6 +45,8 @@ def summarize(
                     "n": len(group),
                     "fraction_attended": _mean([r["fraction_attended"] for r in group]),
                 }
+                if any("streaming_head_share" in r for r in group):
+                    cell.update(_fluxion_summary(group))
                 if task in GENERATION_TASKS:
                     cell["score"] = 100.0 * _mean([r["score"] for r in group])
                     if "hf_identical" in group[0]:
@@ -69,6 +71,21 @@ def summarize(
     return cells
 
 
+def _fluxion_summary(group: list[dict]) -> dict:
+    """Fluxion's statistics of a cell: means over its runs (a block size's share counts 0 in a run without it)."""
+    shares = [r["granularity_share"] for r in group if r.get("granularity_share")]
+    blocks = sorted({int(b) for share in shares for b in share})  # JSON (a merge) gives the keys as strings
+    return {
+        "streaming_head_share": _mean([r.get("streaming_head_share") for r in group]),
+        "mean_head_budget": _mean([r.get("mean_head_budget") for r in group]),
+        "granularity_share": {
+            b: _mean([next((v for k, v in share.items() if int(k) == b), 0.0) for share in shares])
+            for b in blocks
+        }
+        or None,
+    }
+
+
 def verdicts(cells: list[dict], labels: list[str], baseline: str | None) -> list[dict]:
     """Per policy: does it lose at most 1 point on every generation cell while attending <= 5% of host rows?"""
     out = []
@@ -81,18 +98,20 @@ def verdicts(cells: list[dict], labels: list[str], baseline: str | None) -> list
         worst = min(c["delta"] for c in mine)
         fractions = [c["fraction_attended"] for c in mine if c["fraction_attended"] is not None]
         peak = max(fractions) if fractions else 0.0
-        out.append(
-            {
-                "policy": label,
-                "worst_delta": worst,
-                "mean_delta": _mean([c["delta"] for c in mine]),
-                "max_fraction_attended": peak,
-                "mean_fraction_attended": _mean(fractions) or 0.0,
-                "within_1_point": worst >= -TOLERANCE_POINTS,
-                "sparse_enough": peak <= ATTENDED_LIMIT,
-                "meets": worst >= -TOLERANCE_POINTS and peak <= ATTENDED_LIMIT,
-            }
-        )
+        verdict = {
+            "policy": label,
+            "worst_delta": worst,
+            "mean_delta": _mean([c["delta"] for c in mine]),
+            "max_fraction_attended": peak,
+            "mean_fraction_attended": _mean(fractions) or 0.0,
+            "within_1_point": worst >= -TOLERANCE_POINTS,
+            "sparse_enough": peak <= ATTENDED_LIMIT,
+            "meets": worst >= -TOLERANCE_POINTS and peak <= ATTENDED_LIMIT,
+        }
+        if any("streaming_head_share" in c for c in mine):
+            verdict["mean_streaming_head_share"] = _mean([c.get("streaming_head_share") for c in mine])
+            verdict["mean_head_budget"] = _mean([c.get("mean_head_budget") for c in mine])
+        out.append(verdict)
     return out
 
 
@@ -220,6 +239,11 @@ def verdict_lines(results: dict) -> list[str]:
             f"host entries attended {_fmt_fraction(v['mean_fraction_attended'])} mean / "
             f"{_fmt_fraction(v['max_fraction_attended'])} max"
         )
+        if "mean_streaming_head_share" in v:
+            detail += (
+                f", streaming heads {_fmt_fraction(v['mean_streaming_head_share'])} mean, "
+                f"head budget {_fmt_fraction(v['mean_head_budget'])} mean"
+            )
         lines.append(f"- **{v['policy']}** {mark} the bar ({detail}{'; ' + ', '.join(why) if why else ''}).")
     return lines
 

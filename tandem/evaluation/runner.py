@@ -20,9 +20,10 @@ from transformers import DynamicCache
 
 from ..config import POLICIES, TandemConfig, parse_number
 from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
-from .names import DOCUMENT_TASKS, GENERATION_TASKS, SETTABLE, TASKS
+from .names import DOCUMENT_TASKS, FLUXION_SETTABLE, GENERATION_TASKS, SETTABLE, TASKS
 from .tasks import TaskBuilder, score_answer
 
 
@@ -99,12 +100,41 @@ def parse_lengths(
     return sorted(set(lengths))
 
 
+# `--set` values that are not plain numbers: names, paths, switches and the spelled-out defaults
+_WORDS = {"profile": "default", "granularity": "none"}  # the word for None (shipped profile, Eq. 3 per group)
+_SWITCHES = ("huge_pages", "skip_streaming")
+
+
+def parse_setting(key: str, text: str):
+    """One `--set` value of TandemConfig field `key`: a path for `profile` ('default': the shipped one), a name for
+    `fluxion_mode`, 0 or 1 for a switch, 'none' or a number for `granularity`, a number otherwise.
+
+    Range checks are TandemConfig's; this raises ValueError only for text that cannot be such a value.
+    """
+    if not text:
+        raise ValueError("empty value")
+    if text.lower() == _WORDS.get(key):
+        return None
+    if key in ("profile", "fluxion_mode"):
+        return text
+    if key in _SWITCHES:
+        if text not in ("0", "1"):
+            raise ValueError(f"{text!r} is not 0 or 1")
+        return int(text)
+    try:
+        return parse_number(text)
+    except ValueError:
+        word = f" or {_WORDS[key]!r}" if key in _WORDS else ""
+        raise ValueError(f"{text!r} is not a number{word}") from None
+
+
 def make_variants(
     policies: Sequence[str], sets: Sequence[str] = (), cpu_threads: int | None = None
 ) -> list[Variant]:
     """One variant per policy, or per combination of `--set` values where a policy is swept.
 
-    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy); key in SETTABLE.
+    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy, or only `fluxion` for a key
+    in FLUXION_SETTABLE); key in SETTABLE, values as `parse_setting` reads them.
     """
     sweeps: dict[str, dict[str, list]] = {p: {} for p in policies}
     for item in sets:
@@ -120,8 +150,16 @@ def make_variants(
             raise ValueError(
                 f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
             )
+        if not dot and key in FLUXION_SETTABLE:
+            # the other policies ignore it: variants that differ by name only would rerun the same thing
+            if "fluxion" not in policies:
+                raise ValueError(
+                    f"--set {item!r}: {key!r} applies only to policy 'fluxion', which is not in --policies "
+                    f"({', '.join(policies)})"
+                )
+            target, dot = "fluxion", "."
         try:
-            parsed = [parse_number(v.strip()) for v in values.split(",")]
+            parsed = [parse_setting(key, v.strip()) for v in values.split(",")]
         except ValueError as err:
             raise ValueError(f"--set {item!r}: {err}") from None
         for policy in [target] if dot else policies:
@@ -141,7 +179,8 @@ def make_variants(
 
 
 def _label(policy: str, overrides: dict) -> str:
-    return policy + (f"[{','.join(f'{k}={v}' for k, v in overrides.items())}]" if overrides else "")
+    shown = (f"{k}={_WORDS[k] if v is None else v}" for k, v in overrides.items())
+    return policy + (f"[{','.join(shown)}]" if overrides else "")
 
 
 def make_plan(
@@ -190,6 +229,37 @@ def check_lengths(lengths: Sequence[int], max_positions: int | None) -> None:
         )
 
 
+def check_profiles(variants: Sequence[Variant], text_config) -> None:
+    """Refuse, before any run, a fluxion variant whose profile is missing, of another model, or lacks its tau
+    (the check `TandemCache.for_model` makes), naming the variant and the argument that set it."""
+    num_q_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+    for variant in variants:
+        if variant.policy != "fluxion":
+            continue
+        try:
+            resolve_profile(
+                variant.config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim
+            )
+        except (ValueError, FileNotFoundError) as err:
+            where = f"--set {variant.label}" if variant.overrides else "--policies fluxion"
+            raise type(err)(f"{where}: {err}") from None
+
+
+FLUXION_STATISTICS = ("streaming_head_share", "mean_head_budget", "granularity_share")
+
+
+def cache_statistics(cache: TandemCache) -> dict:
+    """What a run records of its cache's decode statistics: the fraction of host entries attended and, for
+    `fluxion`, the share of streaming head-steps, the mean per-head budget and the share of groups per block
+    size (`TandemCache.stats`)."""
+    stats = cache.stats()
+    out = {"fraction_attended": stats["mean_fraction_attended"]}
+    out.update({k: stats[k] for k in FLUXION_STATISTICS if k in stats})
+    return out
+
+
 # ---- running ------------------------------------------------------------------------------------------------
 class Runner:
     """Runs an `EvalPlan` on a loaded model. `on_cell(results)` is called after each (task, length) so long
@@ -198,6 +268,7 @@ class Runner:
     def __init__(self, model, tokenizer, plan: EvalPlan, haystack: Haystack, progress: bool = True) -> None:
         text_config = model.config.get_text_config(decoder=True)
         check_lengths(plan.lengths, getattr(text_config, "max_position_embeddings", None))
+        check_profiles(plan.variants, text_config)
         self.model, self.tokenizer, self.plan, self.haystack = model, tokenizer, plan, haystack
         self.builder = TaskBuilder(tokenizer, haystack, seed=plan.seed)
         self.device = next(model.parameters()).device
@@ -248,7 +319,7 @@ class Runner:
                     "sample": sample.index,
                     "prompt_tokens": sample.input_ids.shape[1],
                     "score": score_answer(output, sample.answers),
-                    "fraction_attended": cache.stats()["mean_fraction_attended"],
+                    **cache_statistics(cache),
                     "output": output,
                     "answers": list(sample.answers),
                     "info": sample.info,
@@ -294,7 +365,7 @@ class Runner:
                             score=perplexity(result["nll_sum"], result["tokens"]),
                             nll_sum=result["nll_sum"],
                             tokens=result["tokens"],
-                            fraction_attended=result["fraction_attended"],
+                            **result["statistics"],
                             seconds=result["seconds"],
                         )
                     )
@@ -308,14 +379,17 @@ class Runner:
                             max_error=float(errors.max()),
                             layer_head_error=errors.mean(dim=0).tolist(),
                             steps=errors.shape[0],
-                            fraction_attended=result["step_fraction_attended"],
+                            **result["statistics"],
                         )
                     )
+                    # fluxion's statistics are over every step, the fraction attended over the measured ones
+                    self.runs[-1]["fraction_attended"] = result["step_fraction_attended"]
                 bar.update()
 
     def decode_document(self, doc: torch.Tensor, config: TandemConfig) -> dict:
         """Teacher-forced pass over doc [1, L]: prefill L - ppl_tokens tokens, then decode the rest one token
-        at a time. Returns the summed NLL of the last ppl_tokens tokens and the probe's error samples."""
+        at a time. Returns the summed NLL of the last ppl_tokens tokens, the probe's error samples and the cache's
+        statistics over every decode step (`cache_statistics`; `step_fraction_attended`: the measured steps')."""
         plan = self.plan
         n = plan.ppl_tokens
         doc = doc.to(self.device)
@@ -344,7 +418,7 @@ class Runner:
             "nll_sum": nll,
             "tokens": n,
             "errors": errors,
-            "fraction_attended": cache.stats()["mean_fraction_attended"],
+            "statistics": cache_statistics(cache),
             "step_fraction_attended": sum(probe.fractions) / len(probe.fractions)
             if probe.fractions
             else None,

@@ -22,6 +22,7 @@ from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..cache.recall import RecallBudget
 from ..config import TandemConfig
+from ..policies.fluxion import resolve_profile
 
 ATTENTION_NAME = "tandem"
 _HANDOFF = "_tandem_layer"
@@ -130,7 +131,9 @@ class TandemCache(Cache):
         budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
         layers = [
             TandemLayer(
-                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget), self, max_positions
+                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget, num_layers),
+                self,
+                max_positions,
             )
             for i in range(num_layers)
         ]
@@ -153,6 +156,8 @@ class TandemCache(Cache):
         num_q_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+        if config.policy == "fluxion":  # a missing or mismatched profile is refused here, before any work
+            resolve_profile(config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim)
         return cls(
             config,
             text_config.num_hidden_layers,
@@ -172,7 +177,7 @@ class TandemCache(Cache):
             kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs)
         available = sum(kv.rows_available for kv in kvs)
-        return {
+        stats = {
             "policy": self.config.policy,
             "tokens": kvs[0].seq_len if kvs else 0,
             "host_rows": kvs[0].host.rows if kvs and kvs[0].host is not None else 0,
@@ -180,6 +185,26 @@ class TandemCache(Cache):
             "host_bytes": sum(kv.host_nbytes() for kv in kvs),
             "mean_fraction_attended": attended / available if available else None,
         }
+        if self.config.policy == "fluxion":
+            stats.update(fluxion_statistics([kv.policy.statistics() for kv in kvs]))
+        return stats
+
+
+def fluxion_statistics(per_layer: list[dict]) -> dict:
+    """Fluxion's decode statistics over layers: the share of head-steps labelled streaming (they select nothing
+    unless skip_streaming is off), the mean per-head budget (skipped heads count 0), and the share of GQA groups
+    at each block size among those that selected blocks."""
+    heads = sum(s["head_steps"] for s in per_layer)
+    by_block: dict[int, float] = {}
+    for s in per_layer:
+        for block, n in s["groups_by_block"].items():
+            by_block[block] = by_block.get(block, 0.0) + n
+    working = sum(by_block.values())
+    return {
+        "streaming_head_share": sum(s["streaming_heads"] for s in per_layer) / heads if heads else None,
+        "mean_head_budget": sum(s["budget_sum"] for s in per_layer) / heads if heads else None,
+        "granularity_share": {b: n / working for b, n in by_block.items()} if working else None,
+    }
 
 
 def check_supported(text_config) -> None:

