@@ -73,3 +73,25 @@ def test_fluxion_static_graph_steps_select_as_eager_steps(handoff, tmp_path):
     assert 0.0 < stats["mean_fraction_attended"] < 1.0
     assert stats["streaming_head_share"] == pytest.approx(expected["streaming_head_share"])
     assert stats["mean_fraction_attended"] == pytest.approx(expected["mean_fraction_attended"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_replayed_profile_runs_fluxion_on_an_8b_shaped_layer_in_graphs(tmp_path):
+    """The bench's path on random weights: the shipped profile replayed onto the Llama-3.1-8B shape, decoded by
+    the engine with CUDA graphs."""
+    from tandem.calibration.profile import load_profile
+    from tandem.calibration.replay import replay_profile
+    from tests.test_cuda import _llama_8b_shape
+
+    model = _llama_8b_shape(layers=2)
+    path = tmp_path / "replayed.pt"
+    replay_profile(load_profile(None), 2, 32, 8, 128).save(path)
+    ids = torch.randint(0, 128256, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    config = TandemConfig(
+        policy="fluxion", tau=0.1, profile=str(path), fluxion_mode="static", window_tokens=256
+    )
+    tokens, runner = _run(model, ids, None, config, 12, chunk_tokens=1024)
+    assert runner.use_graphs and tokens.shape == (1, 12)
+    stats = runner.cache.stats()
+    assert 0.0 < stats["mean_fraction_attended"] < 1.0 and stats["streaming_head_share"] > 0.0
