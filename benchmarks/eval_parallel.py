@@ -22,6 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+TANDEM = [sys.executable, "-m", "tandem.cli"]  # works where the package is importable but not installed
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -38,11 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--jobs={args.jobs}: allowed >= 1")
     out = Path(args.out)
     shards = []
-    for length in [x.strip() for x in args.lengths.split(",") if x.strip()]:
-        for i, variant in enumerate(v.strip() for v in args.variants.split(";") if v.strip()):
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    # variant by variant, so the first ones listed finish first when the grid outlasts its time
+    for i, variant in enumerate(variants):
+        for length in [x.strip() for x in args.lengths.split(",") if x.strip()]:
             policy, *rest = shlex.split(variant)
             folder = out / "shards" / f"{length}_{i}_{policy}"
-            command = ["tandem", "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
+            command = [*TANDEM, "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
                        "--no-plots", "--no-progress", *common]  # fmt: skip
             shards.append((folder, command))
     start = time.perf_counter()
@@ -68,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if not parts:
         print("no shard finished", flush=True)
         return 1
-    merge = ["tandem", "eval", "--merge", *parts, "--out", str(out)]
-    print(" ".join(merge[:3]) + f" ({len(parts)} shards) --out {out}", flush=True)
+    merge = [*TANDEM, "eval", "--merge", *parts, "--out", str(out)]
+    print(f"tandem eval --merge ({len(parts)} shards) --out {out}", flush=True)
     return subprocess.call(merge)
 
 

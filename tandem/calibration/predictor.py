@@ -93,7 +93,7 @@ def train_predictor(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
         scheduler.step()
         if progress is not None:
             progress(epoch, total / n)

@@ -178,6 +178,10 @@ def fit_budget_law(budgets: torch.Tensor, blocks: tuple[int, ...]) -> tuple[torc
 
 
 def budget_at(bgt0: torch.Tensor, k: torch.Tensor, block: int | torch.Tensor) -> torch.Tensor:
-    """Eq. 1: the budget at logical block size `block`, clamped to [0, 1]."""
-    log_block = torch.log2(torch.as_tensor(block, dtype=torch.float32, device=bgt0.device))
+    """Eq. 1: the budget at logical block size `block`, clamped to [0, 1]. A Python number stays one (nothing is
+    copied to the device, so this runs inside a CUDA graph capture)."""
+    if isinstance(block, (int, float)):
+        log_block = math.log2(block)
+    else:
+        log_block = torch.log2(block.to(device=bgt0.device, dtype=torch.float32))
     return (bgt0 + k * log_block).clamp(0.0, 1.0)

@@ -78,7 +78,7 @@ class TandemLayer(CacheLayerMixin):
         kv = self.kv
         self.kv = LayerKV(
             kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams,
-            kv.recall_budget,
+            kv.recall_budget, kv.num_layers,
         )  # fmt: skip
         self.pending = False
 
