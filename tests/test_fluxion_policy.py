@@ -184,6 +184,22 @@ def test_predictor_mode_runs_and_reports_statistics(model, prompt, tmp_path):
         assert all(0.0 <= s <= 1.0 for s in share.values()) and sum(share.values()) == pytest.approx(1.0)
 
 
+def test_predictor_mode_with_a_prompt_that_fits_on_the_device(model, tmp_path):
+    """A prompt shorter than sinks + window leaves the host tier empty at the anchor; decoding then evicts blocks
+    there, and the predictor's features (empty host statistics) stay finite."""
+    path = make_profile(tmp_path / "predictor.pt")
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(7))
+    config = TandemConfig(policy="fluxion", tau=0.1, profile=path, sink_tokens=SINKS, window_tokens=WINDOW)
+    cache = TandemCache.for_model(model, config)
+    out = model.generate(
+        ids, max_new_tokens=60, do_sample=False, pad_token_id=0, output_scores=True,
+        return_dict_in_generate=True, **generate_cache_kwargs(model, cache),
+    )  # fmt: skip
+    assert all(torch.isfinite(s).all() for s in out.scores)
+    stats = cache.stats()
+    assert stats["host_rows"] > 0 and stats["streaming_head_share"] is not None
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------
 def test_profile_of_another_model_is_refused_naming_both_shapes(tmp_path):
     path = make_profile(tmp_path / "other.pt", predictor=False, layers=3, q_heads=8, kv_heads=4, head_dim=8)

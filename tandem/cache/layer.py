@@ -34,9 +34,8 @@ class LayerKV:
     ) -> None:
         self.config = config
         self.layer_idx = layer_idx
-        self.num_layers = (
-            num_layers  # the model's layer count, where known (fluxion checks its profile by it)
-        )
+        # the model's layer count, where known (fluxion checks its profile by it)
+        self.num_layers = num_layers
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.policy = make_policy(config)
         self.hot: HotTier | None = None

@@ -118,8 +118,12 @@ class FluxionPolicy(Policy):
         host, hot = layer.host, layer.hot
         host.wait()
         device = q_last.device
-        keys, values, valid = host.live()
-        cpu = (keys.to(device), values.to(device), valid.to(device))
+        if host.rows:
+            keys, values, valid = host.live()
+            cpu = (keys.to(device), values.to(device), valid.to(device))
+        else:  # a prompt that fits on the device: the host statistics are those of an empty segment
+            empty = hot.keys[:, :, :0]
+            cpu = (empty, empty, hot.valid[:, :0])
         sink, local = hot_segments(hot)
         self.anchor = anchor_stats(q_last, sink, cpu, local, scale, self.profile.taus)
 
