@@ -184,7 +184,7 @@ def _label(policy: str, overrides: dict) -> str:
 
 
 def make_plan(
-    policies=",".join(POLICIES),
+    policies=POLICIES,
     tasks="niah,multikey,multivalue,vt,cwe,ppl,error",
     lengths="1k,2k,4k",
     samples: int = 3,

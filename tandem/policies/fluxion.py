@@ -69,12 +69,18 @@ class FluxionPolicy(Policy):
     def _ensure_profile(self, layer) -> None:
         if not self._checked:
             num_layers = layer.num_layers
-            if num_layers is None and self.config.tau != 0:  # a LayerKV built on its own: only its index is known
+            if (
+                num_layers is None and self.config.tau != 0
+            ):  # a LayerKV built on its own: only its index is known
                 num_layers = max(layer.layer_idx + 1, load_profile(self.config.profile).meta["layers"])
             self.profile = resolve_profile(
                 self.config, num_layers, layer.num_q_heads, layer.num_kv_heads, layer.head_dim
             )
-            if self.profile is not None and isinstance(self.config.window_tokens, float) and layer.hot is not None:
+            if (
+                self.profile is not None
+                and isinstance(self.config.window_tokens, float)
+                and layer.hot is not None
+            ):
                 # a window given as a share of the prompt is known once the hot tier exists
                 window = (layer.hot.ring_blocks - 1) * layer.hot.block_size
                 self.profile.check_hot_set(self.config.sink_tokens, window)
