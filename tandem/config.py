@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 POLICIES = ("full", "streaming", "hgca", "quest", "fluxion")
-FLUXION_MODES = ("predictor", "static")
+FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
 # host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
@@ -92,7 +92,9 @@ class TandemConfig:
         profile: for `fluxion`, the calibration profile file (`tandem calibrate --out`); None: the one shipped for
             the default model. A profile of a model with other shapes is refused.
         fluxion_mode: for `fluxion`, where each step's per-head (bgt0, k, streaming) come from: "predictor" (the
-            profile's MLP over 41 features of the step) or "static" (the profile's calibrated per-head values).
+            profile's MLP over 41 features of the step) or "static" (the profile's calibrated per-head values);
+            "oracle" measures each step's exact Eq. 2 budgets over every host entry, with no profile: it reads
+            the whole host tier each step, an analysis mode that separates the budget rule from the predictor.
         granularity: for `fluxion`, a fixed logical block size (16, 32, 64 or 128) instead of each GQA group's
             Eq. 3 choice (None, the default); an ablation.
         skip_streaming: for `fluxion`, streaming heads select nothing (True, default); False gives every head

@@ -200,6 +200,16 @@ def test_predictor_mode_with_a_prompt_that_fits_on_the_device(model, tmp_path):
     assert stats["host_rows"] > 0 and stats["streaming_head_share"] is not None
 
 
+def test_oracle_mode_needs_no_profile_and_reads_less_at_a_larger_tau(model, prompt):
+    """fluxion_mode='oracle' measures each step's Eq. 2 budgets itself: no profile file is read, and a looser
+    tau never needs more of the host tier."""
+    missing = "/nonexistent/profile.pt"
+    _, tight = _run(model, prompt, policy="fluxion", tau=0.05, fluxion_mode="oracle", profile=missing)
+    _, loose = _run(model, prompt, policy="fluxion", tau=0.5, fluxion_mode="oracle", profile=missing)
+    assert 0.0 < loose["mean_fraction_attended"] <= tight["mean_fraction_attended"] <= 1.0
+    assert loose["mean_head_budget"] <= tight["mean_head_budget"]
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------
 def test_profile_of_another_model_is_refused_naming_both_shapes(tmp_path):
     path = make_profile(tmp_path / "other.pt", predictor=False, layers=3, q_heads=8, kv_heads=4, head_dim=8)

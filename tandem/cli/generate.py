@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fluxion-mode",
         choices=FLUXION_MODES,
         default=TandemConfig.fluxion_mode,
-        help="fluxion: per-head budgets from the profile's predictor, per step, or its static per-head values "
+        help="fluxion: per-head budgets from the profile's predictor, per step, or its static per-head values, "
+        "or (oracle, analysis only) measured exactly each step over the whole host tier "
         f"(default {TandemConfig.fluxion_mode})",
     )
     p.add_argument(

@@ -3,7 +3,8 @@
 Every decode step, on the compute device:
 1. each query head gets its properties (bgt0, k, streaming): from the head-property predictor over the step's
    41 features (`calibration.features`, anchored at the prompt's last query), or from the profile's static
-   per-head values (`fluxion_mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped;
+   per-head values (`fluxion_mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped.
+   `fluxion_mode="oracle"` instead measures the step's exact Eq. 2 budgets over every host entry (analysis only);
 2. streaming heads select nothing (`skip_streaming`); each GQA group with a retrieval head picks the block size
    minimising Eq. 3 (or the fixed `granularity`), and each retrieval head its Eq. 1 budget at that size;
 3. each head ranks logical blocks by its own Quest bound and keeps its budget; the group's union goes to the CPU
@@ -20,7 +21,7 @@ import torch
 from ..calibration.features import anchor_stats, step_features
 from ..calibration.predictor import predictor_from_state
 from ..calibration.profile import Profile, load_profile
-from ..calibration.search import SELECTION_BLOCKS
+from ..calibration.search import SELECTION_BLOCKS, min_budgets
 from .base import NONE, Policy, Selection
 from .granularity import choose_granularity, head_budgets, mask_to_ids, select_blocks
 
@@ -32,7 +33,7 @@ def resolve_profile(
 ) -> Profile | None:
     """The profile `config` asks for, checked against the model's shapes and the config (None at tau = 0, which
     needs none). Raises ValueError / FileNotFoundError naming what to change."""
-    if config.tau == 0:
+    if config.tau == 0 or config.fluxion_mode == "oracle":  # neither reads a profile
         return None
     profile = load_profile(config.profile)
     profile.check_model(num_layers, num_q_heads, num_kv_heads, head_dim)
@@ -156,6 +157,20 @@ class FluxionPolicy(Policy):
         shape = (batch, num_q_heads)
         return bgt0.view(shape), k.view(shape), (logit > 0).view(shape)
 
+    def measured_budgets(self, layer, q: torch.Tensor, blocks: tuple[int, ...]):
+        """`fluxion_mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
+        streaming labels [B, Hq], measured over every host entry (`calibration.search.min_budgets`). It reads the
+        whole host tier each step: an analysis mode that separates the budget rule from the predictor."""
+        host = layer.host
+        host.wait()
+        keys, values, valid = host.live()
+        cpu = (keys.to(q.device), values.to(q.device), valid.to(q.device))
+        sink, local = hot_segments(layer.hot)
+        hot = tuple(torch.cat([a, b], dim=-2 if a.dim() == 4 else -1) for a, b in zip(sink, local))
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        budgets, error = min_budgets(q, hot, cpu, scale, blocks, (self.config.tau,))
+        return budgets[..., 0], error <= self.config.tau
+
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """[B, Hkv, nblk] int64: each KV head's selected 16-token host blocks ascending, then nblk (none)."""
         host = layer.host
@@ -165,11 +180,16 @@ class FluxionPolicy(Policy):
         key_min, key_max, block_valid = _digests(host, q.device)
         host_rows = block_valid.sum(-1) * host.block_size  # [B]: whole blocks (a padded block counts whole)
         with torch.no_grad():
-            bgt0, k, streaming = self.head_properties(layer, q, host_rows)
             const = self._on(q.device, layer)
             blocks = const["blocks"]
-            active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
-            budgets = head_budgets(bgt0.float(), k.float(), active, blocks)
+            if self.config.fluxion_mode == "oracle" and self.config.tau != 0:
+                measured, streaming = self.measured_budgets(layer, q, blocks)
+                active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
+                budgets = measured * active[..., None]
+            else:
+                bgt0, k, streaming = self.head_properties(layer, q, host_rows)
+                active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
+                budgets = head_budgets(bgt0.float(), k.float(), active, blocks)
             choice = choose_granularity(budgets, host_rows, const["block_sizes"], layer.num_kv_heads)
             mask = select_blocks(q, key_min, key_max, budgets, choice, host_rows, blocks, BASE_BLOCK)
             self._count(layer, budgets, choice, streaming, active, const)
