@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from ..integrations.hf import _sdpa_fallback
-from .features import AnchorStats, anchor_stats, step_features
+from .features import AnchorStats, anchor_stats, join_segments, step_features
 from .search import CALIBRATION_BLOCKS, min_budgets
 
 CAPTURE_NAME = "tandem_calibrate"
@@ -152,7 +152,7 @@ def collect_document(
             sink, cpu, local = segments(keys, values, prompt_len + step + 1, sink_tokens, window_tokens)
             if cpu[0].shape[2] == 0:
                 continue
-            budgets, err = min_budgets(q, _join(sink, local), cpu, scale, CALIBRATION_BLOCKS, taus)
+            budgets, err = min_budgets(q, join_segments(sink, local), cpu, scale, CALIBRATION_BLOCKS, taus)
             rows = cpu[2].sum(-1)
             feats = torch.stack(
                 [step_features(layer_idx, q, anchor, sink, local, rows, scale, t) for t in range(len(taus))],
@@ -176,7 +176,3 @@ def collect_document(
         torch.full((count,), doc_index),
         [info],
     )
-
-
-def _join(a, b):
-    return (torch.cat([a[0], b[0]], dim=2), torch.cat([a[1], b[1]], dim=2), torch.cat([a[2], b[2]], dim=1))

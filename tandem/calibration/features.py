@@ -85,6 +85,11 @@ def segment_attention(q: torch.Tensor, segment, scale: float) -> tuple[torch.Ten
     return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
 
 
+def join_segments(a, b):
+    """Two segments as one: keys and values along their rows, masks along theirs."""
+    return (torch.cat([a[0], b[0]], dim=2), torch.cat([a[1], b[1]], dim=2), torch.cat([a[2], b[2]], dim=1))
+
+
 def _finite_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.nan_to_num(neginf=EMPTY_LSE).clamp_min(EMPTY_LSE)
 
@@ -135,7 +140,7 @@ def anchor_stats(q: torch.Tensor, sink, cpu, local, scale: float, taus: tuple[fl
     z = torch.einsum("bhgd,bhtd->bhgt", qg, k_cpu.float()).reshape(batch, num_q_heads, -1) * scale
     z = z / q_norm[..., None]
     outs, lses = zip(*(segment_attention(q, seg, scale) for seg in (sink, cpu, local)))
-    hot = tuple(torch.cat([a, b], dim=-2 if a.dim() == 4 else -1) for a, b in zip(sink, local))
+    hot = join_segments(sink, local)
     gpu_out, _ = segment_attention(q, hot, scale)
     budgets, _ = min_budgets(q, hot, cpu, scale, SELECTION_BLOCKS, taus)
     return AnchorStats(
@@ -171,8 +176,7 @@ def step_features(
     q_norm = qf.norm(dim=-1).clamp_min(1e-12)
     (o_sink, lse_sink), (o_local, lse_local) = (segment_attention(q, seg, scale) for seg in (sink, local))
     gpu_rows = sink[2].sum(-1) + local[2].sum(-1)  # [B]
-    gpu_out, _ = segment_attention(q, tuple(torch.cat([a, b], dim=-2 if a.dim() == 4 else -1)
-                                            for a, b in zip(sink, local)), scale)  # fmt: skip
+    gpu_out, _ = segment_attention(q, join_segments(sink, local), scale)
     mu = (qf * anchor.k_cpu_mean).sum(-1) * scale / q_norm  # <q, MEAN(K_cpu)> / (||q|| sqrt(D))
     sigma2 = anchor.z_moments[..., 1]
     log_rows = torch.log(cpu_rows.float().clamp_min(1.0))[:, None]

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ..kernels.reference import coarsen_digest
+
 CALIBRATION_BLOCKS = (1, 16, 32, 64, 128)  # Eq. 1 is fitted over these (fluxion.txt §5.2)
 SELECTION_BLOCKS = (16, 32, 64, 128)  # what the selector chooses from (§5.3)
 
@@ -31,17 +33,10 @@ def block_digests(keys: torch.Tensor, mask: torch.Tensor, block: int) -> tuple[t
     keys: [B, Hkv, T, D]; mask: [B, T] bool (True = real row). T need not be a multiple of `block`: the last
     block is short. Returns (key_min, key_max) [B, Hkv, ceil(T / block), D]; an all-padding block is (+inf, -inf).
     """
-    batch, heads, rows, head_dim = keys.shape
-    pad = (-rows) % block
     keys = keys.float()
-    m = mask[:, None, :, None]
-    kmin = keys.masked_fill(~m, math.inf)
-    kmax = keys.masked_fill(~m, -math.inf)
-    if pad:
-        kmin = torch.cat([kmin, kmin.new_full((batch, heads, pad, head_dim), math.inf)], dim=2)
-        kmax = torch.cat([kmax, kmax.new_full((batch, heads, pad, head_dim), -math.inf)], dim=2)
-    shape = (batch, heads, (rows + pad) // block, block, head_dim)
-    return kmin.view(shape).amin(dim=3), kmax.view(shape).amax(dim=3)
+    real = mask[:, None, :, None]
+    # a row is its own digest; coarsening takes the min of mins and max of maxes, a short last block included
+    return coarsen_digest(keys.masked_fill(~real, math.inf), keys.masked_fill(~real, -math.inf), block)
 
 
 def head_block_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.features import anchor_stats, step_features
+from ..calibration.features import anchor_stats, join_segments, step_features
 from ..calibration.predictor import predictor_from_state
 from ..calibration.profile import Profile, load_profile
 from ..calibration.search import SELECTION_BLOCKS, min_budgets
@@ -166,7 +166,7 @@ class FluxionPolicy(Policy):
         keys, values, valid = host.live()
         cpu = (keys.to(q.device), values.to(q.device), valid.to(q.device))
         sink, local = hot_segments(layer.hot)
-        hot = tuple(torch.cat([a, b], dim=-2 if a.dim() == 4 else -1) for a, b in zip(sink, local))
+        hot = join_segments(sink, local)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         budgets, error = min_budgets(q, hot, cpu, scale, blocks, (self.config.tau,))
         return budgets[..., 0], error <= self.config.tau
