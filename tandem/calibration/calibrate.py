@@ -140,7 +140,7 @@ def build_profile(samples: Samples, plan: CalibrationPlan, meta: dict, progress=
             predictors[key] = predictor_state(model)
             held = evaluate(
                 model, samples.features[test_mask][:, t], budgets[test_mask], streaming[test_mask],
-                bgt0[test_mask], k[test_mask],
+                bgt0[test_mask], k[test_mask], plan.quantile,
             )  # fmt: skip
             held["train_seconds"] = time.perf_counter() - start
             held["parameters"] = model.num_parameters()

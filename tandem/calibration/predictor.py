@@ -100,6 +100,13 @@ def train_predictor(
     return model.eval()
 
 
+def streaming_logit_threshold(quantile: float) -> float:
+    """A head is called streaming when the predicted probability is at least `quantile` (the calibration's
+    covering quantile): skipping a retrieval head loses its whole host part, so the label must be as sure as the
+    budgets are covering."""
+    return math.log(quantile / (1.0 - quantile))
+
+
 def _r2(pred: torch.Tensor, target: torch.Tensor) -> float:
     if target.numel() < 2:
         return float("nan")
@@ -110,11 +117,18 @@ def _r2(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: HeadPredictor, features: torch.Tensor, budgets: torch.Tensor, streaming: torch.Tensor, bgt0, k
+    model: HeadPredictor,
+    features: torch.Tensor,
+    budgets: torch.Tensor,
+    streaming: torch.Tensor,
+    bgt0,
+    k,
+    quantile: float = 0.9,
 ) -> dict:
-    """Held-out accuracy. budgets [N, len(CALIBRATION_BLOCKS)]; bgt0 / k: the per-sample Eq. 1 labels."""
+    """Held-out accuracy, with streaming called as the policy calls it (`streaming_logit_threshold`).
+    budgets [N, len(CALIBRATION_BLOCKS)]; bgt0 / k: the per-sample Eq. 1 labels."""
     p_bgt0, p_k, logit = model(features)
-    p_stream = logit > 0
+    p_stream = logit >= streaming_logit_threshold(quantile)
     tp = float((p_stream & streaming).sum())
     precision = tp / max(1.0, float(p_stream.sum()))
     recall = tp / max(1.0, float(streaming.sum()))

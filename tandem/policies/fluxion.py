@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..calibration.features import anchor_stats, join_segments, step_features
-from ..calibration.predictor import predictor_from_state
+from ..calibration.predictor import predictor_from_state, streaming_logit_threshold
 from ..calibration.profile import Profile, load_profile
 from ..calibration.search import SELECTION_BLOCKS, min_budgets
 from .base import NONE, Policy, Selection
@@ -155,7 +155,8 @@ class FluxionPolicy(Policy):
         )
         bgt0, k, logit = self._predictor(q.device)(features.view(-1, features.shape[-1]))
         shape = (batch, num_q_heads)
-        return bgt0.view(shape), k.view(shape), (logit > 0).view(shape)
+        threshold = streaming_logit_threshold(self.profile.meta.get("quantile", 0.5))
+        return bgt0.view(shape), k.view(shape), (logit >= threshold).view(shape)
 
     def measured_budgets(self, layer, q: torch.Tensor, blocks: tuple[int, ...]):
         """`fluxion_mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
