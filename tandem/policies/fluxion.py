@@ -70,9 +70,9 @@ class FluxionPolicy(Policy):
     def _ensure_profile(self, layer) -> None:
         if not self._checked:
             num_layers = layer.num_layers
-            if (
-                num_layers is None and self.config.tau != 0
-            ):  # a LayerKV built on its own: only its index is known
+            reads_profile = self.config.tau != 0 and self.config.fluxion_mode != "oracle"
+            if num_layers is None and reads_profile:
+                # a LayerKV built on its own: only its index can be checked against the profile
                 num_layers = max(layer.layer_idx + 1, load_profile(self.config.profile).meta["layers"])
             self.profile = resolve_profile(
                 self.config, num_layers, layer.num_q_heads, layer.num_kv_heads, layer.head_dim
