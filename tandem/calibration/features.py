@@ -13,11 +13,11 @@ its training statistics.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import reference
 from .search import SELECTION_BLOCKS, min_budgets
 
 NUM_FEATURES = 41
@@ -74,15 +74,16 @@ def segment_attention(q: torch.Tensor, segment, scale: float) -> tuple[torch.Ten
     """Attention of q [B, Hq, D] over one segment: (out [B, Hq, D], lse [B, Hq]); an empty segment gives
     (0, -inf)."""
     keys, values, mask = segment
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys.float()) * scale
-    logits = logits.masked_fill(~mask[:, None, None, :], -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)
-    weights = torch.exp(logits - lse.nan_to_num(neginf=0.0)[..., None]).nan_to_num(nan=0.0)
-    out = torch.einsum("bhgt,bhtd->bhgd", weights, values.float())
-    return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
+    out, lse = reference.attention_lse(q[:, :, None], keys, values, scale, mask)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def hot_attention(q: torch.Tensor, sink, local, scale: float):
+    """Attention over sinks and local window together (the device's part, O_gpu), merged from the two segments'
+    own results: ((out_sink, lse_sink), (out_local, lse_local), out_gpu)."""
+    (o_sink, lse_sink), (o_local, lse_local) = (segment_attention(q, seg, scale) for seg in (sink, local))
+    gpu_out, _ = reference.merge_lse(o_sink, lse_sink, o_local, lse_local)
+    return (o_sink, lse_sink), (o_local, lse_local), gpu_out
 
 
 def join_segments(a, b):
@@ -112,9 +113,6 @@ class AnchorStats:
     budgets: torch.Tensor  # [B, Hq, len(SELECTION_BLOCKS), len(taus)] Eq. 2 budgets of q'
     max_gpu_out: torch.Tensor  # [B] max over heads of ||O_gpu(q')||, sinks + local
 
-    def to(self, device) -> AnchorStats:
-        return AnchorStats(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
-
 
 def anchor_stats(q: torch.Tensor, sink, cpu, local, scale: float, taus: tuple[float, ...]) -> AnchorStats:
     """Appendix A.2's cached prefill statistics of one layer, from the anchor query q' [B, Hq, D]."""
@@ -139,10 +137,10 @@ def anchor_stats(q: torch.Tensor, sink, cpu, local, scale: float, taus: tuple[fl
     q_norm = q.float().norm(dim=-1).clamp_min(1e-12)  # [B, Hq]
     z = torch.einsum("bhgd,bhtd->bhgt", qg, k_cpu.float()).reshape(batch, num_q_heads, -1) * scale
     z = z / q_norm[..., None]
-    outs, lses = zip(*(segment_attention(q, seg, scale) for seg in (sink, cpu, local)))
-    hot = join_segments(sink, local)
-    gpu_out, _ = segment_attention(q, hot, scale)
-    budgets, _ = min_budgets(q, hot, cpu, scale, SELECTION_BLOCKS, taus)
+    (o_sink, lse_sink), (o_local, lse_local), gpu_out = hot_attention(q, sink, local, scale)
+    o_cpu, lse_cpu = segment_attention(q, cpu, scale)
+    outs, lses = (o_sink, o_cpu, o_local), (lse_sink, lse_cpu, lse_local)
+    budgets, _ = min_budgets(q, join_segments(sink, local), cpu, scale, SELECTION_BLOCKS, taus)
     return AnchorStats(
         kv_stats=_per_query_head(kv, num_q_heads),
         k_cpu_mean=_per_query_head(k_mean, num_q_heads),
@@ -174,9 +172,8 @@ def step_features(
     batch, num_q_heads, head_dim = q.shape
     qf = q.float()
     q_norm = qf.norm(dim=-1).clamp_min(1e-12)
-    (o_sink, lse_sink), (o_local, lse_local) = (segment_attention(q, seg, scale) for seg in (sink, local))
+    (o_sink, lse_sink), (o_local, lse_local), gpu_out = hot_attention(q, sink, local, scale)
     gpu_rows = sink[2].sum(-1) + local[2].sum(-1)  # [B]
-    gpu_out, _ = segment_attention(q, join_segments(sink, local), scale)
     mu = (qf * anchor.k_cpu_mean).sum(-1) * scale / q_norm  # <q, MEAN(K_cpu)> / (||q|| sqrt(D))
     sigma2 = anchor.z_moments[..., 1]
     log_rows = torch.log(cpu_rows.float().clamp_min(1.0))[:, None]

@@ -42,9 +42,13 @@ class Profile:
 
     def tau_key(self, tau: float) -> str:
         """The profile's key of threshold `tau`; ValueError naming the calibrated ones if it was not calibrated."""
-        for t in self.taus:
+        return tau_key(self.taus[self.tau_index(tau)])
+
+    def tau_index(self, tau: float) -> int:
+        """The position of threshold `tau` among the profile's; ValueError naming them if it was not calibrated."""
+        for i, t in enumerate(self.taus):
             if abs(t - tau) <= 1e-9:
-                return tau_key(t)
+                return i
         raise ValueError(
             f"TandemConfig.tau={tau!r} was not calibrated in the profile {self.path or '(in memory)'}: "
             f"allowed {', '.join(f'{t:g}' for t in self.taus)} (run `tandem calibrate --taus ...` for others)"

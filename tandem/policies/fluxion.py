@@ -122,16 +122,8 @@ class FluxionPolicy(Policy):
         self._ensure_profile(layer)
         if not self.uses_predictor:
             return
-        host, hot = layer.host, layer.hot
-        host.wait()
-        device = q_last.device
-        if host.rows:
-            keys, values, valid = host.live()
-            cpu = (keys.to(device), values.to(device), valid.to(device))
-        else:  # a prompt that fits on the device: the host statistics are those of an empty segment
-            empty = hot.keys[:, :, :0]
-            cpu = (empty, empty, hot.valid[:, :0])
-        sink, local = hot_segments(hot)
+        sink, local = hot_segments(layer.hot)
+        cpu = host_segment(layer, q_last.device)
         self.anchor = anchor_stats(q_last, sink, cpu, local, scale, self.profile.taus)
 
     # ---- per step ---------------------------------------------------------------------------------------------
@@ -147,9 +139,7 @@ class FluxionPolicy(Policy):
         if self.anchor is None:
             raise RuntimeError("fluxion: a decode step before any prefill (no anchor query)")
         sink, local = hot_segments(layer.hot)
-        tau_index = self.profile.taus.index(
-            next(t for t in self.profile.taus if abs(t - self.config.tau) <= 1e-9)
-        )
+        tau_index = self.profile.tau_index(self.config.tau)
         features = step_features(
             layer.layer_idx, q, self.anchor, sink, local, host_rows, self.scale, tau_index
         )
@@ -162,12 +152,8 @@ class FluxionPolicy(Policy):
         """`fluxion_mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
         streaming labels [B, Hq], measured over every host entry (`calibration.search.min_budgets`). It reads the
         whole host tier each step: an analysis mode that separates the budget rule from the predictor."""
-        host = layer.host
-        host.wait()
-        keys, values, valid = host.live()
-        cpu = (keys.to(q.device), values.to(q.device), valid.to(q.device))
-        sink, local = hot_segments(layer.hot)
-        hot = join_segments(sink, local)
+        cpu = host_segment(layer, q.device)
+        hot = join_segments(*hot_segments(layer.hot))
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         budgets, error = min_budgets(q, hot, cpu, scale, blocks, (self.config.tau,))
         return budgets[..., 0], error <= self.config.tau
@@ -254,6 +240,17 @@ def hot_segments(hot):
         (hot.keys[:, :, :s], hot.values[:, :, :s], hot.valid[:, :s]),
         (hot.keys[:, :, s:], hot.values[:, :, s:], hot.valid[:, s:]),
     )
+
+
+def host_segment(layer, device):
+    """The host tier's live rows as a segment on `device` (once its pending copies have landed); a prompt that
+    fits on the device leaves it empty (no storage yet)."""
+    host, hot = layer.host, layer.hot
+    if host.rows == 0:
+        return hot.keys[:, :, :0], hot.values[:, :, :0], hot.valid[:, :0]
+    host.wait()
+    keys, values, valid = host.live()
+    return keys.to(device), values.to(device), valid.to(device)
 
 
 def _digests(host, device):
