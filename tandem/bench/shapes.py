@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from ..models import attention_shape
+
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -166,9 +168,7 @@ def _dims(config) -> tuple[int, int, int, int, int, int, int]:
             f"parameter count from the config supports model types {', '.join(_COUNTED_TYPES)}, not "
             f"{text.model_type!r}: count a built model's parameters instead"
         )
-    num_q_heads = text.num_attention_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_q_heads
+    _, num_q_heads, num_kv_heads, head_dim = attention_shape(text)
     return (
         text.hidden_size,
         text.intermediate_size,

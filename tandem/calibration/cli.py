@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..evaluation.haystack import load_haystack
     from ..evaluation.runner import parse_lengths
-    from ..models import load_model
+    from ..models import attention_shape, load_model
     from .calibrate import CalibrationPlan, build_profile, collect
 
     taus = tuple(float(t) for t in args.taus.split(",") if t.strip())
@@ -71,14 +71,13 @@ def run(args: argparse.Namespace) -> int:
             f"--lengths: {min(plan.lengths)} tokens exceed the model's context of {limit} tokens"
         )
     plan.max_positions = limit
-    text_config = model.config.get_text_config(decoder=True)
-    num_q_heads = text_config.num_attention_heads
+    layers, q_heads, kv_heads, head_dim = attention_shape(model.config.get_text_config(decoder=True))
     meta = {
         "model": str(args.model or "SmolLM2-135M-Instruct.Q4_1.gguf"),
-        "layers": text_config.num_hidden_layers,
-        "q_heads": num_q_heads,
-        "kv_heads": getattr(text_config, "num_key_value_heads", None) or num_q_heads,
-        "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads,
+        "layers": layers,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
         "sink_tokens": plan.sink_tokens,
         "window_tokens": plan.window_tokens,
         "haystack": haystack.source,

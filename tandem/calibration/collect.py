@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from ..integrations.hf import _sdpa_fallback
+from ..models import attention_shape
 from .features import AnchorStats, anchor_stats, join_segments, step_features
 from .search import CALIBRATION_BLOCKS, min_budgets
 
@@ -134,9 +135,7 @@ def collect_document(
     prompt_len = ids.shape[1]
     chosen = sorted(rng.sample(range(new_tokens), min(steps, new_tokens)))
     text_config = model.config.get_text_config(decoder=True)
-    head_dim = (
-        getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    )
+    head_dim = attention_shape(text_config)[3]
     scale = getattr(text_config, "query_pre_attn_scalar", None)
     scale = scale**-0.5 if scale else head_dim**-0.5
     parts = {k: [] for k in ("features", "budgets", "err", "layer", "head")}

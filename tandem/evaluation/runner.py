@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from ..config import POLICIES, TandemConfig, parse_number
 from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..models import attention_shape
 from ..policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
@@ -232,16 +233,12 @@ def check_lengths(lengths: Sequence[int], max_positions: int | None) -> None:
 def check_profiles(variants: Sequence[Variant], text_config) -> None:
     """Refuse, before any run, a fluxion variant whose profile is missing, of another model, or lacks its tau
     (the check `TandemCache.for_model` makes), naming the variant and the argument that set it."""
-    num_q_heads = text_config.num_attention_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+    shape = attention_shape(text_config)
     for variant in variants:
         if variant.policy != "fluxion":
             continue
         try:
-            resolve_profile(
-                variant.config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim
-            )
+            resolve_profile(variant.config, *shape)
         except (ValueError, FileNotFoundError) as err:
             where = f"--set {variant.label}" if variant.overrides else "--policies fluxion"
             raise type(err)(f"{where}: {err}") from None

@@ -22,6 +22,7 @@ from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..cache.recall import RecallBudget
 from ..config import TandemConfig
+from ..models import attention_shape
 from ..policies.fluxion import resolve_profile
 
 ATTENTION_NAME = "tandem"
@@ -153,19 +154,10 @@ class TandemCache(Cache):
         if model.config._attn_implementation != ATTENTION_NAME:
             model._tandem_previous_attention = model.config._attn_implementation  # for restore_attention
             model.set_attn_implementation(ATTENTION_NAME)
-        num_q_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_q_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_q_heads
+        shape = attention_shape(text_config)
         if config.policy == "fluxion":  # a missing or mismatched profile is refused here, before any work
-            resolve_profile(config, text_config.num_hidden_layers, num_q_heads, num_kv_heads, head_dim)
-        return cls(
-            config,
-            text_config.num_hidden_layers,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            getattr(text_config, "max_position_embeddings", None),
-        )
+            resolve_profile(config, *shape)
+        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None))
 
     def tandem_layers(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers]
