@@ -195,6 +195,36 @@ def test_streaming_policy_runs_and_differs_from_full():
     assert stream.shape == full.shape
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("handoff", ["memops", "launches"])
+def test_streaming_graph_has_no_hand_off_and_matches_eager(handoff):
+    """A policy that attends no host row records no CPU part in the graph (no q copy, flag or merge); its tokens
+    equal the eager step's and its statistics count what the eager step's count."""
+    model = _tiny(device="cuda")
+    ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(5)).cuda()
+    config = TandemConfig(policy="streaming", sink_tokens=4, window_tokens=8, block_size=4)
+    results = []
+    for use_graphs in (False, True):
+        runner = TandemRunner(
+            model, TandemCache.for_model(model, config), use_graphs=use_graphs, handoff=handoff
+        )
+        first = runner.prefill(ids, max_new_tokens=16).argmax(-1)
+        tokens, steps = [], []
+        for token in runner.stream(first, 15):
+            tokens.append(token.cpu())
+            steps.append(runner.cache.decode_step)
+        results.append((torch.stack(tokens, 1), [layer.decode_steps for layer in runner.layers], runner))
+    (eager, eager_counts, _), (graphs, graph_counts, runner) = results
+    assert torch.equal(eager, graphs)
+    assert graph_counts == eager_counts and min(graph_counts) > 0
+    step = steps[-1]
+    assert step.segments and step.actions == [] and len(step.after) == len(runner.layers)
+    if handoff == "launches":
+        assert len(step.segments) == 1  # no CPU part cut the recording
+    assert runner.cache.stats()["mean_fraction_attended"] == 0.0
+
+
 def test_runner_refuses_bad_input():
     model = _tiny()
     cache = TandemCache.for_model(model, TandemConfig(policy="full"))

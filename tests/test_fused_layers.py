@@ -82,6 +82,44 @@ def test_rotary_matches_reference_on_transposed_views(
     check(k_out, k_ref, dtype, "k")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 27), (5, 576), (2, 3, 113), (0, 64)])
+def test_add_rms_norm_matches_reference(dtype, shape):
+    x, residual = randn(*shape, dtype=dtype) * 3, randn(*shape, dtype=dtype, seed=4) * 2
+    weight = randn(shape[-1], dtype=dtype, seed=1)
+    h, out = layers.add_rms_norm(x, residual, weight, 1e-5)
+    h_ref, out_ref = reference.add_rms_norm(x, residual, weight, 1e-5)
+    assert h.dtype == h_ref.dtype == dtype and out.dtype == out_ref.dtype == dtype
+    if gpu.interpreted() and dtype == torch.bfloat16:
+        check(h, h_ref, dtype)  # the interpreter truncates to bfloat16 (see `check`)
+    else:
+        assert torch.equal(h, h_ref)  # one rounded add: exact
+    check(out, out_ref, dtype)
+
+
+def test_add_rms_norm_refuses_mismatched_residual():
+    x = randn(2, 16)
+    with pytest.raises(ValueError, match="residual"):
+        layers.add_rms_norm(x, randn(2, 8), randn(16), 1e-5)
+    with pytest.raises(ValueError, match="residual.dtype"):
+        layers.add_rms_norm(x, randn(2, 16, dtype=torch.bfloat16), randn(16), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 48), (3, 2 * 1500), (0, 8)])
+def test_silu_mul_matches_reference(dtype, shape):
+    gate_up = randn(*shape, dtype=dtype) * 4
+    out = layers.silu_mul(gate_up)
+    expected = reference.silu_mul(gate_up)
+    assert out.shape == expected.shape and out.dtype == dtype
+    check(out, expected, dtype)
+
+
+def test_silu_mul_refuses_odd_width():
+    with pytest.raises(ValueError, match="gate_up"):
+        layers.silu_mul(randn(2, 7))
+
+
 def test_rotary_promotes_like_torch():
     q, k = randn(1, 2, 3, 8, dtype=torch.bfloat16), randn(1, 1, 3, 8, dtype=torch.bfloat16, seed=1)
     cos, sin = randn(1, 3, 8, seed=2), randn(1, 3, 8, seed=3)

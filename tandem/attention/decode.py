@@ -132,6 +132,12 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
             return out[:, :, None]
         bufs.q_host.copy_(q3)
         _cpu_part(layer, bufs, scale, pool, step)
+    elif step is not None and step.capturing and not layer.policy.attends_host:
+        # a policy that never attends the host tier (streaming) has no CPU part: no hand-off, no q copy, no merge;
+        # the host records the step's statistics after the replay
+        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        step.after_replay(partial(_record_no_host_part, layer))
+        return out[:, :, None]
     elif step is not None and step.capturing:
         # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
         # the calling thread runs what `host_work` is given, exactly where the eager branch below runs it
@@ -283,6 +289,14 @@ def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: b
     host_part(layer, bufs, scale, pool, wait=True)
     if step is not None:
         step.host_seconds += time.perf_counter() - start
+
+
+def _record_no_host_part(layer) -> None:
+    """A replayed step's statistics for a layer whose policy attends no host row (what `host_part` records)."""
+    if _nothing_offloaded(layer):
+        return
+    layer.host.wait()  # the count reads the valid flags of rows evicted this step
+    _record_selection(layer, NONE)
 
 
 def _nothing_offloaded(layer) -> bool:

@@ -74,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "them); comma-separated to compare, e.g. memops,launches",
     )
     p.add_argument(
+        "--forward",
+        default="auto",
+        help="the decode step's layer code: own (Tandem's fused forward, Llama family), hf (transformers' layers "
+        "with Tandem's attention) or auto (own where the model is in the family); comma-separated to compare, "
+        "e.g. own,hf",
+    )
+    p.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA if available)")
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import TandemConfig
-    from ..engine.runner import HANDOFFS
+    from ..engine.runner import FORWARDS, HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
     from .tandem_side import bound_ms, run_tandem, serial_bound_ms
@@ -116,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     hf_systems = [] if args.hf.strip() == "none" else parse_names(args.hf, HF_SYSTEMS, "--hf")
     policies = [] if args.policies.strip() == "none" else parse_names(args.policies, POLICIES, "--policies")
     handoffs = parse_names(args.handoff, HANDOFFS, "--handoff")
+    forwards = parse_names(args.forward, FORWARDS, "--forward")
     for argument, value in (("--cpu-threads", args.cpu_threads), ("--chunk-tokens", args.chunk_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{argument}={value} is out of range: allowed >= 1")
@@ -167,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
                         model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
                     )
                 _add(result, row, out_dir)
-            for variant, handoff in itertools.product(variants, handoffs):
+            for variant, handoff, forward in itertools.product(variants, handoffs, forwards):
                 label = variant.label if len(handoffs) == 1 else f"{variant.label}@{handoff}"
+                label = label if len(forwards) == 1 else f"{label}/{forward}"
                 row = _host_memory_check(f"tandem-{label}", batch, context, args, kv_token_bytes, baselines)
                 if row is not None:
                     _add(result, row, out_dir)
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                     use_graphs=False if args.no_graphs else "auto",
                     seed=args.seed,
                     handoff=handoff,
+                    forward=forward,
                 )
                 bandwidths = (bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps"))
                 row["bound_ms"] = bound_ms(row, weight_bytes, *bandwidths)

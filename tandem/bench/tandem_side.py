@@ -97,6 +97,7 @@ def run_tandem(
     use_graphs="auto",
     seed: int = 0,
     handoff: str = "auto",
+    forward: str = "auto",
 ) -> dict:
     """Fill (synthetic K/V, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
     and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
@@ -111,7 +112,8 @@ def run_tandem(
     cache = runner = None
     try:
         cache = TandemCache.for_model(model, config)
-        runner = TandemRunner(model, cache, use_graphs=use_graphs, handoff=handoff)
+        runner = TandemRunner(model, cache, use_graphs=use_graphs, handoff=handoff, forward=forward)
+        row["forward"] = runner.forward
         vocab = model.config.get_text_config(decoder=True).vocab_size
         gen = torch.Generator().manual_seed(seed)
         start = time.perf_counter()

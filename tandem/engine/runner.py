@@ -5,8 +5,9 @@ Prefill runs the model on `chunk_tokens` tokens at a time: each chunk's KV goes 
 one chunk's activations on the GPU. Every chunk attends all earlier tokens exactly.
 
 Decode steps have fixed addresses: the new token's hot-tier slot is a device tensor (`DecodeStep.slot`), and
-each layer's q / CPU output / LSE live in fixed pinned buffers. That lets CUDA graphs hold a whole step: the
-model's own forward (transformers code, with Tandem's registered attention) is recorded once. The host meets
+each layer's q / CPU output / LSE live in fixed pinned buffers. That lets CUDA graphs hold a whole step, recorded
+once: Tandem's own decode forward for the Llama family (`forward.py`: concatenated projections, fused norms, RoPE
+and SiLU), or for other models their transformers code with Tandem's registered attention (`forward="hf"`). The host meets
 the GPU twice per layer (take q, give back the CPU part's out / LSE), in one of two ways (`handoff`):
 
 - "memops": the step is one graph; the hand-offs are flags in pinned memory that the graph writes and waits
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import platform
+import sys
 import time
 
 import torch
@@ -35,8 +37,10 @@ from ..integrations.fused import FusedLayers
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
+from .forward import DecodeForward, unsupported_reason
 
 HANDOFFS = ("auto", "memops", "launches")
+FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
 
 
 class DecodeStep:
@@ -65,6 +69,7 @@ class DecodeStep:
         self.launcher = handoff_module.Launcher() if flags is not None else None
         self.compiled_host_side = True
         self.actions: list = []
+        self.after: list = []  # host work after each replay that needs no hand-off (statistics)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
         self._device_blocks_value = 0
@@ -127,6 +132,7 @@ class DecodeStep:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self.segments = []
         self.actions = []
+        self.after = []
         self._pool = torch.cuda.graph_pool_handle()  # one pool for all segments, replayed in capture order
         self.capturing = True
         try:
@@ -166,17 +172,24 @@ class DecodeStep:
             self.flags.wait_done(len(self.actions))
             self.actions.append(action)
 
+    def after_replay(self, action) -> None:
+        """At replay `action()` runs on the host once the step's graphs have been launched and its hand-offs
+        served (no GPU work waits for it): bookkeeping of layers with no CPU part."""
+        self.after.append(action)
+
     def replay(self) -> None:
         if self.flags is not None:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
             self.launcher.start(lambda: _replay_on(graph, stream))
             handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
-            return
-        for graph, after in self.segments:
-            graph.replay()
-            if after is not None:
-                after()
+        else:
+            for graph, after in self.segments:
+                graph.replay()
+                if after is not None:
+                    after()
+        for action in self.after:
+            action()
 
     def close(self) -> None:
         """End the launcher thread, if any."""
@@ -220,6 +233,7 @@ class TandemRunner:
         warmup_steps: int = 2,
         handoff: str = "auto",
         fused: bool | str = "auto",
+        forward: str = "auto",
     ) -> None:
         if not isinstance(cache, TandemCache):
             raise ValueError(
@@ -256,6 +270,20 @@ class TandemRunner:
         use_fused = can_fuse and (fused is True or self.device.type == "cuda")
         # the model's RMSNorm / RoPE as one kernel each, during this runner's passes only
         self.fused_layers = FusedLayers(model, self.device) if use_fused else None
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+        reason = unsupported_reason(model) if forward != "hf" else None
+        if forward == "own" and reason is not None:
+            raise ValueError(
+                f"forward='own': Tandem's decode forward cannot run this model: {reason}; use forward='hf'"
+            )
+        if forward == "auto" and reason is not None:
+            print(f"tandem: decoding with transformers' layer code ({reason})", file=sys.stderr)
+        # Tandem's own decode forward (Llama family), else transformers' layers with the attention registered
+        self.decoder = None
+        if forward != "hf" and reason is None:
+            self.decoder = DecodeForward(model, cache, kernels="triton" if use_fused else "torch")
+        self.forward = "own" if self.decoder is not None else "hf"
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
@@ -401,6 +429,11 @@ class TandemRunner:
 
     def _step_body(self) -> None:
         """One decode step at fixed addresses: model forward, greedy pick, inputs of the next step."""
+        if self.decoder is not None:
+            logits = self.decoder(self._ids, self._positions)
+            self._ids.copy_(logits.argmax(dim=-1, keepdim=True))
+            self._positions.add_(1)
+            return
         out = self.model(
             input_ids=self._ids,
             position_ids=self._positions,

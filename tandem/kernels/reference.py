@@ -446,6 +446,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h, rms_norm(h)) with h = x + residual in x's dtype: a decoder layer's residual add and the next norm
+    (`gpu.layers.add_rms_norm`)."""
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [..., 2 N] tensor holding gate then up, each op rounded as torch rounds it
+    (`gpu.layers.silu_mul`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotary embedding with the half-split rotation, cos / sin [B, L, D] broadcast over heads
     (`gpu.layers.rotary`)."""

@@ -94,3 +94,58 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             num_warps=4,
         )  # fmt: skip
     return q_out, k_out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h, rms_norm(h, weight, eps)) with h = x + residual rounded to x's dtype, in one kernel: a decoder layer's
+    residual add followed by the next RMSNorm.
+
+    x, residual: [..., N], same float dtype and shape; weight: [N] float; eps: a Python float > 0.
+    Returns (h [..., N] of x's dtype, normed [..., N] of dtype promote(weight.dtype, x.dtype)), contiguous.
+    """
+    device = _run_device("x", x)
+    _check(x.dim() >= 1 and x.dtype in FLOAT_DTYPES, f"x must be a float tensor [..., N], got {x.dtype}")
+    n = x.shape[-1]
+    _check(1 <= n <= MAX_HIDDEN, f"x.shape[-1] must lie in [1, {MAX_HIDDEN}], got {n}")
+    _check_tensor("residual", residual, "[..., N]", tuple(x.shape), (x.dtype,))
+    _check_on("residual", residual, device)
+    _check_tensor("weight", weight, "[N]", (n,), FLOAT_DTYPES)
+    _check_on("weight", weight, device)
+    _check(isinstance(eps, float) and eps > 0, f"eps must be a Python float > 0, got {eps!r}")
+    rows = _unit_last_stride("x", x.reshape(-1, n), may_copy=True)
+    res = _unit_last_stride("residual", residual.reshape(-1, n), may_copy=True)
+    weight = weight.contiguous()
+    h = torch.empty(x.shape, dtype=x.dtype, device=device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=device)
+    if rows.shape[0] == 0:
+        return h, out
+    with _guard(device):
+        _kernels.add_rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight, h, out, rows.stride(0), res.stride(0), n, eps,
+            BLOCK=triton.next_power_of_2(n), num_warps=4,
+        )  # fmt: skip
+    return h, out
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [..., 2 N] tensor holding gate then up (the concatenated gate / up projection), in
+    one kernel, rounded as torch's two ops round. Returns [..., N] contiguous, of gate_up's dtype."""
+    device = _run_device("gate_up", gate_up)
+    _check(
+        gate_up.dim() >= 1 and gate_up.dtype in FLOAT_DTYPES and gate_up.shape[-1] % 2 == 0,
+        f"gate_up must be a float tensor [..., 2 N], got {gate_up.dtype} {tuple(gate_up.shape)}",
+    )
+    n = gate_up.shape[-1] // 2
+    rows = _unit_last_stride("gate_up", gate_up.reshape(-1, 2 * n), may_copy=True)
+    out = torch.empty((*gate_up.shape[:-1], n), dtype=gate_up.dtype, device=device)
+    if rows.shape[0] == 0 or n == 0:
+        return out
+    block = min(SILU_BLOCK, triton.next_power_of_2(n))
+    with _guard(device):
+        _kernels.silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
+            rows, out, rows.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out

@@ -1010,3 +1010,52 @@ def recall_plan_kernel(
     tl.store(step_ptr + row, step + 1)
     tl.atomic_add(counters_ptr, n_hit * block_size)
     tl.atomic_add(counters_ptr + 1, count * block_size)
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr,  # [rows, N], last dim contiguous: the sublayer's output
+    r_ptr,  # [rows, N], last dim contiguous: the residual stream
+    w_ptr,  # [N]
+    sum_ptr,  # [rows, N] contiguous, x's dtype: the new residual x + r
+    out_ptr,  # [rows, N] contiguous: RMSNorm of the new residual
+    stride_x,
+    stride_r,
+    N,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """One row: h = x + r rounded to x's dtype (as torch's add rounds), then Llama's RMSNorm of h, so the
+    residual add and the next norm are one kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < N
+    x_raw = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
+    h_raw = (x_raw.to(tl.float32) + r).to(x_raw.dtype)
+    tl.store(sum_ptr + row * N + cols, h_raw, mask=live)
+    h = h_raw.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / N
+    normed = (h * (1.0 / tl.sqrt(variance + eps))).to(x_raw.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def silu_mul_kernel(
+    gu_ptr,  # [rows, 2 * N], last dim contiguous: gate then up
+    out_ptr,  # [rows, N] contiguous
+    stride_gu,
+    N,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, cdiv(N, BLOCK)): silu(gate) rounded to the input dtype, times up, rounded again: what
+    `act_fn(gate_proj(x)) * up_proj(x)` computes in two kernels."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < N
+    g_raw = tl.load(gu_ptr + row * stride_gu + cols, mask=live, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + N + cols, mask=live, other=0.0).to(tl.float32)
+    g = g_raw.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (act * u).to(out_ptr.dtype.element_ty), mask=live)
