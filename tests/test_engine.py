@@ -182,6 +182,27 @@ def test_stream_yields_decodes_tokens_and_stops_early(device):
     assert torch.equal(rest, expected[:, 5:])
 
 
+@pytest.mark.skipif(not native_cpu_available(), reason="no compiled CPU kernels")
+def test_full_policy_attends_every_block_through_one_prepared_call():
+    """`full`'s CPU part is one prepared compiled call over all blocks, kept across steps: its index tensor is the
+    same object step after step, its length the live block count; the tokens are DynamicCache's."""
+    model = _tiny()
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(6))
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4)
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    first = runner.prefill(ids, max_new_tokens=12).argmax(-1)
+    seen, tokens = [], [first]
+    for token in runner.stream(first, 11):
+        bufs = runner.layers[0].decode_buffers
+        seen.append((id(bufs._all_blocks.indices), id(bufs._prepared_call)))
+        tokens.append(token)
+    layer = runner.layers[0]
+    assert len(set(seen[1:])) == 1  # one index tensor and one prepared call for all steps
+    assert int(layer.decode_buffers._all_blocks.lengths.max()) == -(-layer.host.rows // 4)
+    assert runner.cache.stats()["mean_fraction_attended"] == 1.0
+    assert torch.equal(torch.stack(tokens, dim=1), _hf_greedy(model, ids, None, 12))
+
+
 def test_streaming_policy_runs_and_differs_from_full():
     model = _tiny()
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))

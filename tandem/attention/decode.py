@@ -22,7 +22,7 @@ import torch
 
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
-from ..policies import NONE
+from ..policies import NONE, Selection
 from .host import _record_counts, _record_selection, host_attention
 
 
@@ -51,6 +51,24 @@ class DecodeBuffers:
         self.recall_planned = False  # this step's from_device is a recall plan's CPU list (attention.decode)
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
+        self._all_blocks, self._all_key = None, None
+
+    def all_blocks(self, host, num_kv_heads: int) -> Selection:
+        """Every live block of the host tier as a block selection whose index and length tensors stay the same
+        step after step (made again when the host tier moves), so one prepared compiled call serves `full`."""
+        block = host.block_size
+        capacity = host.capacity // block
+        key = (id(host), host.generation, capacity)
+        if key != self._all_key:
+            ids = (
+                torch.arange(capacity, dtype=torch.long)
+                .expand(host.batch, num_kv_heads, capacity)
+                .contiguous()
+            )
+            lengths = torch.zeros(host.batch, num_kv_heads, dtype=torch.long)
+            self._all_blocks, self._all_key = Selection("blocks", ids, lengths, block), key
+        self._all_blocks.lengths.fill_(min(-(-host.rows // block), capacity))  # padding rows: not valid
+        return self._all_blocks
 
     def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:
         """Queue the copy of the policy's device-side selection into host memory (same stream as q's)."""
@@ -338,7 +356,11 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         _record_counts(layer, *call(*ranks, host.valid_rows()))
         return
     selection = layer.policy.select(layer, q_host, ranked, skip)
-    call = bufs.prepared_call(layer, selection, scale) if layer.policy.keeps_selection and not skip else None
+    keeps = layer.policy.keeps_selection
+    if selection.kind == "all" and not skip and ops.native_cpu_available():
+        # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
+        selection, keeps = bufs.all_blocks(host, layer.num_kv_heads), True
+    call = bufs.prepared_call(layer, selection, scale) if keeps and not skip else None
     if call is not None:
         call()  # attends into out / lse_host
         _record_selection(layer, selection)

@@ -20,6 +20,8 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
             (batch, num_q_heads, q_len), float("-inf")
         )
     threads = layer.config.cpu_threads
+    if selection.kind == "all" and q_len == 1 and ops.native_cpu_available():
+        selection = _all_blocks(host, layer.num_kv_heads)  # the compiled kernel over every live block
     if selection.kind != "all" and ops.native_cpu_available():
         # the compiled kernel splits (request, head, chunk) work over its own threads
         return ops.sparse_attention_lse(
@@ -60,6 +62,15 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
 
     pool.run(batch, layer.num_kv_heads, piece)
     return out, lse
+
+
+def _all_blocks(host, num_kv_heads: int) -> Selection:
+    """Every live block of the host tier as a block selection (padding rows are masked by the valid flags)."""
+    block = host.block_size
+    count = min(-(-host.rows // block), host.capacity // block)
+    ids = torch.arange(count, dtype=torch.long).expand(host.batch, num_kv_heads, count).contiguous()
+    lengths = torch.full((host.batch, num_kv_heads), count, dtype=torch.long)
+    return Selection("blocks", ids, lengths, block)
 
 
 def _record_selection(layer, selection: Selection, device_rows: torch.Tensor | None = None) -> None:
