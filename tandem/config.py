@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -13,6 +14,7 @@ FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
 # 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); benchmarks/results/bench_8b_h100_memops,
 # profile_8b_h200/7_*. (With two graphs per layer 0.5-0.7 had been fastest: bench_8b_h200_gpu_share.)
+MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the model's own is refused per model
 DEFAULT_GPU_SHARE = 0.4
 # quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
 # batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
@@ -43,6 +45,12 @@ def parse_number(text: str) -> int | float:
 
 def _fail(name: str, value, allowed: str) -> None:
     raise ValueError(f"TandemConfig.{name}={value!r} is out of range: allowed {allowed}")
+
+
+def _fail_type(name: str, value, allowed: str) -> None:
+    raise ValueError(
+        f"TandemConfig.{name}={value!r} has the wrong type ({type(value).__name__}): allowed {allowed}"
+    )
 
 
 @dataclass
@@ -131,17 +139,57 @@ class TandemConfig:
     granularity: int | None = None
     skip_streaming: bool = True
 
+    def __setattr__(self, name: str, value) -> None:
+        """A field assigned after construction is checked like the constructor's: the whole config is validated
+        again, and an invalid value is refused (the old one stays)."""
+        state = self.__dict__
+        if not state.get("_ready") or state.get("_validating") or name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if name not in state:
+            raise AttributeError(
+                f"TandemConfig has no field {name!r}: allowed {', '.join(f.name for f in fields(self))}"
+            )
+        old = state[name]
+        object.__setattr__(self, name, value)
+        try:
+            self._validate()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
+
     def __post_init__(self) -> None:
+        self._validate()
+        object.__setattr__(self, "_ready", True)
+
+    def _validate(self) -> None:
+        object.__setattr__(self, "_validating", True)
+        try:
+            self._check_fields()
+        finally:
+            object.__setattr__(self, "_validating", False)
+
+    def _check_fields(self) -> None:
         if self.policy not in POLICIES:
             _fail("policy", self.policy, "one of " + ", ".join(POLICIES))
         self._check_int("sink_tokens", 0, 1 << 20)
-        if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, (int, float)):
-            _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, numbers.Real):
+            _fail_type("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        if isinstance(self.window_tokens, numbers.Integral):
+            self.window_tokens = int(self.window_tokens)
+        else:
+            self.window_tokens = float(self.window_tokens)
         if isinstance(self.window_tokens, float):
             if not 0.0 < self.window_tokens < 1.0:
                 _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
         elif self.window_tokens < 1:
             _fail("window_tokens", self.window_tokens, "an int >= 1 or a float fraction in (0, 1)")
+        if isinstance(self.window_tokens, numbers.Integral) and self.window_tokens > MAX_WINDOW_TOKENS:
+            _fail(
+                "window_tokens",
+                self.window_tokens,
+                f"an int in [1, {MAX_WINDOW_TOKENS}] or a float fraction in (0, 1)",
+            )
         self._check_int("block_size", 1, 4096)
         self._check_float("budget", 0.0, 1.0, "(0, 1]", low_open=True)
         self._check_float("beta", 0.0, math.inf, "(0, inf)", low_open=True)
@@ -209,13 +257,17 @@ class TandemConfig:
 
     def _check_int(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _fail_type(name, value, f"an integer in [{low}, {high}]")
+        if not low <= value <= high:
             _fail(name, value, f"an integer in [{low}, {high}]")
+        setattr(self, name, int(value))  # a numpy integer becomes a Python int
 
     def _check_float(self, name: str, low: float, high: float, text: str, low_open: bool) -> None:
         value = getattr(self, name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high
-        ok = ok and (value > low if low_open else value >= low)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            _fail_type(name, value, text)
+        ok = math.isfinite(value) and value <= high and (value > low if low_open else value >= low)
         if not ok:
             _fail(name, value, text)
         setattr(self, name, float(value))

@@ -37,6 +37,28 @@ def default_model_path() -> Path:
     return path
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device `device` names ("cpu", "cuda", "cuda:N"; None: CUDA where available, else the CPU), checked to
+    exist on this machine. Raises ValueError naming the allowed values (cheap: call it before loading a model)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device name: allowed cpu, cuda or cuda:N") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: Tandem runs on cpu or cuda; allowed cpu, cuda or cuda:N")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine; use cpu")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(
+                f"device={device!r}: this machine has {count} CUDA device(s); allowed cuda:0 to cuda:{count - 1}"
+            )
+    return parsed
+
+
 def load_model(path: str | os.PathLike | None = None, device: str | None = None, dtype: str = "auto"):
     """Load (model, tokenizer) from a local Hugging Face directory or .gguf file; None = the default model.
 
@@ -46,6 +68,7 @@ def load_model(path: str | os.PathLike | None = None, device: str | None = None,
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported: allowed {', '.join(DTYPES)}")
+    device = resolve_device(device)  # before the (slow) load
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy import, only when loading
 
     target = Path(path).expanduser() if path is not None else default_model_path()
@@ -65,15 +88,17 @@ def load_model(path: str | os.PathLike | None = None, device: str | None = None,
                 f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model"
             )
         location, extra = str(target), {}
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kwargs = dict(extra, local_files_only=True)
     if DTYPES[dtype] is not None:
         kwargs["dtype"] = DTYPES[dtype]
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **dict(extra, local_files_only=True))
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ValueError(f"cannot load model from {str(target)!r}: {err}") from err
+    except Exception as err:  # a truncated or foreign file fails deep inside the loaders, in many ways
+        hint = " (is the file complete?)" if target.is_file() else ""
+        raise ValueError(
+            f"cannot load model from {str(target)!r}{hint}: {type(err).__name__}: {err}"
+        ) from err
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
     variants = make_variants(policies, args.set, threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    from ..models import resolve_device
+
+    device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
 
     machine = bandwidth.machine_info(threads)

@@ -82,6 +82,7 @@ class LayerKV:
                 f"TandemConfig.gpu_cache={cfg.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
                 f"on {keys.device.type}: pass gpu_share in (0, 1] (the default on CUDA is > 0), or gpu_cache=0"
             )
+        _check_hot_memory(self, batch, num_kv_heads, head_dim, keys, cfg.sink_tokens + max_pad, ring_blocks)
         self.hot = HotTier(
             batch,
             num_kv_heads,
@@ -169,10 +170,21 @@ class LayerKV:
             reset()
 
     # ---- appends -------------------------------------------------------------------------------------------
+    def check_continues(self, keys: torch.Tensor) -> None:
+        """New tokens [B, Hkv, m, D] continue the batch this layer holds: same batch size, dtype and device."""
+        held = self.hot.keys
+        if keys.shape[0] != held.shape[0] or keys.device != held.device or keys.dtype != held.dtype:
+            raise ValueError(
+                f"this TandemCache holds a batch of {held.shape[0]} ({held.dtype} on {held.device}); the new tokens "
+                f"come as a batch of {keys.shape[0]} ({keys.dtype} on {keys.device}). A cache continues the sequences "
+                "it holds: for another batch or prompt, build a new cache (TandemCache.for_model)"
+            )
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Store new tokens [B, Hkv, m, D] (valid [B, m]) after everything already cached."""
         if not self.initialized:
             self.initialize(keys, valid)
+        self.check_continues(keys)
         hot = self.hot
         m = keys.shape[2]
         self.seq_len += m
@@ -272,3 +284,23 @@ class LayerKV:
 
     def host_nbytes(self) -> int:
         return self.host.nbytes() if self.host is not None else 0
+
+
+def _check_hot_memory(layer, batch, num_kv_heads, head_dim, keys, sink_slots, ring_blocks) -> None:
+    """Refuse, before allocating, a hot tier whose layers together would not fit in the memory available on the
+    device (or host) that holds it: a MemoryError naming window_tokens, instead of the allocator's failure."""
+    from .memory import available_host_bytes
+
+    slots = sink_slots + ring_blocks * layer.config.block_size
+    per_layer = 2 * batch * num_kv_heads * slots * head_dim * keys.element_size()
+    total = per_layer * (layer.num_layers or 1)
+    if keys.is_cuda:
+        free = torch.cuda.mem_get_info(keys.device)[0]
+    else:
+        free = available_host_bytes()
+    if free is not None and total > free:
+        raise MemoryError(
+            f"the hot tier needs {total / 1e9:.1f} GB on {keys.device} for TandemConfig.window_tokens="
+            f"{layer.config.window_tokens} (batch {batch}, {layer.num_layers or 1} layers) and {free / 1e9:.1f} GB are "
+            "free: lower window_tokens (or the batch)"
+        )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import traceback
 
 from ..bench import cli as bench
 from ..calibration import cli as calibrate
@@ -56,17 +58,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errors whose message already names the argument and the allowed values
+EXPECTED = (CliError, ValueError, FileNotFoundError, MemoryError, NotImplementedError)
+_NEGATIVE = re.compile(r"^-[0-9.]")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--opt -5` -> `--opt=-5`, so that argparse hands a negative number (or `-1k`) to the option, whose own
+    check then names the allowed range, instead of taking it for an option ("expected one argument")."""
+    out: list[str] = []
+    for token in argv:
+        if out and _NEGATIVE.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # anywhere on the line: show the traceback of an error
+    argv = _join_negative_values([a for a in argv if a != "--debug"])
     parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, FileNotFoundError, MemoryError, NotImplementedError) as err:
-        print(f"tandem: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        if debug:
+            traceback.print_exc()
+        if isinstance(err, EXPECTED):
+            print(f"tandem: error: {err}", file=sys.stderr)
+            return 2
+        # not an error Tandem anticipated: one line, and the way to the whole story
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"tandem: error: {type(err).__name__}: {message} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,11 @@ def _read_prompt(args) -> str:
             raise ValueError(
                 f"--prompt-file {str(args.prompt_file)!r} cannot be read: {err.strerror}"
             ) from err
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"--prompt-file {str(args.prompt_file)!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+                f"offset {err.start}): save it as UTF-8"
+            ) from None
     else:
         text = args.prompt
     if not text.strip():
@@ -253,6 +259,11 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} is out of range: allowed >= 1")
+    if args.do_sample:
+        if not (math.isfinite(args.temperature) and args.temperature > 0):
+            raise ValueError(f"--temperature={args.temperature} is out of range: allowed a number > 0")
+        if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+            raise ValueError(f"--top-p={args.top_p} is out of range: allowed (0, 1]")
     if args.engine == "on" and args.do_sample:
         raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
     config = build_config(args)

@@ -109,6 +109,9 @@ class TandemCache(Cache):
     """KV cache split between the compute device (sinks + recent window) and host memory (everything older),
     with hybrid GPU/CPU attention.
 
+    A cache holds one batch of sequences. Passed to `generate` again it continues them, as transformers' own caches
+    do (input_ids = the tokens it holds, then the new ones); another batch size is refused.
+
     Example:
         >>> from tandem import TandemCache, TandemConfig, load_model
         >>> model, tok = load_model()
@@ -126,6 +129,12 @@ class TandemCache(Cache):
         head_dim: int,
         max_positions: int | None = None,
     ) -> None:
+        window = config.window_tokens
+        if max_positions is not None and isinstance(window, int) and window > max_positions:
+            raise ValueError(
+                f"TandemConfig.window_tokens={window} exceeds the model's maximum context of {max_positions} positions "
+                f"(config.max_position_embeddings): allowed 1 to {max_positions}, or a fraction of the prompt in (0, 1)"
+            )
         self.config = config
         self.pool = TaskPool(config.cpu_threads)
         streams: dict = {}
@@ -147,6 +156,13 @@ class TandemCache(Cache):
     def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
         """Build a cache for `model` and switch the model's attention to Tandem's (public API only)."""
         config = config if config is not None else TandemConfig()
+        if not isinstance(model, PreTrainedModel):
+            raise ValueError(
+                f"model must be a loaded transformers causal LM (a PreTrainedModel, e.g. from tandem.load_model), "
+                f"got {type(model).__name__}"
+            )
+        if not isinstance(config, TandemConfig):
+            raise ValueError(f"config must be a TandemConfig or None, got {type(config).__name__}")
         text_config = model.config.get_text_config(decoder=True)
         check_supported(text_config)
         _check_device(model, config)

@@ -6,6 +6,9 @@ Orchestration code calls these, never a raw kernel. CPU work goes to the compile
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import cpu as _native
@@ -22,6 +25,14 @@ def native_cpu_available() -> bool:
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+def _check_scale(scale) -> None:
+    """The softmax scale must be a finite Python number (NaN or inf would make every output NaN)."""
+    _check(
+        isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale),
+        f"scale must be a finite number (usually head_dim ** -0.5), got {scale!r}",
+    )
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
@@ -45,6 +56,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v
 
 def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = False):
     """Dense attention with LSE on the tensors' device. See `reference.attention_lse`."""
+    _check_scale(scale)
     _check_qkv(q, k, v, "k", "v")
     _check(q.device == k.device, f"q is on {q.device} but k is on {k.device}")
     if key_mask is not None:
@@ -69,6 +81,7 @@ def sparse_attention_lse(
     q, k_store, v_store, indices, lengths, scale: float, key_mask=None, block_size=None, num_threads=None
 ):
     """Attention over selected rows (or blocks) of a host KV store. See `reference.sparse_attention_lse`."""
+    _check_scale(scale)
     _check_qkv(q, k_store, v_store, "k_store", "v_store")
     batch, num_kv_heads = k_store.shape[:2]
     _check(
@@ -146,6 +159,7 @@ def ranked_attention_call(q, k_store, v_store, ranked, scale: float, block_size:
                           num_threads=None):  # fmt: skip
     """`ranked_block_attention` prepared for fixed buffers (`cpu.RankedAttention`: out / lse written in place,
     a call costs microseconds), or None where the compiled kernels are unavailable."""
+    _check_scale(scale)
     if not native_cpu_available():
         return None
     return _native.RankedAttention(
@@ -158,6 +172,7 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
     """`sparse_attention_lse` prepared for fixed buffers (`cpu.PreparedAttention`: out / lse written in place, a
     call costs microseconds), or None where the compiled kernels are unavailable or the index lists are not laid
     out as it needs (then the general launcher runs)."""
+    _check_scale(scale)
     if not native_cpu_available():
         return None
     try:
@@ -241,6 +256,7 @@ def hot_attention(q, keys, values, valid, scale: float, maw=None, alpha: float =
     Returns (out [B, Hq, D] float32, lse [B, Hq] float32). With `maw` ([B, Hq, S] float32) the moving
     average of attention weights is updated in place: maw = (1 - alpha) * maw + alpha * weights.
     """
+    _check_scale(scale)
     _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
     _check_qkv(q[:, :, None], keys, values, "keys", "values")
     _check(
@@ -297,6 +313,7 @@ def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, v
     keys / values [B, Hkv, T, D] (pinned host memory, read in place by a CUDA q; any CPU tensor otherwise);
     block_ids [B, Hkv, S] and lengths [B, Hkv] on q's device; valid [B, T] bool next to the keys.
     Returns (out [B, Hq, D] float32, lse [B, Hq] float32) on q's device."""
+    _check_scale(scale)
     _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
     if _triton_on(q.device):
         from . import gpu

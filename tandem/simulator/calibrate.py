@@ -62,11 +62,19 @@ class HostMeasurements:
             "gpu_tflops",
         ):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{_flag(name)}: must be positive, got {getattr(self, name)}")
         if self.host_cores < 1:
             raise ValueError(f"--host-cores: must be at least 1, got {self.host_cores}")
         if not self.cpu_gflops_per_core > 0 or self.layer_sync_us < 0:
             raise ValueError("--cpu-gflops-per-core must be positive and --layer-sync-us non-negative")
+
+
+# the command-line flag of each HostMeasurements field, where its name differs (tandem simulate --host)
+FIELD_FLAGS = {"host_read_gbs": "--host-bandwidth-gbs"}
+
+
+def _flag(name: str) -> str:
+    return FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 # DESIGN.md, "Measured facts of the lent GPU host": 15-thread host copy 65 GB/s (read + write bytes, so a

@@ -48,7 +48,7 @@ def test_load_bench_errors(tmp_path):
 
 
 def test_host_measurements_validate():
-    with pytest.raises(ValueError, match="--host-read-gbs"):
+    with pytest.raises(ValueError, match="--host-bandwidth-gbs: must be positive"):
         HostMeasurements(host_read_gbs=0, pcie_gbs=1, hbm_gbs=1)
     with pytest.raises(ValueError, match="--host-cores"):
         HostMeasurements(host_read_gbs=1, pcie_gbs=1, hbm_gbs=1, host_cores=0)

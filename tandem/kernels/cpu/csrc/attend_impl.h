@@ -290,7 +290,9 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
     // resolve the span's rows: out-of-range ids are counted and skipped, masked rows skipped
     int n = 0;
     for (; n < kSpan && pos < hi; ++pos) {
-      const int64_t row = bs == 1 ? idx[pos] : idx[pos / bs] * bs + pos % bs;
+      // the id is range-checked before it is scaled: a huge id times bs would overflow int64 (undefined)
+      const int64_t id = idx[bs == 1 ? pos : pos / bs];
+      const int64_t row = static_cast<uint64_t>(id) < static_cast<uint64_t>((cap + bs - 1) / bs) ? id * bs + pos % bs : -1;
       if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(cap)) {
         ++*bad_rows;
         continue;
