@@ -224,3 +224,110 @@ def test_a_reused_cache_continues_the_conversation_as_transformers_caches_do():
     fresh = model.generate(second, max_new_tokens=6, **kwargs, **generate_cache_kwargs(model, DynamicCache()))
     assert torch.equal(turn2, fresh)
     assert cache.get_seq_length() == second.shape[1] + 5
+
+
+# ---- faults --------------------------------------------------------------------------------------------------
+def test_host_memory_exhausted_mid_run_is_a_clear_error_and_the_cache_refuses_further_use(monkeypatch):
+    import tandem.cache.host as host_module
+
+    model = tiny_model("Llama")
+    model.generation_config.eos_token_id = None
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=8, block_size=4)
+    cache = TandemCache.for_model(model, config)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    model.generate(
+        ids, max_new_tokens=2, do_sample=False, pad_token_id=0, **generate_cache_kwargs(model, cache)
+    )
+    capacity = cache.tandem_layers()[0].host.capacity
+
+    def exhausted(shape, dtype, *, pin, huge=True):
+        raise MemoryError("simulated: the host has no memory left")
+
+    monkeypatch.setattr(host_module, "host_empty", exhausted)
+    longer = torch.randint(0, 128, (1, capacity + 64), generator=torch.Generator().manual_seed(1))
+    follow = torch.cat([ids, longer], dim=1)  # a continuation that makes the host tier grow
+    with pytest.raises(
+        MemoryError, match="cannot allocate .* host memory for the Tandem host tier .*simulated"
+    ):
+        model.generate(
+            follow, max_new_tokens=2, do_sample=False, pad_token_id=0, **generate_cache_kwargs(model, cache)
+        )
+    with pytest.raises(
+        RuntimeError, match="this TandemCache is unusable: .*HostMemoryError.*build a new cache"
+    ):
+        model(follow[:, -1:], use_cache=True, **generate_cache_kwargs(model, cache))
+    monkeypatch.undo()
+    fresh = TandemCache.for_model(model, config)  # the model itself is untouched
+    out = model.generate(
+        ids, max_new_tokens=3, do_sample=False, pad_token_id=0, **generate_cache_kwargs(model, fresh)
+    )
+    assert out.shape == (1, 43)
+
+
+def test_a_cpu_worker_raising_inside_a_step_fails_the_step_and_leaves_no_thread_behind(monkeypatch):
+    import threading
+
+    from tandem.engine import TandemRunner
+    from tandem.policies import quest
+
+    model = tiny_model("Llama")
+    cache = TandemCache.for_model(
+        model, TandemConfig(policy="quest", sink_tokens=4, window_tokens=8, block_size=4)
+    )
+    runner = TandemRunner(model, cache)
+    first = runner.prefill(torch.randint(0, 128, (2, 60)), max_new_tokens=10).argmax(-1)
+    runner.decode(first, 2)
+    threads = {t.name for t in threading.enumerate()}
+    calls = {"n": 0}
+    original = quest.QuestPolicy.select
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated CPU worker failure")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(quest.QuestPolicy, "select", failing)
+    with pytest.raises(RuntimeError, match="simulated CPU worker failure"):
+        runner.decode(first, 4)
+    assert {t.name for t in threading.enumerate()} <= threads  # no new thread left running or waiting
+    assert cache.decode_step is None  # the step was closed
+    with pytest.raises(RuntimeError, match="unusable: a step failed .*simulated CPU worker failure"):
+        runner.decode(first, 1)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_ctrl_c_ends_the_cli_promptly(tmp_path, phase):
+    """SIGINT during a long prefill or a long decode: `tandem generate` exits with 130 within seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompt = tmp_path / "prompt.txt"
+    words = " ".join(f"word{i % 500}" for i in range(2500))
+    counting = ", ".join(str(i) for i in range(1, 13)) + ","  # the model keeps counting: a long decode
+    prompt.write_text(words if phase == "prefill" else counting)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "tandem.cli", "generate", "--device", "cpu", "--prompt-file", str(prompt),
+         "--max-new-tokens", "2000", "--engine", "on", "--policy", "streaming"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    # wait until the model is loaded and the phase has begun: the progress bar (prefill) or the first text (decode)
+    stream = proc.stderr if phase == "prefill" else proc.stdout
+    began = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        began += stream.read1(256) if hasattr(stream, "read1") else stream.read(1)
+        if (b"prefill" in began.lower() or b"%" in began) if phase == "prefill" else len(began.strip()) > 0:
+            break
+    assert proc.poll() is None, f"the run ended before the {phase} began"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    assert code == 130 and time.monotonic() - start < 20

@@ -33,8 +33,6 @@ def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool) -> t
     valid_new: [B, Lq] bool     False for padding tokens
     Returns [B, Hq, Lq, D] in q's dtype.
     """
-    if layer.initialized:
-        layer.check_continues(k_new)
     if layer.initialized and layer.seq_len > 0 and q.shape[2] == 1:
         out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool)
     else:

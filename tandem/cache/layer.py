@@ -41,6 +41,9 @@ class LayerKV:
         self.hot: HotTier | None = None
         self.host: HostTier | None = None
         self.seq_len = 0  # slots stored (padding included), as the model counts positions
+        self.failed: BaseException | None = (
+            None  # an error that interrupted an append: the tiers are inconsistent
+        )
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
@@ -180,11 +183,29 @@ class LayerKV:
                 "it holds: for another batch or prompt, build a new cache (TandemCache.for_model)"
             )
 
+    def check_usable(self) -> None:
+        """Refuse to go on after an append that failed half way (out of memory, an interrupt, ...)."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"this TandemCache is unusable: a step failed while storing tokens ({type(self.failed).__name__}: "
+                f"{self.failed}); build a new cache (TandemCache.for_model) to start again"
+            )
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """Store new tokens [B, Hkv, m, D] (valid [B, m]) after everything already cached."""
+        """Store new tokens [B, Hkv, m, D] (valid [B, m]) after everything already cached. An error part way
+        leaves the layer refusing further use (`check_usable`) rather than holding half a step."""
+        self.check_usable()
+        if self.initialized:
+            self.check_continues(keys)  # refused before anything changes
+        try:
+            self._append(keys, values, valid)
+        except BaseException as err:
+            self.failed = err
+            raise
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         if not self.initialized:
             self.initialize(keys, valid)
-        self.check_continues(keys)
         hot = self.hot
         m = keys.shape[2]
         self.seq_len += m
@@ -228,6 +249,14 @@ class LayerKV:
         full), for callers that write the slot themselves, e.g. a captured CUDA graph indexing by a device tensor.
         The slot is marked invalid until written; the caller sets `hot.valid` (and zeroes `hot.maw`) there.
         """
+        self.check_usable()
+        try:
+            return self._reserve_decode_slot()
+        except BaseException as err:
+            self.failed = err
+            raise
+
+    def _reserve_decode_slot(self) -> int:
         hot = self.hot
         self.seq_len += 1
         if hot.sink_used < hot.sink_slots:

@@ -415,6 +415,13 @@ class TandemRunner:
             self.next_position = self._positions[:, 0].clone()
 
     def _decode_step(self, step: DecodeStep, t: int) -> None:
+        try:
+            self._run_step(step, t)
+        except BaseException as err:
+            self.cache.mark_failed(err)  # part of the step may have run: the cache refuses further use
+            raise
+
+    def _run_step(self, step: DecodeStep, t: int) -> None:
         step.host_seconds = 0.0
         step.prepare(self.layers)
         if self.use_graphs and t >= self.warmup_steps:

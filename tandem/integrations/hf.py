@@ -175,6 +175,13 @@ class TandemCache(Cache):
             resolve_profile(config, *shape)
         return cls(config, *shape, getattr(text_config, "max_position_embeddings", None))
 
+    def mark_failed(self, err: BaseException) -> None:
+        """A step failed part way (some layers stored its tokens, others not): every layer now refuses further
+        use with an error naming `err`, instead of decoding from an inconsistent state."""
+        for kv in self.tandem_layers():
+            if kv.failed is None:
+                kv.failed = err
+
     def tandem_layers(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers]
 
@@ -273,10 +280,21 @@ def tandem_attention(module, query, key, value, attention_mask, scaling=None, dr
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     step = layer.owner.decode_step
-    if step is not None and q_len == 1:
-        out = decode_layer(layer.kv, query, key, value, valid, scale, layer.owner.pool, step).to(query.dtype)
-    else:
-        out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
+    layer.kv.check_usable()
+    if layer.kv.initialized:
+        layer.kv.check_continues(
+            key
+        )  # a wrong batch is refused before anything changes: the cache stays usable
+    try:
+        if step is not None and q_len == 1:
+            out = decode_layer(layer.kv, query, key, value, valid, scale, layer.owner.pool, step).to(
+                query.dtype
+            )
+        else:
+            out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
+    except BaseException as err:
+        layer.owner.mark_failed(err)  # the layers before this one hold the step's token, the rest do not
+        raise
     if q_len > 1 and layer.owner.on_prefill_layer is not None:
         layer.owner.on_prefill_layer(layer.kv.layer_idx)
     return out.transpose(1, 2).contiguous(), None

@@ -9,6 +9,8 @@ Environment:
     CXX                 compiler (default g++, then c++)
     TANDEM_CPU_KERNELS  "off" disables the compiled kernels (the torch reference runs instead)
     TANDEM_CPU_ISA      force one SIMD path: scalar | avx2 | avx512 | avx512bf16 (must be supported here)
+    TANDEM_CPU_SANITIZE "1" builds the library with AddressSanitizer + UndefinedBehaviorSanitizer (a separate
+                        cached build; python must run with the ASan runtime preloaded: docs/cpu-kernels.md)
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ DEFAULT_PREFETCH = (192, 1, 64)
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno")
+# TANDEM_CPU_SANITIZE=1: every error aborts (no recovery), so a test run fails on the first finding
+_SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-g",
+)
+
+
+def _flags() -> tuple[str, ...]:
+    sanitize = os.environ.get("TANDEM_CPU_SANITIZE", "") == "1"
+    return _CXX_FLAGS + _SANITIZE_FLAGS if sanitize else _CXX_FLAGS
 
 
 class AttendArgs(ctypes.Structure):
@@ -160,7 +174,7 @@ def _sources() -> list[Path]:
 def _build_key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in (version, " ".join(_CXX_FLAGS), platform.machine(), str(ABI_VERSION)):
+    for part in (version, " ".join(_flags()), platform.machine(), str(ABI_VERSION)):
         digest.update(part.encode())
     for src in _sources():
         digest.update(src.name.encode())
@@ -180,14 +194,15 @@ def _compile(cxx: str, target: Path) -> None:
             if src.suffix != ".cpp":
                 continue
             obj = Path(tmp) / (src.stem + ".o")
-            cmd = [cxx, *_CXX_FLAGS, "-c", str(src), "-o", str(obj)]
+            cmd = [cxx, *_flags(), "-c", str(src), "-o", str(obj)]
             jobs.append((cmd, obj, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
         for cmd, _, proc in jobs:
             _, err = proc.communicate()
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
         partial = Path(tmp) / target.name
-        link = [cxx, "-shared", "-fopenmp", "-o", str(partial), *(str(obj) for _, obj, _ in jobs)]
+        sanitize = [f for f in _flags() if f.startswith("-fsanitize")]
+        link = [cxx, "-shared", "-fopenmp", *sanitize, "-o", str(partial), *(str(obj) for _, obj, _ in jobs)]
         result = subprocess.run(link, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(link)} failed:\n{result.stderr[-2000:]}")
