@@ -198,3 +198,12 @@ def test_logits_match_transformers_at_real_layer_shapes_on_cuda(shape):
     hf_error, own_error = (hf16 - hf32).abs(), (own16 - hf32).abs()
     assert float(own_error.amax()) <= 1.5 * float(hf_error.amax())
     assert float(own_error.mean()) <= 1.2 * float(hf_error.mean())
+
+
+def test_a_runner_refuses_weights_replaced_after_it_was_made():
+    model = _model("Llama", {})
+    runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="full")))
+    first = runner.prefill(_prompt("cpu"), max_new_tokens=4).argmax(-1)
+    model.to(torch.float64).to(torch.float32)  # new parameter tensors: the concatenated copies are stale
+    with pytest.raises(RuntimeError, match="weights were moved or replaced .* make a new TandemRunner"):
+        runner.decode(first, 2)

@@ -169,6 +169,8 @@ class DecodeForward:
             self.num_kv_heads * self.head_dim,
         )
         self.kernels = kernels
+        self._model = model
+        self._qkv_ptr = self.layers[0].qkv_weight.data_ptr()
         if kernels == "triton":
             self.norm, self.add_norm = gpu_layers.rms_norm, gpu_layers.add_rms_norm
             self.rotary, self.silu_mul = gpu_layers.rotary, gpu_layers.silu_mul
@@ -176,6 +178,16 @@ class DecodeForward:
             self.norm, self.add_norm = reference.rms_norm, reference.add_rms_norm
             self.rotary, self.silu_mul = reference.rotary, reference.silu_mul
         self._valid: torch.Tensor | None = None
+
+    def check_weights(self) -> None:
+        """Refuse to run on weights the model no longer has: `model.to(...)` or a new checkpoint after this
+        forward was made replaces the model's parameters, and the concatenated copies would be stale."""
+        q_proj = self._model.model.layers[0].self_attn.q_proj.weight
+        if q_proj.data_ptr() != self._qkv_ptr:
+            raise RuntimeError(
+                "the model's weights were moved or replaced after the TandemRunner was made (model.to(...) or a "
+                "new load): make a new TandemRunner for the model as it is now"
+            )
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids: [B, 1] int64 on the model's device. Returns the logits [B, V] (model dtype)."""

@@ -422,6 +422,8 @@ class TandemRunner:
             raise
 
     def _run_step(self, step: DecodeStep, t: int) -> None:
+        if self.decoder is not None:
+            self.decoder.check_weights()
         step.host_seconds = 0.0
         step.prepare(self.layers)
         if self.use_graphs and t >= self.warmup_steps:
