@@ -207,8 +207,13 @@ def format_host_prediction(pred: HostPrediction) -> str:
     )
 
 
-def prediction_table(host: HostMeasurements = LENT_H100_HOST, model: str = "llama-3.1-8b") -> str:
-    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, 5% sparsity."""
+def prediction_table(
+    host: HostMeasurements = LENT_H100_HOST,
+    model: str = "llama-3.1-8b",
+    sparsity: float = 0.05,
+    hot_tokens: int = 4096,
+) -> str:
+    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, at `sparsity` (default 5%)."""
     rows = [
         "| context | batch | predicted TPOT (ms) | FC (ms) | attention (ms) | PCIe + sync (ms)"
         " | fits host RAM |",
@@ -216,7 +221,7 @@ def prediction_table(host: HostMeasurements = LENT_H100_HOST, model: str = "llam
     ]
     for context in ("32k", "64k", "128k"):
         for batch in (1, 16):
-            pred = predict_host(host, model, context, batch)
+            pred = predict_host(host, model, context, batch, sparsity=sparsity, hot_tokens=hot_tokens)
             if not pred.fits:
                 rows.append(
                     f"| {context.upper()} | {batch} | - | - | - | - | no (max batch {pred.max_batch}) |"

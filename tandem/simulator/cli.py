@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import fields, replace
 
@@ -120,10 +121,14 @@ def _host_mode(args: argparse.Namespace) -> bool:
 
 
 def _run_host(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.sparsity) and 0 < args.sparsity <= 1):
+        raise ValueError(f"--sparsity: must be in (0, 1], got {args.sparsity}")
+    if args.hot_tokens < 0:
+        raise ValueError(f"--hot-tokens: must be 0 or more, got {args.hot_tokens}")
     host = _host_measurements(args)
     if args.context is None:
         print(f"Tandem decode TPOT predicted for {host.device} ({args.model}, {args.sparsity:.0%} sparsity)")
-        print(prediction_table(host, args.model))
+        print(prediction_table(host, args.model, args.sparsity, args.hot_tokens))
         return 0
     pred = predict_host(
         host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens
