@@ -138,6 +138,47 @@ def test_sparse_attention_names_the_bad_argument_or_matches_the_reference(
     assert_close(lse, ref_lse, dtype)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3]),
+    slots=st.integers(1, 40),
+    dim=st.sampled_from([8, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    valid_bits=st.integers(0, 2**80),
+    scale=st.one_of(st.floats(0.05, 1.5), st.sampled_from([math.nan, -math.inf])),
+    with_maw=st.booleans(),
+)
+def test_hot_attention_names_the_bad_argument_or_matches_the_reference(
+    batch, kv_heads, group, slots, dim, dtype, valid_bits, scale, with_maw
+):
+    """The hot tier's decode attention (the Triton kernel under the interpreter in the test run): rows with no
+    valid slot included."""
+    gen = torch.Generator().manual_seed(slots * 7 + dim)
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
+    valid = torch.tensor(
+        [[(valid_bits >> (b * slots + i)) & 1 == 1 for i in range(slots)] for b in range(batch)]
+    )
+    maw = torch.rand(batch, kv_heads * group, slots, generator=gen) if with_maw else None
+    maw_ref = maw.clone() if with_maw else None
+    try:
+        out, lse = ops.hot_attention(q, keys, values, valid, scale, maw=maw, alpha=0.25 if with_maw else 0.0)
+    except ValueError as err:
+        assert "scale" in str(err) and not math.isfinite(scale), str(err)
+        return
+    assert math.isfinite(scale)
+    ref_out, ref_lse = reference.hot_decode_attention(
+        q, keys, values, valid, scale, maw=maw_ref, alpha=0.25 if with_maw else 0.0
+    )
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, dtype)
+    if with_maw:
+        assert_close(maw, maw_ref, dtype)
+
+
 GENERATE_FLAGS = {
     "--policy": st.sampled_from(list(POLICIES) + ["dense", ""]),
     "--window-tokens": st.one_of(
