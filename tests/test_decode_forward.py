@@ -207,3 +207,15 @@ def test_a_runner_refuses_weights_replaced_after_it_was_made():
     model.to(torch.float64).to(torch.float32)  # new parameter tensors: the concatenated copies are stale
     with pytest.raises(RuntimeError, match="weights were moved or replaced .* make a new TandemRunner"):
         runner.decode(first, 2)
+
+
+def test_two_runners_of_one_model_share_the_concatenated_weights():
+    model = _model("Qwen2", {})
+    runners = [
+        TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="full"))) for _ in range(2)
+    ]
+    assert runners[0].decoder.layers[0].qkv_weight is runners[1].decoder.layers[0].qkv_weight
+    assert runners[0].decoder.layers[1].gate_up_bias is runners[1].decoder.layers[1].gate_up_bias
+    for runner in runners:  # both decode (neither sees its weights as replaced)
+        first = runner.prefill(_prompt("cpu"), max_new_tokens=3).argmax(-1)
+        assert runner.decode(first, 3)[0].shape == (2, 3)

@@ -102,10 +102,31 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def _still_views(cached, linears) -> bool:
+    """Whether every linear's weight (and bias) is still the view into `cached` that `_concatenate` made."""
+    weight, bias = cached
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        part = weight[start : start + rows]
+        if linear.weight.data_ptr() != part.data_ptr() or linear.weight.shape != part.shape:
+            return False
+        if linear.bias is not None and (bias is None or linear.bias.data_ptr() != bias[start].data_ptr()):
+            return False
+        start += rows
+    return start == weight.shape[0]
+
+
 @torch.no_grad()
-def _concatenate(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _concatenate(
+    owner, name: str, linears: list[torch.nn.Linear]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for `linears` stacked by output rows; each linear's parameters become views into
-    it, so the model keeps computing the same thing and no weight is held twice."""
+    it, so the model keeps computing the same thing and no weight is held twice. Kept on `owner` (the attention
+    or MLP module) as `name`: a second runner of the same model reuses it while the linears are still its views."""
+    cached = getattr(owner, name, None)
+    if cached is not None and _still_views(cached, linears):
+        return cached
     weight = torch.cat([linear.weight for linear in linears], dim=0)
     has_bias = [linear.bias is not None for linear in linears]
     if any(has_bias) and not all(has_bias):
@@ -126,14 +147,19 @@ def _concatenate(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
                 bias[start : start + rows], requires_grad=linear.bias.requires_grad
             )
         start += rows
+    object.__setattr__(owner, name, (weight, bias))  # a plain attribute, not a registered buffer
     return weight, bias
 
 
 class _Layer:
     def __init__(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_weight, self.qkv_bias = _concatenate([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_weight, self.gate_up_bias = _concatenate([mlp.gate_proj, mlp.up_proj])
+        self.qkv_weight, self.qkv_bias = _concatenate(
+            attn, "_tandem_qkv", [attn.q_proj, attn.k_proj, attn.v_proj]
+        )
+        self.gate_up_weight, self.gate_up_bias = _concatenate(
+            mlp, "_tandem_gate_up", [mlp.gate_proj, mlp.up_proj]
+        )
         self.o_proj = attn.o_proj
         self.down_proj = mlp.down_proj
         self.norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
