@@ -80,6 +80,11 @@ def _cli(*argv):
     return lambda: main(list(argv))
 
 
+def _scratch(name: str) -> str:
+    """A path in the temporary directory (no case gets as far as writing it)."""
+    return os.path.join(tempfile.gettempdir(), f"tandem-bad-input-{name}")
+
+
 def _not_a_model(generate_argv):
     def run():
         path = os.path.join(tempfile.gettempdir(), "tandem-not-a-model.txt")
@@ -106,7 +111,7 @@ def command_line_cases() -> list[Case]:
         Case(
             "command line",
             "calibrate --device tpu7",
-            _cli("calibrate", "--device", "tpu7", "--out", "/tmp/x.pt"),
+            _cli("calibrate", "--device", "tpu7", "--out", _scratch("calibrate.pt")),
         ),
         Case(
             "command line", "bench --device tpu7", _cli("bench", "--device", "tpu7", "--model", "tiny-llama")
@@ -184,7 +189,7 @@ def command_line_cases() -> list[Case]:
             "accepted",
         )
     )
-    cal = ("calibrate", "--device", "cpu", "--out", "/tmp/tandem-bad-input.pt")
+    cal = ("calibrate", "--device", "cpu", "--out", _scratch("calibrate.pt"))
     for flag, value in (("--lengths", "0"), ("--documents", "0"), ("--steps", "0"), ("--taus", "2"),
                         ("--model", "/nonexistent")):  # fmt: skip
         cases.append(Case("command line", f"calibrate {flag} {value}", _cli(*cal, f"{flag}={value}")))
