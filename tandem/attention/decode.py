@@ -23,7 +23,7 @@ import torch
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
 from ..policies import NONE, Selection
-from .host import _record_counts, _record_selection, host_attention
+from .host import _record_counts, _record_selection, all_blocks, host_attention, live_blocks
 
 
 class DecodeBuffers:
@@ -56,18 +56,11 @@ class DecodeBuffers:
     def all_blocks(self, host, num_kv_heads: int) -> Selection:
         """Every live block of the host tier as a block selection whose index and length tensors stay the same
         step after step (made again when the host tier moves), so one prepared compiled call serves `full`."""
-        block = host.block_size
-        capacity = host.capacity // block
+        capacity = host.capacity // host.block_size
         key = (id(host), host.generation, capacity)
         if key != self._all_key:
-            ids = (
-                torch.arange(capacity, dtype=torch.long)
-                .expand(host.batch, num_kv_heads, capacity)
-                .contiguous()
-            )
-            lengths = torch.zeros(host.batch, num_kv_heads, dtype=torch.long)
-            self._all_blocks, self._all_key = Selection("blocks", ids, lengths, block), key
-        self._all_blocks.lengths.fill_(min(-(-host.rows // block), capacity))  # padding rows: not valid
+            self._all_blocks, self._all_key = all_blocks(host, num_kv_heads, capacity), key
+        self._all_blocks.lengths.fill_(live_blocks(host))
         return self._all_blocks
 
     def stage(self, selected: torch.Tensor | None, non_blocking: bool) -> None:

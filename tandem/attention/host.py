@@ -21,7 +21,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
         )
     threads = layer.config.cpu_threads
     if selection.kind == "all" and q_len == 1 and ops.native_cpu_available():
-        selection = _all_blocks(host, layer.num_kv_heads)  # the compiled kernel over every live block
+        selection = all_blocks(host, layer.num_kv_heads)  # the compiled kernel over every live block
     if selection.kind != "all" and ops.native_cpu_available():
         # the compiled kernel splits (request, head, chunk) work over its own threads
         return ops.sparse_attention_lse(
@@ -64,13 +64,20 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
     return out, lse
 
 
-def _all_blocks(host, num_kv_heads: int) -> Selection:
-    """Every live block of the host tier as a block selection (padding rows are masked by the valid flags)."""
-    block = host.block_size
-    count = min(-(-host.rows // block), host.capacity // block)
-    ids = torch.arange(count, dtype=torch.long).expand(host.batch, num_kv_heads, count).contiguous()
+def live_blocks(host) -> int:
+    """Blocks holding the host tier's live rows (the last one may be partly padding)."""
+    return min(-(-host.rows // host.block_size), host.capacity // host.block_size)
+
+
+def all_blocks(host, num_kv_heads: int, width: int | None = None) -> Selection:
+    """Every live block of the host tier as a block selection: ids 0 .. width - 1 per (request, KV head), the
+    live block count as each length (padding rows are masked by the valid flags). `width` defaults to the live
+    block count; a caller that keeps the selection across steps passes the capacity and refills `lengths`."""
+    count = live_blocks(host)
+    width = count if width is None else width
+    ids = torch.arange(width, dtype=torch.long).expand(host.batch, num_kv_heads, width).contiguous()
     lengths = torch.full((host.batch, num_kv_heads), count, dtype=torch.long)
-    return Selection("blocks", ids, lengths, block)
+    return Selection("blocks", ids, lengths, host.block_size)
 
 
 def _record_selection(layer, selection: Selection, device_rows: torch.Tensor | None = None) -> None:

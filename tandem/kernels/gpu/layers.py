@@ -28,12 +28,8 @@ MAX_HIDDEN = 1 << 16  # one row per program, held in registers
 MAX_ROPE_HEADS = 256
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`, computed in fp32.
-
-    x: [..., N] float; weight: [N] float on x's device; eps: a Python float > 0.
-    Returns [..., N] contiguous, of dtype promote(weight.dtype, x.dtype).
-    """
+def _check_norm(x, weight, eps) -> tuple[torch.device, int]:
+    """(device, N) of an RMSNorm's row tensor x [..., N] and weight [N], checked."""
     device = _run_device("x", x)
     _check(x.dim() >= 1 and x.dtype in FLOAT_DTYPES, f"x must be a float tensor [..., N], got {x.dtype}")
     n = x.shape[-1]
@@ -41,6 +37,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_tensor("weight", weight, "[N]", (n,), FLOAT_DTYPES)
     _check_on("weight", weight, device)
     _check(isinstance(eps, float) and eps > 0, f"eps must be a Python float > 0, got {eps!r}")
+    return device, n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`, computed in fp32.
+
+    x: [..., N] float; weight: [N] float on x's device; eps: a Python float > 0.
+    Returns [..., N] contiguous, of dtype promote(weight.dtype, x.dtype).
+    """
+    device, n = _check_norm(x, weight, eps)
     rows = _unit_last_stride("x", x.reshape(-1, n), may_copy=True)
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=device)
@@ -103,15 +109,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x, residual: [..., N], same float dtype and shape; weight: [N] float; eps: a Python float > 0.
     Returns (h [..., N] of x's dtype, normed [..., N] of dtype promote(weight.dtype, x.dtype)), contiguous.
     """
-    device = _run_device("x", x)
-    _check(x.dim() >= 1 and x.dtype in FLOAT_DTYPES, f"x must be a float tensor [..., N], got {x.dtype}")
-    n = x.shape[-1]
-    _check(1 <= n <= MAX_HIDDEN, f"x.shape[-1] must lie in [1, {MAX_HIDDEN}], got {n}")
+    device, n = _check_norm(x, weight, eps)
     _check_tensor("residual", residual, "[..., N]", tuple(x.shape), (x.dtype,))
     _check_on("residual", residual, device)
-    _check_tensor("weight", weight, "[N]", (n,), FLOAT_DTYPES)
-    _check_on("weight", weight, device)
-    _check(isinstance(eps, float) and eps > 0, f"eps must be a Python float > 0, got {eps!r}")
     rows = _unit_last_stride("x", x.reshape(-1, n), may_copy=True)
     res = _unit_last_stride("residual", residual.reshape(-1, n), may_copy=True)
     weight = weight.contiguous()

@@ -518,11 +518,19 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     live = cols < N
     x_raw = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    normed = _rms_norm_row(x_raw, w_ptr, cols, live, N, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + cols, normed, mask=live)
+
+
+@triton.jit
+def _rms_norm_row(x_raw, w_ptr, cols, live, N, eps, OUT: tl.constexpr):
+    """Llama's RMSNorm of one row held in registers: normalized in fp32, rounded to the row's dtype, then times
+    the weight, rounded to OUT."""
     x = x_raw.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / N
     normed = (x * (1.0 / tl.sqrt(variance + eps))).to(x_raw.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=live)
+    return (w * normed).to(OUT)
 
 
 @triton.jit
@@ -1034,11 +1042,8 @@ def add_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
     h_raw = (x_raw.to(tl.float32) + r).to(x_raw.dtype)
     tl.store(sum_ptr + row * N + cols, h_raw, mask=live)
-    h = h_raw.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / N
-    normed = (h * (1.0 / tl.sqrt(variance + eps))).to(x_raw.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=live)
+    normed = _rms_norm_row(h_raw, w_ptr, cols, live, N, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + cols, normed, mask=live)
 
 
 @triton.jit
