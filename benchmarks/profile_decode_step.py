@@ -239,7 +239,9 @@ def main() -> None:
     p.add_argument("--contexts", default="64k,128k")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument(
-        "--configs", default="streaming,quest:0,quest:0.5", help="policy[:gpu_share], comma-separated"
+        "--configs",
+        default="streaming,quest:0,quest:0.5",
+        help="policy[:gpu_share[:host_dtype]], comma-separated (an empty gpu_share: the default)",
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--no-gpu-trace", action="store_true")
@@ -274,8 +276,11 @@ def main() -> None:
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
         combos = itertools.product(args.configs.split(","), args.handoff.split(","), args.fused.split(","))
         for spec, handoff, fused in combos:
-            policy, _, share = spec.partition(":")
-            config = TandemConfig(policy=policy, gpu_share=float(share) if share else None)
+            policy, _, rest = spec.partition(":")
+            share, _, host_dtype = rest.partition(":")
+            config = TandemConfig(
+                policy=policy, gpu_share=float(share) if share else None, host_dtype=host_dtype or None
+            )
             cache = TandemCache.for_model(model, config)
             runner = TandemRunner(model, cache, handoff=handoff, fused={"on": True, "off": False}[fused])
             fill_tandem_synthetic(cache, model, args.batch, context)

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 POLICIES = ("full", "streaming", "hgca", "quest", "fluxion")
+HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
 FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
@@ -107,6 +108,11 @@ class TandemConfig:
             Eq. 3 choice (None, the default); an ablation.
         skip_streaming: for `fluxion`, streaming heads select nothing (True, default); False gives every head
             its Eq. 1 budget (an ablation).
+        host_dtype: how the host tier stores K/V: None (default) in the model's dtype; "int8" or "fp8" (e4m3) as
+            8-bit codes with one float32 scale per block of `block_size` rows and KV head, half the host memory
+            and half the bytes each step reads from it (the CPU kernels and the GPU's reads decode in registers;
+            quest's digests are taken before quantizing and stay exact). With it, `full` no longer equals dense
+            attention: the rows it reads are the quantized ones. Its quality cost is measured in docs/evaluation.md.
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
             13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
@@ -133,6 +139,7 @@ class TandemConfig:
     gpu_cache: float | None = None
     device: str = "auto"
     huge_pages: bool = True
+    host_dtype: str | None = None
     tau: float = 0.1
     profile: str | None = None
     fluxion_mode: str = "predictor"
@@ -225,6 +232,18 @@ class TandemConfig:
         if self.huge_pages not in (True, False):  # 1 / 0 too: `--set quest.huge_pages=0,1`
             _fail("huge_pages", self.huge_pages, "True or False (1 or 0)")
         self.huge_pages = bool(self.huge_pages)
+        if self.host_dtype is not None and not isinstance(self.host_dtype, str):
+            _fail_type(
+                "host_dtype",
+                self.host_dtype,
+                "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES)),
+            )
+        if self.host_dtype is not None and self.host_dtype not in HOST_DTYPES:
+            _fail(
+                "host_dtype",
+                self.host_dtype,
+                "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES)),
+            )
         self._check_fluxion()
 
     def _check_fluxion(self) -> None:

@@ -153,6 +153,7 @@ class _Host:
         self.keys = torch.randn(1, heads, num_blocks * bs, dim, generator=gen)
         self.values = torch.randn(1, heads, num_blocks * bs, dim, generator=gen)
         self.valid = torch.ones(1, num_blocks * bs, dtype=torch.bool)
+        self.key_scale = self.value_scale = None  # unquantized
 
 
 @pytest.mark.parametrize("share", [0.0, 0.4, 1.0])

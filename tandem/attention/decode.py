@@ -81,7 +81,7 @@ class DecodeBuffers:
         if key != self._ranked_key:
             self._ranked_call = ops.ranked_attention_call(
                 self.q_host, host.keys, host.values, self.from_device, scale, host.block_size,
-                self.out_host, self.lse_host, host.valid, layer.config.cpu_threads,
+                self.out_host, self.lse_host, host.valid, layer.config.cpu_threads, **host.scales(),
             )  # fmt: skip
             self._ranked_key = key
         return self._ranked_call
@@ -98,7 +98,7 @@ class DecodeBuffers:
         if key != self._prepared_key:
             self._prepared_call = ops.prepared_attention_call(
                 self.q_host, host.keys, host.values, indices, lengths, scale, self.out_host, self.lse_host,
-                host.valid, selection.block_size, layer.config.cpu_threads,
+                host.valid, selection.block_size, layer.config.cpu_threads, **host.scales(),
             )  # fmt: skip
             self._prepared_key = key
         return self._prepared_call
@@ -228,7 +228,7 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, s
         ids = ranked[..., :width]
         lengths = torch.minimum((ids < ranked_limit(host)).sum(dim=-1), count)
         o_dev, lse_dev = ops.host_block_attention(
-            q, host.keys, host.values, ids, lengths, host.block_size, host.valid, scale
+            q, host.keys, host.values, ids, lengths, host.block_size, host.valid, scale, **host.scales()
         )
     ops.merge_lse_(out, lse, o_dev, lse_dev)
 

@@ -34,6 +34,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
             key_mask=host.valid,
             block_size=selection.block_size,
             num_threads=threads,
+            **host.scales(),
         )
     out = torch.zeros(batch, num_q_heads, q_len, head_dim)
     lse = torch.full((batch, num_q_heads, q_len), float("-inf"))
@@ -56,6 +57,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
                 scale,
                 key_mask=host.valid[b : b + 1],
                 block_size=selection.block_size,
+                **{name: t[b : b + 1, h0:h1] for name, t in host.scales().items()},
             )
         out[b : b + 1, h0 * group : h1 * group] = o_part
         lse[b : b + 1, h0 * group : h1 * group] = lse_part

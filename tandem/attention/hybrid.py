@@ -136,30 +136,8 @@ def _append_exact_flash(layer, q, k_new, v_new, valid_new, scale):
 
 
 def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):
-    """(keys, values, valid) of the live host rows, `key_chunk` rows at a time, copied to `device`."""
-    keys, values, valid = layer.host.live()
-    for k0 in range(0, keys.shape[2], key_chunk):
-        k1 = min(keys.shape[2], k0 + key_chunk)
-        yield (
-            rows_to_device(keys, k0, k1, device),
-            rows_to_device(values, k0, k1, device),
-            valid[:, k0:k1].to(device, non_blocking=True),
-        )
-
-
-def rows_to_device(store: torch.Tensor, k0: int, k1: int, device) -> torch.Tensor:
-    """Rows [k0, k1) of a [B, H, cap, D] host store on `device`, one contiguous DMA per (request, head).
-
-    Slicing rows of the whole store gives a strided view, which torch would first gather into pageable
-    memory on the CPU; each (request, head) slice is contiguous and pinned, so it copies asynchronously."""
-    if store.device == torch.device(device) or not store.is_pinned():
-        return store[:, :, k0:k1].to(device, non_blocking=True)
-    batch, heads, _, head_dim = store.shape
-    out = torch.empty(batch, heads, k1 - k0, head_dim, dtype=store.dtype, device=device)
-    for b in range(batch):
-        for h in range(heads):
-            out[b, h].copy_(store[b, h, k0:k1], non_blocking=True)
-    return out
+    """(keys, values, valid) of the live host rows in the model's dtype, `key_chunk` rows at a time, on `device`."""
+    return layer.host.pieces(device, key_chunk)
 
 
 def _host_rows_on_device(layer, q, outs, scale):
@@ -184,30 +162,33 @@ def _observe(layer, q, scale) -> None:
         return
     hot, host = layer.hot, layer.host
     q_obs = q[:, :, -layer.config.observation_tokens :]
-    hot.maw.copy_(observation_weights(q_obs, hot.keys, hot.valid, scale))
+    hot.maw.copy_(observation_weights(q_obs, tier_pieces(hot.keys, hot.valid), scale))
     if host.rows:
         host.wait()
-        keys, _, valid = host.live()
-        if q.is_cuda:  # the host keys stream to the GPU piece by piece; only the weights come back
-            weights = observation_weights(q_obs, keys, valid, scale).to("cpu")
-        else:
-            weights = observation_weights(q_obs, keys, valid, scale)
+        # the host keys stream to the query's device piece by piece; only the weights come back
+        pieces = ((keys, valid) for keys, _, valid in _host_pieces(layer, q.device))
+        weights = observation_weights(q_obs, pieces, scale).to("cpu")
         layer.policy.on_append(layer, weights)
 
 
-def observation_weights(q_obs, keys, valid, scale, key_chunk: int = KEY_CHUNK) -> torch.Tensor:
-    """Mean over the observation queries of softmax(q.k) restricted to `keys`: [B, Hq, T] float32."""
+def observation_weights(q_obs, pieces, scale) -> torch.Tensor:
+    """Mean over the observation queries of softmax(q.k) restricted to the keys of `pieces`, an iterable of
+    (keys [B, Hkv, n, D], valid [B, n]) on q_obs's device: [B, Hq, total n] float32."""
     batch, num_q_heads, _, _ = q_obs.shape
-    total = keys.shape[2]
     chunks, lses = [], []
-    for k0 in range(0, total, key_chunk):
-        k1 = min(total, k0 + key_chunk)
-        ks = rows_to_device(keys, k0, k1, q_obs.device)  # host keys meet a GPU query piecewise
-        mask = valid[:, k0:k1].to(q_obs.device, non_blocking=True)
-        _, chunk_lse, w = ops.attention_lse(q_obs, ks, ks, scale, mask, return_weights=True)
+    for keys, valid in pieces:
+        _, chunk_lse, w = ops.attention_lse(q_obs, keys, keys, scale, valid, return_weights=True)
         chunks.append(w)  # normalized within the chunk
         lses.append(chunk_lse)
+    if not chunks:
+        return torch.zeros(batch, num_q_heads, 0, device=q_obs.device)
     lse_all = torch.logsumexp(torch.stack(lses), dim=0)  # [B, Hq, Lobs]
     lse_all = torch.where(torch.isfinite(lse_all), lse_all, torch.zeros_like(lse_all))
     parts = [w * torch.exp(c - lse_all)[..., None] for w, c in zip(chunks, lses)]
-    return torch.cat(parts, dim=-1).mean(dim=2) if parts else torch.zeros(batch, num_q_heads, 0)
+    return torch.cat(parts, dim=-1).mean(dim=2)
+
+
+def tier_pieces(keys, valid, key_chunk: int = KEY_CHUNK):
+    """(keys, valid) of a tier already on the query's device, `key_chunk` rows at a time (bounds the logits)."""
+    for k0 in range(0, keys.shape[2], key_chunk):
+        yield keys[:, :, k0 : k0 + key_chunk], valid[:, k0 : k0 + key_chunk]

@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
             for variant, handoff, forward in itertools.product(variants, handoffs, forwards):
                 label = variant.label if len(handoffs) == 1 else f"{variant.label}@{handoff}"
                 label = label if len(forwards) == 1 else f"{label}/{forward}"
-                row = _host_memory_check(f"tandem-{label}", batch, context, args, kv_token_bytes, baselines)
+                token_bytes = kv_token_bytes
+                if variant.config.host_dtype:  # one byte per element (the block scales are ~0.2% more)
+                    token_bytes = kv_token_bytes // _dtype_size(dtype)
+                row = _host_memory_check(f"tandem-{label}", batch, context, args, token_bytes, baselines)
                 if row is not None:
                     _add(result, row, out_dir)
                     continue
@@ -252,13 +255,17 @@ def _replay_fluxion(variants, model, out_dir: Path) -> dict:
 HOST_FACTOR = {"hf-offloaded": 2.0, "tandem": 1.15}
 
 
-def _kv_bytes_per_token(model, dtype) -> int:
+def _dtype_size(dtype) -> int:
     import torch
 
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _kv_bytes_per_token(model, dtype) -> int:
     from .baselines import kv_shape
 
     num_layers, num_kv_heads, head_dim = kv_shape(model.config)
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * _dtype_size(dtype)
 
 
 def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) -> dict | None:

@@ -51,37 +51,47 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
         if layer.decode_steps == 0 or layer.host is None:
             continue
         host = layer.host
-        row_bytes = _row_bytes(layer)
         layer.collect_statistics()
         cpu_rows = layer.rows_attended - layer.rows_attended_device - layer.rows_attended_cached
-        total += cpu_rows / layer.decode_steps * row_bytes
+        total += cpu_rows / layer.decode_steps * _row_bytes(layer)
         if layer.policy.needs_digest and (host.key_min_dev is None or not host.key_min_dev.is_cuda):
             blocks = host.rows // host.block_size
-            total += host.batch * layer.num_kv_heads * blocks * row_bytes  # key_min + key_max
+            digest_bytes = 2 * layer.head_dim * host.dtype.itemsize  # key_min + key_max, never quantized
+            total += host.batch * layer.num_kv_heads * blocks * digest_bytes
     return total
 
 
 def device_bytes_per_step(cache: TandemCache) -> float:
     """Bytes of host-tier K/V rows the GPU read in place over PCIe per decode step (a quest `gpu_share`; with a
     recall cache, the blocks it copied in)."""
-    return _bytes_per_step(cache, "rows_attended_device")
+    return _bytes_per_step(cache, "rows_attended_device", _row_bytes)
 
 
 def cache_bytes_per_step(cache: TandemCache) -> float:
     """Bytes of host-tier K/V rows attended from quest's recall cache in GPU memory per decode step (gpu_cache)."""
-    return _bytes_per_step(cache, "rows_attended_cached")
+    return _bytes_per_step(cache, "rows_attended_cached", _decoded_row_bytes)
 
 
-def _bytes_per_step(cache: TandemCache, counter: str) -> float:
-    """K/V bytes per decode step of one of the layers' row counters, summed over layers."""
+def _bytes_per_step(cache: TandemCache, counter: str, row_bytes) -> float:
+    """K/V bytes per decode step of one of the layers' row counters (`row_bytes(layer)` each), summed over
+    layers."""
     layers = [layer for layer in cache.tandem_layers() if layer.decode_steps and layer.host is not None]
     for layer in layers:
         layer.collect_statistics()
-    return sum(getattr(layer, counter) / layer.decode_steps * _row_bytes(layer) for layer in layers)
+    return sum(getattr(layer, counter) / layer.decode_steps * row_bytes(layer) for layer in layers)
 
 
-def _row_bytes(layer) -> int:
-    return 2 * layer.head_dim * layer.host.keys.element_size()  # one K row + one V row
+def _decoded_row_bytes(layer) -> int:
+    """Bytes of one K row + one V row in the model's dtype (the recall cache holds decoded rows)."""
+    return 2 * layer.head_dim * layer.host.dtype.itemsize
+
+
+def _row_bytes(layer) -> float:
+    """Host-tier bytes of one K row + one V row as stored: the codes plus their share of the block scales with
+    `host_dtype`, else the model's dtype."""
+    host = layer.host
+    scales = 2 * 4 / host.block_size if host.quant else 0.0
+    return 2 * layer.head_dim * host.keys.element_size() + scales
 
 
 def run_tandem(

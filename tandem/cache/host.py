@@ -8,6 +8,7 @@ from contextlib import nullcontext
 import torch
 
 from tandem.cache.memory import host_empty
+from tandem.kernels.reference import QUANT_DTYPES, quantize_blocks
 
 
 class HostMemoryError(MemoryError):
@@ -19,7 +20,10 @@ class HostTier:
 
     Storage (capacity `cap` rows, the first `rows` live; rows are always a whole number of blocks):
         keys, values: [B, Hkv, cap, D]   model dtype, pinned when the hot tier is on CUDA, on huge pages
-                                         when `huge_pages` (`tandem.cache.memory`)
+                                         when `huge_pages` (`tandem.cache.memory`); with `quant` ("int8" /
+                                         "fp8") 8-bit codes instead (int8 / float8_e4m3fn), and
+        key_scale, value_scale: [B, Hkv, cap // block_size] float32: row r decodes as
+                                         codes * scale[..., r // block_size] (`reference.quantize_blocks`)
         valid:        [B, cap] bool      False for padding rows (left padding of ragged batches)
         key_min/max:  [B, Hkv, cap // block_size, D]  per-block per-dim key digest (quest)
         maw:          [B, Hq, cap] float32            moving average of attention weights (hgca)
@@ -42,7 +46,12 @@ class HostTier:
         stream: torch.cuda.Stream | None = None,
         mirror_device: torch.device | None = None,
         huge_pages: bool = True,
+        quant: str | None = None,
     ) -> None:
+        if quant is not None and quant not in QUANT_DTYPES:
+            raise ValueError(f"quant: must be None or one of {', '.join(QUANT_DTYPES)}, got {quant!r}")
+        self.quant = quant
+        self.store_dtype = QUANT_DTYPES[quant] if quant else dtype  # dtype: what the rows decode to
         self.batch, self.num_kv_heads, self.num_q_heads = batch, num_kv_heads, num_q_heads
         self.head_dim, self.dtype, self.block_size = head_dim, dtype, block_size
         self.pin, self.keep_digest, self.keep_maw = pin, keep_digest, keep_maw
@@ -53,6 +62,7 @@ class HostTier:
         self._counted = 0
         self.capacity = 0
         self.keys = self.values = self.valid = None
+        self.key_scale = self.value_scale = None
         self.key_min = self.key_max = self.maw = None
         self.last_event: torch.cuda.Event | None = None
         self._pending_sources: list[torch.Tensor] = []
@@ -84,10 +94,13 @@ class HostTier:
         b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
         try:
             grown = {
-                "keys": self._empty((b, hkv, new_cap, d), self.dtype),
-                "values": self._empty((b, hkv, new_cap, d), self.dtype),
+                "keys": self._empty((b, hkv, new_cap, d), self.store_dtype),
+                "values": self._empty((b, hkv, new_cap, d), self.store_dtype),
                 "valid": self._empty((b, new_cap), torch.bool),
             }
+            if self.quant:
+                grown["key_scale"] = self._empty((b, hkv, new_cap // bs), torch.float32)
+                grown["value_scale"] = self._empty((b, hkv, new_cap // bs), torch.float32)
             if self.keep_digest:
                 grown["key_min"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
                 grown["key_max"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
@@ -108,7 +121,10 @@ class HostTier:
         for name, new in grown.items():
             old = getattr(self, name)
             if old is not None and self.rows:
-                used = used_blocks if name in ("key_min", "key_max") or name.endswith("_dev") else self.rows
+                per_block = name in ("key_min", "key_max", "key_scale", "value_scale") or name.endswith(
+                    "_dev"
+                )
+                used = used_blocks if per_block else self.rows
                 row_dim = 1 if new.dim() == 2 else 2
                 new.narrow(row_dim, 0, used).copy_(old.narrow(row_dim, 0, used))
             setattr(self, name, new)
@@ -143,7 +159,12 @@ class HostTier:
                 self.key_max_dev[:, :, b0:b1].copy_(digest[1].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
                 block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
                 self.block_valid_dev[:, b0:b1].copy_(block_valid.to(dev))
+        if self.quant:  # after the digest, which stays exact
+            keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
+            values, value_scale = quantize_blocks(values, valid, bs, self.quant)
         sources = [keys, values, valid] + ([maw] if self.keep_maw else []) + (list(digest) if digest else [])
+        if self.quant:
+            sources += [key_scale, value_scale]
         on_cuda = keys.is_cuda and self.stream is not None
         ctx = torch.cuda.stream(self.stream) if on_cuda else nullcontext()
         if on_cuda:
@@ -156,10 +177,13 @@ class HostTier:
             if self.keep_maw:
                 src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
                 self.maw[:, :, first : first + n].copy_(src, non_blocking=nb)
+            b0, b1 = first // bs, (first + n) // bs
             if digest is not None:
-                b0, b1 = first // bs, (first + n) // bs
                 self.key_min[:, :, b0:b1].copy_(digest[0], non_blocking=nb)
                 self.key_max[:, :, b0:b1].copy_(digest[1], non_blocking=nb)
+            if self.quant:
+                self.key_scale[:, :, b0:b1].copy_(key_scale, non_blocking=nb)
+                self.value_scale[:, :, b0:b1].copy_(value_scale, non_blocking=nb)
         if on_cuda:
             for src in sources:
                 if src is not None and src.is_cuda:
@@ -177,9 +201,42 @@ class HostTier:
 
     # ---- views ---------------------------------------------------------------------------------------------
     def live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, valid) of the live rows, as views."""
+        """(keys, values, valid) of the live rows in the model's dtype: views, or with `quant` decoded copies (for
+        analysis and reference paths; the kernels read the codes and `scales()` in place)."""
         n = self.rows
+        if self.quant:
+            return (
+                self._decoded(self.keys, self.key_scale, 0, n),
+                self._decoded(self.values, self.value_scale, 0, n),
+                self.valid[:, :n],
+            )
         return self.keys[:, :, :n], self.values[:, :, :n], self.valid[:, :n]
+
+    def scales(self) -> dict:
+        """The kernels' keyword arguments for this store: {"k_scale": ..., "v_scale": ...} with `quant`, else {}."""
+        return {"k_scale": self.key_scale, "v_scale": self.value_scale} if self.quant else {}
+
+    def pieces(self, device, chunk: int):
+        """(keys, values, valid) of the live rows on `device` in the model's dtype, `chunk` rows at a time. Only
+        the stored bytes cross to the device (the codes and their scales with `quant`; decoded there)."""
+        for k0 in range(0, self.rows, chunk):
+            k1 = min(self.rows, k0 + chunk)
+            yield (
+                self._decoded(self.keys, self.key_scale, k0, k1, device),
+                self._decoded(self.values, self.value_scale, k0, k1, device),
+                self.valid[:, k0:k1].to(device, non_blocking=True),
+            )
+
+    def _decoded(self, store, scale, k0: int, k1: int, device=None) -> torch.Tensor:
+        """Rows [k0, k1) of `store` on `device` (default: where the store is), decoded to the model's dtype."""
+        rows = rows_to_device(store, k0, k1, store.device if device is None else device)
+        if not self.quant:
+            return rows
+        bs = self.block_size
+        b0, b1 = k0 // bs, -(-k1 // bs)
+        per_row = scale[:, :, b0:b1].to(rows.device, non_blocking=True).repeat_interleave(bs, dim=2)
+        per_row = per_row[:, :, k0 - b0 * bs : k1 - b0 * bs]
+        return (rows.float() * per_row[..., None]).to(self.dtype)
 
     def digest(self) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.rows // self.block_size
@@ -197,7 +254,7 @@ class HostTier:
     def nbytes(self) -> int:
         """Bytes held in host memory by this tier (allocated capacity, all buffers)."""
         total = 0
-        for name in ("keys", "values", "valid", "key_min", "key_max", "maw"):  # host memory only
+        for name in ("keys", "values", "valid", "key_min", "key_max", "key_scale", "value_scale", "maw"):
             t = getattr(self, name)
             if t is not None:
                 total += t.numel() * t.element_size()
@@ -211,3 +268,18 @@ def _block_digest(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
     kmin = keys.masked_fill(~mask, float("inf")).view(b, hkv, n // block_size, block_size, d).amin(dim=3)
     kmax = keys.masked_fill(~mask, float("-inf")).view(b, hkv, n // block_size, block_size, d).amax(dim=3)
     return kmin, kmax
+
+
+def rows_to_device(store: torch.Tensor, k0: int, k1: int, device) -> torch.Tensor:
+    """Rows [k0, k1) of a [B, H, cap, D] host store on `device`, one contiguous DMA per (request, head).
+
+    Slicing rows of the whole store gives a strided view, which torch would first gather into pageable
+    memory on the CPU; each (request, head) slice is contiguous and pinned, so it copies asynchronously."""
+    if store.device == torch.device(device) or not store.is_pinned():
+        return store[:, :, k0:k1].to(device, non_blocking=True)
+    batch, heads, _, head_dim = store.shape
+    out = torch.empty(batch, heads, k1 - k0, head_dim, dtype=store.dtype, device=device)
+    for b in range(batch):
+        for h in range(heads):
+            out[b, h].copy_(store[b, h, k0:k1], non_blocking=True)
+    return out

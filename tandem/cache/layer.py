@@ -116,6 +116,7 @@ class LayerKV:
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
             mirror_device=keys.device if keys.is_cuda or self.gpu_share > 0 else None,
             huge_pages=cfg.huge_pages,
+            quant=cfg.host_dtype,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
@@ -130,7 +131,7 @@ class LayerKV:
             return None
         batch, heads, k_max = ranked.shape
         if self.config.gpu_cache is None and self.recall_budget is not None:
-            element = self.host.keys.element_size()
+            element = self.host.dtype.itemsize  # the recall cache holds decoded rows
             self.gpu_cache = self.recall_budget.factor_for(
                 self.gpu_cache, batch, heads, k_max, width, self.host.block_size, self.head_dim, element,
                 ranked.device,
@@ -148,7 +149,7 @@ class LayerKV:
                 self.recall = RecallCache(*shape, self.host.block_size, slots, num_blocks, k_max, width)
             except torch.OutOfMemoryError as err:
                 kv_bytes = 2 * batch * heads * slots * self.host.block_size * self.head_dim
-                kv_bytes *= self.host.keys.element_size()
+                kv_bytes *= self.host.dtype.itemsize
                 raise MemoryError(
                     f"TandemConfig.gpu_cache={self.gpu_cache}: quest's recall cache needs {kv_bytes / 2**30:.2f} GiB "
                     f"per layer on {ranked.device}, which is full; pass a smaller gpu_cache, or gpu_cache=0 to "

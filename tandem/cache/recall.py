@@ -125,6 +125,7 @@ class RecallCache:
         ops.recall_blocks(
             host.keys, host.values, host.valid, self.keys, self.values, self.valid,
             plan.src, plan.dst, plan.counts, self.block_size, self.slots,
+            src_k_scale=host.key_scale, src_v_scale=host.value_scale,
         )  # fmt: skip
 
     def nbytes(self) -> int:

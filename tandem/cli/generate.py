@@ -14,6 +14,7 @@ from ..config import (
     DEFAULT_GPU_SHARE,
     FLUXION_GRANULARITIES,
     FLUXION_MODES,
+    HOST_DTYPES,
     POLICIES,
     TandemConfig,
     parse_number,
@@ -79,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="quest with a GPU share: keep recently selected host blocks in GPU memory, this many times the "
         f"budget, and attend them there (same result, fewer host reads; default: {DEFAULT_GPU_CACHE} with CUDA, "
         "less if all layers' caches would take over half the free GPU memory, else 0 = off)",
+    )
+    p.add_argument(
+        "--host-dtype",
+        choices=HOST_DTYPES,
+        default=None,
+        help="store the host tier as 8-bit codes with per-block scales: half the host memory and half the bytes "
+        "read per step, at a small quality cost (default: the model's dtype)",
     )
     p.add_argument(
         "--tau",
@@ -221,6 +229,7 @@ def build_config(args: argparse.Namespace) -> TandemConfig:
         beta=args.beta,
         gpu_share=args.gpu_share,
         gpu_cache=args.gpu_cache,
+        host_dtype=args.host_dtype,
         cpu_threads=args.cpu_threads,
         tau=args.tau,
         profile=args.profile,

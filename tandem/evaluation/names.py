@@ -16,6 +16,7 @@ SETTABLE = (
     "gpu_share",
     "gpu_cache",
     "huge_pages",
+    "host_dtype",
     "tau",
     "profile",
     "fluxion_mode",

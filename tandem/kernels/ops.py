@@ -15,6 +15,7 @@ from . import cpu as _native
 from . import reference
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # host K/V stores of 8-bit codes, with per-group scales
 
 
 def native_cpu_available() -> bool:
@@ -35,16 +36,25 @@ def _check_scale(scale) -> None:
     )
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
-    for name, t in (("q", q), (k_name, k), (v_name, v)):
+def _check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str, quantized_ok: bool = False
+) -> None:
+    """q, k, v 4-D and consistent; with `quantized_ok`, k / v may also be 8-bit codes (int8, float8_e4m3fn)."""
+    floats = (FLOAT_DTYPES, "float32, float16 or bfloat16")
+    codes = (FLOAT_DTYPES + QUANT_DTYPES, "float32, float16, bfloat16, int8 or float8_e4m3fn")
+    kv = codes if quantized_ok else floats
+    for name, t, (dtypes, allowed) in (("q", q, floats), (k_name, k, kv), (v_name, v, kv)):
         _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check(t.dim() == 4, f"{name} must be 4-D [B, heads, tokens, head_dim], got shape {tuple(t.shape)}")
-        _check(t.dtype in FLOAT_DTYPES, f"{name}.dtype must be float32, float16 or bfloat16, got {t.dtype}")
+        _check(t.dtype in dtypes, f"{name}.dtype must be {allowed}, got {t.dtype}")
     _check(
         k.shape == v.shape,
         f"{k_name} and {v_name} must have the same shape: {tuple(k.shape)} vs {tuple(v.shape)}",
     )
-    _check(k.dtype == v.dtype, f"{k_name} and {v_name} must have the same dtype: {k.dtype} vs {v.dtype}")
+    _check(
+        k.dtype == v.dtype,
+        f"{k_name} and {v_name} must have the same dtype, got {k_name}.dtype {k.dtype} and {v_name}.dtype {v.dtype}",
+    )
     _check(q.shape[0] == k.shape[0], f"batch of q ({q.shape[0]}) and {k_name} ({k.shape[0]}) differ")
     _check(q.shape[3] == k.shape[3], f"head_dim of q ({q.shape[3]}) and {k_name} ({k.shape[3]}) differ")
     _check(
@@ -52,6 +62,41 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v
         f"q heads ({q.shape[1]}) must be a multiple of {k_name} heads ({k.shape[1]})",
     )
     _check(k.device == v.device, f"{k_name} is on {k.device} but {v_name} is on {v.device}")
+
+
+def _check_kv_scales(k_store: torch.Tensor, k_scale, v_scale) -> None:
+    """k_scale / v_scale: float32 [B, Hkv, S] with S dividing cap, last dim contiguous, next to k_store; given
+    exactly when k_store holds 8-bit codes (int8 / float8_e4m3fn)."""
+    if k_store.dtype not in QUANT_DTYPES:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check(
+                t is None,
+                f"{name} is only for k_store.dtype int8 or float8_e4m3fn (scales of the codes), got {k_store.dtype}",
+            )
+        return
+    batch, num_kv_heads, cap = k_store.shape[:3]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(
+            t is not None,
+            f"{name} must be given with k_store.dtype {k_store.dtype}: float32 [B, Hkv, S], one scale per cap // S rows",
+        )
+        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check(t.dtype == torch.float32, f"{name}.dtype must be float32, got {t.dtype}")
+        _check(
+            t.dim() == 3 and tuple(t.shape[:2]) == (batch, num_kv_heads),
+            f"{name} must be [B, Hkv, S] = [{batch}, {num_kv_heads}, S], got {tuple(t.shape)}",
+        )
+        _check(t.device == k_store.device, f"{name} is on {t.device} but k_store is on {k_store.device}")
+        _check(t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    groups = k_scale.shape[2]
+    _check(
+        (groups > 0 and cap % groups == 0) or groups == cap == 0,
+        f"k_scale's {groups} scales per (request, KV head) must divide the {cap} rows of k_store",
+    )
+    _check(
+        v_scale.shape == k_scale.shape,
+        f"v_scale must have k_scale's shape {tuple(k_scale.shape)}, got {tuple(v_scale.shape)}",
+    )
 
 
 def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = False):
@@ -78,11 +123,14 @@ def merge_lse(out_a, lse_a, out_b, lse_b):
 
 
 def sparse_attention_lse(
-    q, k_store, v_store, indices, lengths, scale: float, key_mask=None, block_size=None, num_threads=None
-):
-    """Attention over selected rows (or blocks) of a host KV store. See `reference.sparse_attention_lse`."""
+    q, k_store, v_store, indices, lengths, scale: float, key_mask=None, block_size=None, num_threads=None,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
+    """Attention over selected rows (or blocks) of a host KV store. See `reference.sparse_attention_lse`;
+    an 8-bit store (int8 / float8_e4m3fn codes) needs k_scale / v_scale [B, Hkv, S] float32."""
     _check_scale(scale)
-    _check_qkv(q, k_store, v_store, "k_store", "v_store")
+    _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
+    _check_kv_scales(k_store, k_scale, v_scale)
     batch, num_kv_heads = k_store.shape[:2]
     _check(
         indices.dim() == 3 and tuple(indices.shape[:2]) == (batch, num_kv_heads),
@@ -125,17 +173,22 @@ def sparse_attention_lse(
             key_mask=key_mask,
             block_size=block_size,
             num_threads=num_threads,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
-    return reference.sparse_attention_lse(q, k_store, v_store, indices, lengths, scale, key_mask, block_size)
+    return reference.sparse_attention_lse(
+        q, k_store, v_store, indices, lengths, scale, key_mask, block_size, k_scale, v_scale
+    )
 
 
 def ranked_block_attention(
     q, k_store, v_store, ranked, skip: int, count: int, scale: float, block_size: int, key_mask=None,
-    num_threads=None,
+    num_threads=None, k_scale=None, v_scale=None,
 ):  # fmt: skip
     """Attention over ranks [skip, count) of best-first block ids: (out, lse, lengths).
-    See `reference.ranked_block_attention`."""
-    _check_qkv(q, k_store, v_store, "k_store", "v_store")
+    See `reference.ranked_block_attention`; k_scale / v_scale as `sparse_attention_lse`."""
+    _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
+    _check_kv_scales(k_store, k_scale, v_scale)
     _check(
         ranked.dim() == 3 and tuple(ranked.shape[:2]) == tuple(k_store.shape[:2]),
         f"ranked must be [B, Hkv, W] = [{k_store.shape[0]}, {k_store.shape[1]}, W], got {tuple(ranked.shape)}",
@@ -148,27 +201,27 @@ def ranked_block_attention(
     _check(isinstance(block_size, int) and block_size >= 1, f"block_size must be >= 1, got {block_size}")
     if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
         return _native.ranked_block_attention(
-            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, num_threads
-        )
+            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, num_threads, k_scale, v_scale,
+        )  # fmt: skip
     return reference.ranked_block_attention(
-        q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask
+        q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, k_scale, v_scale
     )
 
 
 def ranked_attention_call(q, k_store, v_store, ranked, scale: float, block_size: int, out, lse, key_mask=None,
-                          num_threads=None):  # fmt: skip
+                          num_threads=None, k_scale=None, v_scale=None):  # fmt: skip
     """`ranked_block_attention` prepared for fixed buffers (`cpu.RankedAttention`: out / lse written in place,
     a call costs microseconds), or None where the compiled kernels are unavailable."""
     _check_scale(scale)
     if not native_cpu_available():
         return None
     return _native.RankedAttention(
-        q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask, num_threads
+        q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask, num_threads, k_scale, v_scale
     )
 
 
 def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float, out, lse, key_mask=None,
-                            block_size=None, num_threads=None):  # fmt: skip
+                            block_size=None, num_threads=None, k_scale=None, v_scale=None):  # fmt: skip
     """`sparse_attention_lse` prepared for fixed buffers (`cpu.PreparedAttention`: out / lse written in place, a
     call costs microseconds), or None where the compiled kernels are unavailable or the index lists are not laid
     out as it needs (then the general launcher runs)."""
@@ -177,8 +230,9 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
         return None
     try:
         return _native.PreparedAttention(
-            q, k_store, v_store, indices, lengths, scale, out, lse, key_mask, block_size, num_threads
-        )
+            q, k_store, v_store, indices, lengths, scale, out, lse, key_mask, block_size, num_threads,
+            k_scale, v_scale,
+        )  # fmt: skip
     except ValueError:
         return None
 
@@ -308,19 +362,27 @@ def top_blocks(scores, k, width: int):
     return reference.top_blocks(scores, int(k), width)
 
 
-def host_block_attention(q, keys, values, block_ids, lengths, block_size: int, valid, scale: float):
+def host_block_attention(
+    q, keys, values, block_ids, lengths, block_size: int, valid, scale: float, k_scale=None, v_scale=None
+):
     """Attention of one query per request on q's device over selected blocks of a host KV store: q [B, Hq, D];
     keys / values [B, Hkv, T, D] (pinned host memory, read in place by a CUDA q; any CPU tensor otherwise);
-    block_ids [B, Hkv, S] and lengths [B, Hkv] on q's device; valid [B, T] bool next to the keys.
+    block_ids [B, Hkv, S] and lengths [B, Hkv] on q's device; valid [B, T] bool next to the keys. An 8-bit
+    store (int8 / float8_e4m3fn codes) comes with k_scale / v_scale [B, Hkv, T // G] float32 next to it.
     Returns (out [B, Hq, D] float32, lse [B, Hq] float32) on q's device."""
     _check_scale(scale)
     _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
     if _triton_on(q.device):
         from . import gpu
 
-        return gpu.host_block_attention(q, keys, values, block_ids, lengths, block_size, valid, scale)
-    _check_qkv(q[:, :, None], keys, values, "keys", "values")
-    return reference.host_block_attention(q, keys, values, block_ids, lengths, block_size, valid, scale)
+        return gpu.host_block_attention(
+            q, keys, values, block_ids, lengths, block_size, valid, scale, k_scale=k_scale, v_scale=v_scale
+        )
+    _check_qkv(q[:, :, None], keys, values, "keys", "values", quantized_ok=True)
+    _check_kv_scales(keys, k_scale, v_scale)
+    return reference.host_block_attention(
+        q, keys, values, block_ids, lengths, block_size, valid, scale, k_scale, v_scale
+    )
 
 
 def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -> None:
@@ -334,18 +396,17 @@ def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -
 
 
 def recall_blocks(src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size,
-                  slots):  # fmt: skip
+                  slots, src_k_scale=None, src_v_scale=None):  # fmt: skip
     """Copy host blocks into a device block cache (`tandem.cache.recall`): Triton's `gpu.recall_blocks` on CUDA
-    (reading pinned host memory in place), `reference.recall_blocks` otherwise."""
+    (reading pinned host memory in place), `reference.recall_blocks` otherwise. An 8-bit source comes with
+    src_k_scale / src_v_scale [B, Hkv, T // G] float32 and is decoded to the cache's dtype."""
+    args = (src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots)
     if _triton_on(keys.device):
         from . import gpu
 
-        return gpu.recall_blocks(
-            src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
-        )
-    return reference.recall_blocks(
-        src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
-    )
+        return gpu.recall_blocks(*args, src_k_scale=src_k_scale, src_v_scale=src_v_scale)
+    _check_kv_scales(src_keys, src_k_scale, src_v_scale)
+    return reference.recall_blocks(*args, src_k_scale, src_v_scale)
 
 
 def block_scores_matmul(q, key_min, key_max, block_valid):

@@ -78,11 +78,53 @@ def merge_lse(
     return out, lse
 
 
+# Compressed host tier: 8-bit codes with one float32 scale per (request, KV head, block of rows).
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANT_MAX = {"int8": 127.0, "fp8": 448.0}  # the largest code magnitude of each format
+
+
+def quantize_blocks(x: torch.Tensor, valid: torch.Tensor, block_size: int, kind: str):
+    """Symmetric per-block quantization of x [B, H, n, D] (n a multiple of block_size), valid [B, n] bool.
+
+    Returns (codes [B, H, n, D] int8 or float8_e4m3fn, scale [B, H, n // block_size] float32): row r of head h
+    decodes as codes * scale[..., r // block_size]. The scale is the block's largest |x| over its valid rows
+    divided by the format's largest code (127 / 448); padding rows and all-zero blocks store 0.
+    """
+    batch, heads, n, dim = x.shape
+    xf = (
+        x.float()
+        .masked_fill(~valid[:, None, :, None], 0.0)
+        .view(batch, heads, n // block_size, block_size, dim)
+    )
+    limit = QUANT_MAX[kind]
+    scale = xf.abs().amax(dim=(3, 4)) / limit
+    ratio = xf / torch.where(scale > 0, scale, 1.0)[..., None, None]
+    ratio = ratio.clamp(-limit, limit)
+    codes = ratio.round().to(torch.int8) if kind == "int8" else ratio.to(torch.float8_e4m3fn)
+    return codes.view(batch, heads, n, dim), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [B, H, T, D] (int8 / float8_e4m3fn), scale [B, H, T // G] float32 -> float32 [B, H, T, D]: row r
+    times scale[..., r // G] (G = T // scale.shape[2], which must divide T)."""
+    rows = codes.shape[2]
+    group = rows // max(scale.shape[2], 1)
+    per_row = scale.float().repeat_interleave(group, dim=2)[..., :rows]
+    return codes.float() * per_row[..., None]
+
+
 def expand_block_indices(block_indices: torch.Tensor, block_lengths: torch.Tensor, block_size: int):
     """Block ids [B, Hkv, S] (+ lengths [B, Hkv]) -> token row ids [B, Hkv, S*block_size] (+ lengths)."""
     offsets = torch.arange(block_size, device=block_indices.device, dtype=block_indices.dtype)
     rows = (block_indices[..., None] * block_size + offsets).flatten(-2)
     return rows, block_lengths * block_size
+
+
+def _gather_rows(store: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
+    # torch has no CPU gather for float8: gather its bytes
+    if store.dtype == torch.float8_e4m3fn:
+        return torch.gather(store.view(torch.uint8), 2, gather_idx).view(store.dtype)
+    return torch.gather(store, 2, gather_idx)
 
 
 def sparse_attention_lse(
@@ -94,6 +136,8 @@ def sparse_attention_lse(
     scale: float,
     key_mask: torch.Tensor | None = None,
     block_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each KV head's query group over selected rows of a KV store.
 
@@ -102,6 +146,8 @@ def sparse_attention_lse(
     indices:  [B, Hkv, S] int    row ids (or block ids when `block_size` is given); padded past `lengths`
     lengths:  [B, Hkv] int       number of valid entries of `indices` per (request, KV head)
     key_mask: [B, cap] bool      False marks padding rows that are never attended
+    k_scale:  [B, Hkv, G] float32, v_scale the same: scales of 8-bit stores (int8 / float8_e4m3fn codes); a
+              gathered row r decodes as codes.float() * scale[b, h, r // (cap // G)]
     Returns out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32 (-inf, zeros where nothing is selected).
     """
     if block_size is not None:
@@ -111,8 +157,12 @@ def sparse_attention_lse(
     live = torch.arange(width, device=indices.device)[None, None, :] < lengths[..., None]  # [B, Hkv, S]
     rows = torch.where(live, indices, torch.zeros_like(indices)).long()
     gather_idx = rows[..., None].expand(batch, num_kv_heads, width, head_dim)
-    k_sel = torch.gather(k_store, 2, gather_idx)
-    v_sel = torch.gather(v_store, 2, gather_idx)
+    k_sel = _gather_rows(k_store, gather_idx)
+    v_sel = _gather_rows(v_store, gather_idx)
+    if k_scale is not None:
+        group = k_store.shape[2] // k_scale.shape[2]
+        k_sel = k_sel.float() * torch.gather(k_scale.float(), 2, rows // group)[..., None]
+        v_sel = v_sel.float() * torch.gather(v_scale.float(), 2, rows // group)[..., None]
     if key_mask is not None:
         valid = torch.gather(key_mask[:, None, :].expand(batch, num_kv_heads, -1), 2, rows)
         live = live & valid
@@ -164,14 +214,19 @@ def ranked_block_attention(
     scale: float,
     block_size: int,
     key_mask: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention over ranks [skip, count) of best-first block ids (Quest's device-ranked top-k).
 
     ranked: [B, Hkv, W] int64, ids >= cap // block_size (or < 0) are invalid picks. Returns out [B, Hq, Lq, D]
-    float32, lse [B, Hq, Lq] float32 and lengths [B, Hkv] (the valid ids attended), as sparse_attention_lse.
+    float32, lse [B, Hq, Lq] float32 and lengths [B, Hkv] (the valid ids attended), as sparse_attention_lse
+    (k_scale / v_scale: the scales of an 8-bit store, as there).
     """
     ids, lengths = ranked_blocks(ranked, skip, count, k_store.shape[2] // block_size)
-    out, lse = sparse_attention_lse(q, k_store, v_store, ids, lengths, scale, key_mask, block_size)
+    out, lse = sparse_attention_lse(
+        q, k_store, v_store, ids, lengths, scale, key_mask, block_size, k_scale, v_scale
+    )
     return out, lse, lengths
 
 
@@ -279,14 +334,19 @@ def host_block_attention(
     block_size: int,
     valid: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per request over selected blocks of a host KV store.
 
     q: [B, Hq, D]; keys / values: [B, Hkv, T, D]; block_ids: [B, Hkv, S] int (padded past `lengths`);
     lengths: [B, Hkv] int; valid: [B, T] bool. Row r of block b is b * block_size + r; rows outside [0, T) (the
     tail of a last partial block, blocks past the store) are ignored. Returns out [B, Hq, D] float32, lse [B, Hq]
-    float32.
+    float32. An 8-bit store (int8 / float8_e4m3fn codes) comes with k_scale / v_scale [B, Hkv, T // G] float32
+    and is attended as `dequantize` decodes it (float32).
     """
+    if k_scale is not None:
+        keys, values = dequantize(keys, k_scale), dequantize(values, v_scale)
     blocks = -(-keys.shape[2] // block_size)
     # complete the last block, and add one block, with rows that are never attended; ids outside the store
     # point at that block
@@ -393,6 +453,8 @@ def recall_blocks(
     counts: torch.Tensor,
     block_size: int,
     slots: int,
+    src_k_scale: torch.Tensor | None = None,
+    src_v_scale: torch.Tensor | None = None,
 ) -> None:
     """Copy host blocks into the slots of a block cache, in place.
 
@@ -400,7 +462,8 @@ def recall_blocks(
     slot s of head h at rows [(h * slots + s) * block_size, ... + block_size); valid: [B, Hkv * slots * block_size].
     src_ids / dst_ids: [B, Hkv, W] int64 host block ids and slots; the first counts[b, h] ([B, Hkv]) entries are
     copied (the others may name any slot). Rows of a block past T are marked not valid. keys / values / valid
-    contiguous.
+    contiguous. An 8-bit source (int8 / float8_e4m3fn codes) comes with src_k_scale / src_v_scale
+    [B, Hkv, T // G] float32: the copied rows are dequantized (float32), then rounded to the cache's dtype.
     """
     batch, num_kv_heads, num_rows, head_dim = src_keys.shape
     width = src_ids.shape[-1]
@@ -414,8 +477,13 @@ def recall_blocks(
     put = live[..., None].expand(-1, -1, -1, block_size).reshape(batch, -1)
     # only live entries are written (entries past counts may repeat a slot): rows of the [B * rows] flattening
     flat = (torch.arange(batch, device=src_ids.device)[:, None] * keys.shape[1] + dst_rows)[put]
-    for src, dst in ((src_keys, keys), (src_values, values)):
-        rows = src.gather(2, src_rows[..., None].expand(-1, -1, -1, head_dim)).reshape(batch, -1, head_dim)
+    for src, src_scale, dst in ((src_keys, src_k_scale, keys), (src_values, src_v_scale, values)):
+        codes = src.view(torch.uint8) if src.dtype == torch.float8_e4m3fn else src  # torch has no fp8 gather
+        rows = codes.gather(2, src_rows[..., None].expand(-1, -1, -1, head_dim)).view(src.dtype)
+        if src_scale is not None:  # only the copied rows: each with its group's scale
+            group = max(1, num_rows // max(src_scale.shape[2], 1))
+            rows = dequantize(rows, src_scale.gather(2, src_rows // group))
+        rows = rows.reshape(batch, -1, head_dim)
         dst.view(-1, head_dim).index_copy_(0, flat, rows[put].to(dst.dtype))
     ok = src_valid.gather(1, src_rows.reshape(batch, -1)) & readable.reshape(batch, -1)
     valid.view(-1).index_copy_(0, flat, ok[put])

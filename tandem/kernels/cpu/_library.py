@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C++ `Dtype` enum
-ABI_VERSION = 1
+# the C++ `Dtype` enum; int8 / float8_e4m3fn: K/V stores of 8-bit codes only (with scales), never q or digests
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+ABI_VERSION = 2  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
 # the 16-core Xeon GPU host (docs/cpu-kernels.md, "Prefetch sweeps"): 192 rows ahead into L2 (prefetcht2) ran
 # 20% faster than 64 rows into L1; 128 and 256 rows were within 10% of it (256 faster at batch 1, slower at 8).
@@ -78,6 +79,13 @@ class AttendArgs(ctypes.Structure):
         ("prefetch_rows", ctypes.c_int64),
         ("prefetch_hint", ctypes.c_int64),
         ("prefetch_step", ctypes.c_int64),
+        ("k_scale", ctypes.c_void_p),  # 8-bit stores: [B, Hkv, S] fp32, row r scaled by entry r // scale_rows
+        ("v_scale", ctypes.c_void_p),
+        ("ks_stride_b", ctypes.c_int64),
+        ("ks_stride_h", ctypes.c_int64),
+        ("vs_stride_b", ctypes.c_int64),
+        ("vs_stride_h", ctypes.c_int64),
+        ("scale_rows", ctypes.c_int64),
     ]
 
 

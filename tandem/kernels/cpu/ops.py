@@ -69,6 +69,8 @@ def _check_tensor(name, t, dim, dtypes=None, shape=None):
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # K/V stores of 8-bit codes, with per-group scales
+_NO_SCALES = (None, None, 0, 0, 0, 0, 1)  # AttendArgs' scale fields of a float store
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,6 +99,39 @@ def _check_store(q, k_store, v_store) -> tuple[int, int]:
     return num_kv_heads, cap
 
 
+def _check_scales(k_store, k_scale, v_scale) -> tuple:
+    """Scales of an 8-bit store: k_scale / v_scale [B, Hkv, S] float32, last dim contiguous, S dividing cap (row r
+    is codes * scale[..., r // (cap // S)]); required exactly for int8 / float8_e4m3fn stores. Returns AttendArgs'
+    scale fields."""
+    if k_store.dtype not in _QUANT_DTYPES:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is not None:
+                raise ValueError(
+                    f"{name}: only for int8 / float8_e4m3fn stores (scales of their codes), got a "
+                    f"{str(k_store.dtype).removeprefix('torch.')} k_store; pass None"
+                )
+        return _NO_SCALES
+    batch, num_kv_heads, cap = k_store.shape[:3]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(
+                f"{name}: required for a {str(k_store.dtype).removeprefix('torch.')} k_store: float32 "
+                "[B, Hkv, S], one scale per cap // S rows"
+            )
+    _check_tensor("k_scale", k_scale, 3, (torch.float32,), (batch, num_kv_heads, None))
+    _check_tensor("v_scale", v_scale, 3, (torch.float32,), tuple(k_scale.shape))
+    groups = k_scale.shape[2]
+    if (groups == 0 and cap > 0) or groups > cap or (groups and cap % groups):
+        raise ValueError(
+            f"k_scale: {groups} scales per (request, KV head) must divide the store's {cap} rows "
+            "(cap // S rows per scale)"
+        )
+    _rows_contiguous("k_scale", k_scale)
+    _rows_contiguous("v_scale", v_scale)
+    rows_per_scale = cap // groups if groups else 1
+    return (_ptr(k_scale), _ptr(v_scale), *k_scale.stride()[:2], *v_scale.stride()[:2], rows_per_scale)
+
+
 def sparse_attention_lse(
     q: torch.Tensor,
     k_store: torch.Tensor,
@@ -107,15 +142,20 @@ def sparse_attention_lse(
     key_mask: torch.Tensor | None = None,
     block_size: int | None = None,
     num_threads: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each KV head's query group over selected rows of a host KV store.
 
     q:        [B, Hq, Lq, D]        float32 / bfloat16 / float16
-    k_store:  [B, Hkv, cap, D]      float32 / bfloat16 / float16, last dim contiguous (never copied)
+    k_store:  [B, Hkv, cap, D]      float32 / bfloat16 / float16, or int8 / float8_e4m3fn codes; last dim
+                                    contiguous (never copied)
     v_store:  [B, Hkv, cap, D]      same dtype as k_store
     indices:  [B, Hkv, S] int       row ids, or block ids of `block_size` rows; padded past `lengths`
     lengths:  [B, Hkv] int          valid entries of `indices`
     key_mask: [B, cap] bool         False = padding row, never attended
+    k_scale:  [B, Hkv, G] float32   8-bit stores only (then required), v_scale the same shape: row r decodes
+                                    as codes * scale[b, h, r // (cap // G)]; G divides cap, last dim contiguous
     Returns out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32 (natural log; -inf and 0 where nothing
     was attended).
 
@@ -133,11 +173,12 @@ def sparse_attention_lse(
         raise ValueError(f"block_size: must be a positive int or None, got {block_size!r}")
     if not math.isfinite(scale):
         raise ValueError(f"scale: must be finite, got {scale}")
+    scale_fields = _check_scales(k_store, k_scale, v_scale)
     threads = _threads(num_threads)
     lib = _native()
     if lib is None:
         return reference.sparse_attention_lse(
-            q, k_store, v_store, indices.long(), lengths.long(), scale, key_mask, block_size
+            q, k_store, v_store, indices.long(), lengths.long(), scale, key_mask, block_size, k_scale, v_scale
         )
 
     q, indices, lengths = _as(q, torch.float32), _as(indices, torch.int64), _as(lengths, torch.int64)
@@ -149,7 +190,7 @@ def sparse_attention_lse(
         *k_store.stride()[:3], *v_store.stride()[:3],
         _ptr(indices), _ptr(lengths), _ptr(key_mask),
         batch, num_kv_heads, (num_q_heads // num_kv_heads) * q_len, head_dim,
-        indices.shape[2], cap, block_size or 1, *_library.prefetch_config(),
+        indices.shape[2], cap, block_size or 1, *_library.prefetch_config(), *scale_fields,
     )  # fmt: skip
     code = DTYPE_CODES[k_store.dtype]
     bad = lib.tandem_sparse_attention(
@@ -188,6 +229,7 @@ class RankedAttention:
 
     q:        [B, Hq, D] or [B, Hq, Lq, D] float32 / bfloat16 / float16, contiguous
     k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
+    k_scale:  8-bit stores only, v_scale the same: [B, Hkv, G] float32, as `sparse_attention_lse`
     ranked:   [B, Hkv, W] int64 contiguous, best first; ids outside [0, cap // block_size) are skipped
     out:      float32 q's shape, lse float32 q's shape without D; both contiguous, written in place
     Calling returns (attended, device, available): rows of all `count` ranks' valid ids, clamped per
@@ -196,11 +238,13 @@ class RankedAttention:
     """
 
     def __init__(
-        self, q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask=None, num_threads=None
-    ) -> None:
+        self, q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask=None, num_threads=None,
+        k_scale=None, v_scale=None,
+    ) -> None:  # fmt: skip
         _check_tensor("q", q, q.dim() if q.dim() in (3, 4) else 4, _FLOAT_DTYPES)
         batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
         num_kv_heads, cap = _check_store(q, k_store, v_store)
+        scale_fields = _check_scales(k_store, k_scale, v_scale)
         _check_tensor("ranked", ranked, 3, (torch.int64,), (batch, num_kv_heads, None))
         if key_mask is not None:
             _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
@@ -209,7 +253,8 @@ class RankedAttention:
         in_place = (("q", q), ("ranked", ranked), ("out", out), ("lse", lse), ("key_mask", key_mask))
         self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
         q_len = q.shape[2] if q.dim() == 4 else 1
-        self.tensors = (q, k_store, v_store, ranked, out, lse, key_mask)  # keeps the addresses alive
+        # keeps the addresses alive
+        self.tensors = (q, k_store, v_store, ranked, out, lse, key_mask, k_scale, v_scale)
         self.batch, self.num_kv_heads, self.width = batch, num_kv_heads, ranked.shape[2]
         self.indices = torch.empty(batch, num_kv_heads, self.width, dtype=torch.int64)
         self.lengths = torch.zeros(batch, num_kv_heads, dtype=torch.int64)
@@ -219,7 +264,7 @@ class RankedAttention:
             *k_store.stride()[:3], *v_store.stride()[:3],
             None, None, _ptr(key_mask),
             batch, num_kv_heads, (num_q_heads // num_kv_heads) * q_len, head_dim,
-            0, cap, block_size, *_library.prefetch_config(),
+            0, cap, block_size, *_library.prefetch_config(), *scale_fields,
         )  # fmt: skip
         self.call_args = (
             _library.isa_code(), DTYPE_CODES[k_store.dtype], ctypes.byref(self.args), DTYPE_CODES[q.dtype],
@@ -318,6 +363,7 @@ class PreparedAttention:
 
     q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
     k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
+    k_scale:  8-bit stores only, v_scale the same: [B, Hkv, G] float32, as `sparse_attention_lse`
     indices:  [B, Hkv, S] int64 row (or block) ids, stride 1 along S; a view of the first S columns of a wider
               [B, Hkv, W] buffer is read in place (its row stride W is passed to the kernel)
     lengths:  [B, Hkv] int64 contiguous, valid entries of each list (<= S), read at every call
@@ -326,11 +372,12 @@ class PreparedAttention:
 
     def __init__(
         self, q, k_store, v_store, indices, lengths, scale, out, lse, key_mask=None, block_size=None,
-        num_threads=None,
+        num_threads=None, k_scale=None, v_scale=None,
     ) -> None:  # fmt: skip
         _check_tensor("q", q, 3, _FLOAT_DTYPES)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads, cap = _check_store(q, k_store, v_store)
+        scale_fields = _check_scales(k_store, k_scale, v_scale)
         _check_tensor("indices", indices, 3, (torch.int64,), (batch, num_kv_heads, None))
         _check_tensor("lengths", lengths, 2, (torch.int64,), (batch, num_kv_heads))
         row = indices.stride(1)
@@ -346,14 +393,15 @@ class PreparedAttention:
         self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
         self.q = q
         self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
-        self.tensors = (k_store, v_store, indices, lengths, out, lse, key_mask)  # keeps the addresses alive
+        # keeps the addresses alive
+        self.tensors = (k_store, v_store, indices, lengths, out, lse, key_mask, k_scale, v_scale)
         self.cap, self.block_size, self.lengths = cap, block_size, lengths
         self.args = AttendArgs(
             _ptr(self.q32), scale * LOG2E, _ptr(k_store), _ptr(v_store),  # the kernel works in base 2
             *k_store.stride()[:3], *v_store.stride()[:3],
             _ptr(indices), _ptr(lengths), _ptr(key_mask),
             batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
-            row if indices.shape[2] else 0, cap, block_size or 1, *_library.prefetch_config(),
+            row if indices.shape[2] else 0, cap, block_size or 1, *_library.prefetch_config(), *scale_fields,
         )  # fmt: skip
         self.call_args = (
             _library.isa_code(), DTYPE_CODES[k_store.dtype], ctypes.byref(self.args), _ptr(out), _ptr(lse),
@@ -382,18 +430,21 @@ def ranked_block_attention(
     block_size: int,
     key_mask: torch.Tensor | None = None,
     num_threads: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention over ranks [skip, count) of best-first block ids. See `reference.ranked_block_attention`."""
+    """Attention over ranks [skip, count) of best-first block ids. See `reference.ranked_block_attention`;
+    k_scale / v_scale: the scales of an 8-bit store, as `sparse_attention_lse`."""
     if _native() is None:
         return reference.ranked_block_attention(
-            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask
+            q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, k_scale, v_scale
         )
     _check_tensor("q", q, 4, _FLOAT_DTYPES)
     out = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32)
     call = RankedAttention(
         q.contiguous(), k_store, v_store, ranked.contiguous(), scale, block_size, out, lse,
-        None if key_mask is None else key_mask.contiguous(), num_threads,
+        None if key_mask is None else key_mask.contiguous(), num_threads, k_scale, v_scale,
     )  # fmt: skip
     call(skip, count)
     return out, lse, call.lengths
@@ -402,7 +453,7 @@ def ranked_block_attention(
 def _score(q, key_min, key_max, factor, k, num_threads):
     _check_tensor("q", q, 4, _FLOAT_DTYPES)
     batch, num_q_heads, _, head_dim = q.shape
-    _check_tensor("key_min", key_min, 4, tuple(DTYPE_CODES), (batch, None, None, head_dim))
+    _check_tensor("key_min", key_min, 4, _FLOAT_DTYPES, (batch, None, None, head_dim))  # no 8-bit digests
     _check_tensor("key_max", key_max, 4, (key_min.dtype,), tuple(key_min.shape))
     num_kv_heads, num_blocks = key_min.shape[1], key_min.shape[2]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:

@@ -27,6 +27,8 @@ except ImportError:  # the torch references remain usable without triton
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# the compressed host tier's 8-bit stores -> the kernels' QUANT (float8 codes are read as bytes and decoded)
+QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 MAX_HEAD_DIM = 256  # padded up to a power of two >= 16 inside the kernels (what `tl.dot` needs)
 BLOCK_S = 64  # hot-tier slots per tile
 BLOCK_N = 64  # host-store rows per tile (several small blocks, or part of a large one)
@@ -184,19 +186,62 @@ def _output(
     return _unit_last_stride(name, t, may_copy=False)
 
 
-def _check_qkv(q, keys, values, q_layout: str, kv_layout: str, q_dims: int = 3) -> None:
-    """q [B, Hq, ..., D] (`q_dims` dims) against keys / values [B, Hkv, T, D]."""
+def _check_qkv(q, keys, values, q_layout: str, kv_layout: str, q_dims: int = 3, quantized_ok=False) -> None:
+    """q [B, Hq, ..., D] (`q_dims` dims) against keys / values [B, Hkv, T, D] of q's dtype (or, with
+    `quantized_ok`, 8-bit codes: see `_kv_scales`)."""
     _check_tensor("q", q, q_layout, (None,) * q_dims, FLOAT_DTYPES)
     batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (q.shape[-1]) must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    _check_tensor("keys", keys, kv_layout, (batch, None, None, head_dim), (q.dtype,))
-    _check_tensor("values", values, kv_layout, tuple(keys.shape), (q.dtype,))
+    kv_dtypes = (q.dtype, *QUANT_CODES) if quantized_ok else (q.dtype,)
+    _check_tensor("keys", keys, kv_layout, (batch, None, None, head_dim), kv_dtypes)
+    _check_tensor("values", values, kv_layout, tuple(keys.shape), (keys.dtype,))
     num_kv_heads = keys.shape[1]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"q heads ({num_q_heads}) must be a positive multiple of keys heads ({num_kv_heads})"
         )
+
+
+def _kv_scales(keys, k_scale, v_scale, device, names=("k_scale", "v_scale")):
+    """(QUANT, G) of a KV store [B, Hkv, T, D]: 0 and 1 for a float store, which takes no scales; 1 (int8) or
+    2 (float8_e4m3fn) and the rows per scale for an 8-bit one, which needs k / v scales [B, Hkv, T // G] float32
+    (G >= 1 dividing T, stride 1 along T // G) on `device` or pinned."""
+    k_name, v_name = names
+    dtype = str(keys.dtype).removeprefix("torch.")
+    quant = QUANT_CODES.get(keys.dtype, 0)
+    if not quant:
+        for name, t in ((k_name, k_scale), (v_name, v_scale)):
+            _check(
+                t is None,
+                f"{name} must be None for a {dtype} store (scales go with int8 / float8_e4m3fn codes), "
+                f"got a {type(t).__name__}",
+            )
+        return 0, 1
+    batch, num_kv_heads, num_rows = keys.shape[:3]
+    layout = "[B, Hkv, T // G]"
+    for name, t in ((k_name, k_scale), (v_name, v_scale)):
+        _check(t is not None, f"{name} is required for a store of {dtype} codes: {layout} float32")
+    _check_tensor(k_name, k_scale, layout, (batch, num_kv_heads, None), (torch.float32,))
+    _check_tensor(v_name, v_scale, f"{layout} ({k_name}'s shape)", tuple(k_scale.shape), (torch.float32,))
+    num_scales = k_scale.shape[2]
+    if not ((num_scales > 0 and num_rows % num_scales == 0) or num_rows == num_scales == 0):
+        raise ValueError(
+            f"{k_name}.shape[2] must divide the store's T = {num_rows} rows (G = T // {k_name}.shape[2] rows "
+            f"per scale), got {num_scales}"
+        )
+    for name, t in ((k_name, k_scale), (v_name, v_scale)):
+        _check_readable(name, t, device)
+        _check(
+            t.stride(-1) == 1 or t.shape[-1] <= 1,
+            f"{name} must be contiguous in its last dimension, got strides {t.stride()}",
+        )
+    return quant, max(1, num_rows // max(num_scales, 1))
+
+
+def _as_codes(store: torch.Tensor) -> torch.Tensor:
+    """What the kernels read of a store: float8 codes as bytes (decoded by integer work, on any GPU)."""
+    return store.view(torch.uint8) if store.dtype == torch.float8_e4m3fn else store
 
 
 def _block_d(head_dim: int) -> int:
@@ -382,7 +427,20 @@ def _pick_splits(device: torch.device, programs: int, width: int, block_size: in
 
 
 def host_block_attention(
-    q, keys, values, block_ids, lengths, block_size, valid, scale, out=None, lse=None, num_splits=None
+    q,
+    keys,
+    values,
+    block_ids,
+    lengths,
+    block_size,
+    valid,
+    scale,
+    out=None,
+    lse=None,
+    num_splits=None,
+    *,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of GPU queries over selected blocks of a KV store in pinned host memory, read zero-copy.
 
@@ -393,7 +451,9 @@ def host_block_attention(
     Parameters
     ----------
     q : [B, Hq, D] float16 / bfloat16 / float32 on CUDA; D <= MAX_HEAD_DIM
-    keys, values : [B, Hkv, T, D] q's dtype, in pinned host memory (or on q's device); stride 1 along D
+    keys, values : [B, Hkv, T, D] q's dtype, in pinned host memory (or on q's device); stride 1 along D. Or
+        int8 / float8_e4m3fn codes (the compressed host tier, 1 byte per element over PCIe) with `k_scale`,
+        `v_scale`: row r decodes as codes[..., r, :] * scale[..., r // G] in fp32, rounded to q's dtype
     block_ids : [B, Hkv, S] int32 / int64 block ids, pinned or on q's device; row r of block b is
         b * block_size + r; entries past `lengths` are never read; rows outside [0, T) are skipped
     lengths : [B, Hkv] int32 / int64, number of live entries of `block_ids` (clamped to [0, S])
@@ -402,11 +462,14 @@ def host_block_attention(
     scale : float softmax scale
     out, lse : optional preallocated outputs [B, Hq, D] / [B, Hq] float32 on q's device
     num_splits : optional int >= 1 (default: chosen from the SM count and S * block_size)
+    k_scale, v_scale : [B, Hkv, T // G] float32, pinned or on q's device, stride 1 along T // G; required
+        exactly when keys / values are 8-bit codes (G = T // k_scale.shape[2] must divide T)
 
     Returns (out [B, Hq, D] float32, lse [B, Hq] float32); an empty selection gives out 0, lse -inf.
     """
     device = _run_device("q", q)
-    _check_qkv(q, keys, values, "[B, Hq, D]", "[B, Hkv, T, D]")
+    _check_qkv(q, keys, values, "[B, Hq, D]", "[B, Hkv, T, D]", quantized_ok=True)
+    quant, scale_group = _kv_scales(keys, k_scale, v_scale, device)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_rows = keys.shape[1], keys.shape[2]
     _check_tensor("block_ids", block_ids, "[B, Hkv, S]", (batch, num_kv_heads, None), INDEX_DTYPES)
@@ -430,6 +493,8 @@ def host_block_attention(
 
     width = block_ids.shape[2]
     group = num_q_heads // num_kv_heads
+    if not quant:  # placeholders, never read
+        k_scale = v_scale = lse
     splits = num_splits or _pick_splits(device, batch * num_kv_heads, width, int(block_size))
     entries_per_split = max(1, -(-width // splits))
     splits = max(1, -(-width // entries_per_split))  # no split left without entries
@@ -441,18 +506,21 @@ def host_block_attention(
     with _guard(device):
         _kernels.block_attention_kernel[(batch, num_kv_heads, splits)](
             q,
-            keys,
-            values,
+            _as_codes(keys),
+            _as_codes(values),
             valid.view(torch.uint8),
             block_ids,
             lengths,
             part_out,
             part_lse,
+            k_scale,
+            v_scale,
             num_rows,
             width,
             entries_per_split,
             group,
             float(scale),
+            scale_group,
             *q.stride()[:2],
             *keys.stride()[:3],
             *values.stride()[:3],
@@ -461,11 +529,15 @@ def host_block_attention(
             *lengths.stride(),
             *part_out.stride()[:3],
             *part_lse.stride(),
+            *(k_scale.stride()[:2] if quant else (0, 0)),
+            *(v_scale.stride()[:2] if quant else (0, 0)),
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             GROUP_PAD=_group_pad(group),
             BLOCK_N=BLOCK_N,
             BLOCK_SIZE=int(block_size),
+            QUANT=quant,
+            RNE_BF16=interpreted() and q.dtype == torch.bfloat16,
             **_dot_options(q.dtype),
             num_warps=4,
         )
@@ -665,19 +737,22 @@ def recall_plan(ids, k, share, state, out, block_size):
 
 
 def recall_blocks(
-    src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
-):
+    src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots,
+    *, src_k_scale=None, src_v_scale=None,
+):  # fmt: skip
     """Copy selected blocks of a host KV store into the slots of a device-resident block cache.
 
     src_keys, src_values : [B, Hkv, T, D] in pinned host memory (read zero-copy) or on the cache's device;
-        src_valid [B, T] bool next to them
+        src_valid [B, T] bool next to them. Or int8 / float8_e4m3fn codes with `src_k_scale`, `src_v_scale`
+        ([B, Hkv, T // G] float32, as `host_block_attention` reads them): decoded to the cache's dtype on the way
     keys, values : [B, Hkv * slots * block_size, D] the cache on the device (slot s of head h holds rows
         [(h * slots + s) * block_size, ... + block_size)); valid [B, Hkv * slots * block_size] bool
     src_ids, dst_ids : [B, Hkv, W] int64 host block ids and target slots; counts [B, Hkv] int64: the first
         counts[b, h] entries are copied, the rest ignored. Rows of a block past T are marked not valid.
     """
     device = _run_device("keys", keys)
-    _check_tensor("src_keys", src_keys, "[B, Hkv, T, D]", (None, None, None, None), FLOAT_DTYPES)
+    src_dtypes = FLOAT_DTYPES + tuple(QUANT_CODES)
+    _check_tensor("src_keys", src_keys, "[B, Hkv, T, D]", (None, None, None, None), src_dtypes)
     batch, num_kv_heads, num_rows, head_dim = src_keys.shape
     _check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
     _check_tensor("src_values", src_values, "[B, Hkv, T, D]", tuple(src_keys.shape), (src_keys.dtype,))
@@ -686,8 +761,10 @@ def recall_blocks(
         raise ValueError(f"block_size and slots must be positive ints, got {block_size!r} / {slots!r}")
     cache_rows = num_kv_heads * slots * block_size
     layout = "[B, Hkv * slots * block_size, D]"
-    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), (src_keys.dtype,))
-    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (src_keys.dtype,))
+    quant = QUANT_CODES.get(src_keys.dtype, 0)
+    cache_dtypes = FLOAT_DTYPES if quant else (src_keys.dtype,)
+    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), cache_dtypes)
+    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
     _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
     width = src_ids.shape[-1] if src_ids.dim() == 3 else None
     _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
@@ -695,6 +772,7 @@ def recall_blocks(
     _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
     for name, t in (("src_keys", src_keys), ("src_values", src_values), ("src_valid", src_valid)):
         _check_readable(name, t, device)
+    _, scale_group = _kv_scales(src_keys, src_k_scale, src_v_scale, device, ("src_k_scale", "src_v_scale"))
     for name, t in (("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
                     ("counts", counts)):  # fmt: skip
         _check_on(name, t, device)
@@ -710,14 +788,19 @@ def recall_blocks(
         return
     block_d = _block_d(head_dim)
     block_r = min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
+    if not quant:  # placeholders, never read
+        src_k_scale = src_v_scale = counts
+    scale_strides = (*src_k_scale.stride()[:2], *src_v_scale.stride()[:2]) if quant else (0, 0, 0, 0)
     with _guard(device):
         _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
-            src_keys, src_values, src_valid.view(torch.uint8), keys, values, valid.view(torch.uint8),
-            src_ids, dst_ids, counts, num_rows, int(slots),
+            _as_codes(src_keys), _as_codes(src_values), src_valid.view(torch.uint8), keys, values,
+            valid.view(torch.uint8), src_ids, dst_ids, counts, src_k_scale, src_v_scale,
+            num_rows, int(slots), scale_group,
             *src_keys.stride()[:3], *src_values.stride()[:3], src_valid.stride(0),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), valid.stride(0),
-            *src_ids.stride()[:2], *dst_ids.stride()[:2], *counts.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), num_warps=4,
+            *src_ids.stride()[:2], *dst_ids.stride()[:2], *counts.stride(), *scale_strides,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), QUANT=quant,
+            RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
 
 

@@ -49,6 +49,69 @@ def _finish(m_i, l_i, acc):
     return acc / norm[:, None], lse
 
 
+# 2**120: a float8 e4m3fn code's bits moved into fp32's fields carry an exponent 120 (= 127 - 7) too small
+FP8_E4M3_SHIFT: tl.constexpr = tl.constexpr(2.0**120)
+
+
+@triton.jit
+def _e4m3_to_f32(code):
+    """float8 e4m3fn codes read as uint8 -> fp32, exactly (0x7F / 0xFF, NaN, are never stored). Pure integer
+    work and a multiply, so it runs in the interpreter and on every GPU (no native fp8 type needed)."""
+    code = code.to(tl.uint32)
+    bits = ((code & 0x80) << 24) | ((code & 0x7F) << 20)
+    normal = bits.to(tl.float32, bitcast=True) * FP8_E4M3_SHIFT
+    # exponent field 0 would be an fp32 subnormal, which a GPU may flush to zero: decode those as m * 2**-9
+    tiny = ((code & 0x07).to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    tiny = (tiny | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)  # the sign by its bit: -0 stays -0
+    return tl.where((code & 0x78) == 0, tiny, normal)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bfloat16 (ties to even), still in fp32: Triton 3.9's interpreter converts by
+    truncation, a GPU rounds. Finite x only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_rows(
+    base,
+    row,
+    stride,
+    d,
+    live,
+    d_ok,
+    scale_base,
+    scale_group,
+    DTYPE: tl.constexpr,
+    QUANT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """Rows `row` [N] of one head of a KV store -> [N, BLOCK_D] (0 where not live or past HEAD_DIM).
+
+    QUANT 0: the store's own values. QUANT 1 (int8 codes) and 2 (float8 e4m3fn codes, read as uint8): codes times
+    the row's float32 scale scale_base[row // scale_group], in fp32, rounded to DTYPE (RNE_BF16, interpreter
+    only: rounded to bfloat16 by `_round_bf16` first, so the conversion is exact).
+    """
+    ptrs = base + row[:, None] * stride + d[None, :]
+    if QUANT == 0:
+        rows = tl.load(ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
+    else:
+        codes = tl.load(ptrs, mask=live[:, None] & d_ok[None, :], other=0)
+        if QUANT == 1:
+            decoded = codes.to(tl.float32)
+        else:
+            decoded = _e4m3_to_f32(codes)
+        row_scale = tl.load(scale_base + row // scale_group, mask=live, other=0.0)
+        rows = decoded * row_scale[:, None]
+        if RNE_BF16:
+            rows = _round_bf16(rows)
+        rows = rows.to(DTYPE)
+    return rows
+
+
 @triton.jit
 def hot_decode_kernel(
     q_ptr,  # [B, Hq, D]
@@ -155,11 +218,14 @@ def block_attention_kernel(
     lengths_ptr,  # [B, Hkv] int32 / int64
     out_ptr,  # [B, Hq, splits, D] fp32
     lse_ptr,  # [B, Hq, splits] fp32
+    k_scale_ptr,  # [B, Hkv, T // G] fp32, read only when QUANT
+    v_scale_ptr,  # [B, Hkv, T // G] fp32
     num_rows,
     width,
     entries_per_split,
     group,
     scale,
+    scale_group,  # G: rows per scale
     stride_qb,
     stride_qh,
     stride_kb,
@@ -181,11 +247,17 @@ def block_attention_kernel(
     stride_lb,
     stride_lh,
     stride_ls,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -193,6 +265,7 @@ def block_attention_kernel(
 
     The selected blocks are flattened into rows (entry = n // BLOCK_SIZE, row = id * BLOCK_SIZE + n % BLOCK_SIZE)
     and walked BLOCK_N rows at a time. Rows outside [0, num_rows) or marked invalid are neither read nor attended.
+    QUANT (see `_load_rows`): 0 a store of q's dtype; 1 / 2 int8 / float8 codes, decoded to q's dtype in registers.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -219,6 +292,8 @@ def block_attention_kernel(
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     valid_base = valid_ptr + b * stride_mb
+    k_scale_base = k_scale_ptr + b * stride_ksb + kv_head * stride_ksh
+    v_scale_base = v_scale_ptr + b * stride_vsb + kv_head * stride_vsh
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -231,11 +306,11 @@ def block_attention_kernel(
         row = block * BLOCK_SIZE + n % BLOCK_SIZE
         live = in_range & (row >= 0) & (row < num_rows)
         live = live & (tl.load(valid_base + row * stride_mt, mask=live, other=0) != 0)
-        k = tl.load(
-            k_base + row[:, None] * stride_kt + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        k = _load_rows(
+            k_base, row, stride_kt, d, live, d_ok, k_scale_base, scale_group, q.dtype, QUANT, RNE_BF16
         )
-        v = tl.load(
-            v_base + row[:, None] * stride_vt + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        v = _load_rows(
+            v_base, row, stride_vt, d, live, d_ok, v_scale_base, scale_group, q.dtype, QUANT, RNE_BF16
         )
         m_i, l_i, acc = _attend_tile(q, k, v, live[None, :], m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
     out, lse = _finish(m_i, l_i, acc)
@@ -839,8 +914,11 @@ def recall_blocks_kernel(
     src_ids_ptr,  # [B, Hkv, W] int64 host block ids
     dst_ids_ptr,  # [B, Hkv, W] int64 slots
     counts_ptr,  # [B, Hkv] int64: live entries
+    src_k_scale_ptr,  # [B, Hkv, T // G] fp32, read only when QUANT
+    src_v_scale_ptr,  # [B, Hkv, T // G] fp32
     num_rows,
     slots,
+    scale_group,  # G: rows per scale
     stride_skb,
     stride_skh,
     stride_skt,
@@ -859,13 +937,20 @@ def recall_blocks_kernel(
     stride_jh,
     stride_cb,
     stride_ch,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     """Grid (B, Hkv, W): entry w < counts[b, h] copies host block src_ids[b, h, w] (rows past num_rows: not
-    valid) into slot dst_ids[b, h, w] of head h, K, V and validity, BLOCK_R rows at a time."""
+    valid) into slot dst_ids[b, h, w] of head h, K, V and validity, BLOCK_R rows at a time. QUANT (see
+    `_load_rows`): 0 a source of the cache's dtype; 1 / 2 int8 / float8 codes, decoded to the cache's dtype."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     w = tl.program_id(2)
@@ -881,19 +966,18 @@ def recall_blocks_kernel(
             src_row = block * BLOCK_SIZE + r
             readable = r_live & (src_row < num_rows)
             dst_row = (head * slots + slot) * BLOCK_SIZE + r
-            tile = readable[:, None] & d_live[None, :]
             put = r_live[:, None] & d_live[None, :]
-            k = tl.load(
-                src_k_ptr + b * stride_skb + head * stride_skh + src_row[:, None] * stride_skt + d[None, :],
-                mask=tile,
-                other=0.0,
-            )
+            k = _load_rows(
+                src_k_ptr + b * stride_skb + head * stride_skh, src_row, stride_skt, d, readable, d_live,
+                src_k_scale_ptr + b * stride_ksb + head * stride_ksh, scale_group,
+                dst_k_ptr.dtype.element_ty, QUANT, RNE_BF16,
+            )  # fmt: skip
             tl.store(dst_k_ptr + b * stride_dkb + dst_row[:, None] * stride_dkt + d[None, :], k, mask=put)
-            v = tl.load(
-                src_v_ptr + b * stride_svb + head * stride_svh + src_row[:, None] * stride_svt + d[None, :],
-                mask=tile,
-                other=0.0,
-            )
+            v = _load_rows(
+                src_v_ptr + b * stride_svb + head * stride_svh, src_row, stride_svt, d, readable, d_live,
+                src_v_scale_ptr + b * stride_vsb + head * stride_vsh, scale_group,
+                dst_v_ptr.dtype.element_ty, QUANT, RNE_BF16,
+            )  # fmt: skip
             tl.store(dst_v_ptr + b * stride_dvb + dst_row[:, None] * stride_dvt + d[None, :], v, mask=put)
             ok = tl.load(src_valid_ptr + b * stride_smb + src_row, mask=readable, other=0)
             tl.store(dst_valid_ptr + b * stride_dmb + dst_row, ok, mask=r_live)

@@ -15,6 +15,10 @@
 // p @ V (V rows only, streamed and prefetched). Each K and V byte is read once, the softmax bookkeeping
 // (max, rescale of the accumulators) runs once per span instead of once per few rows, and each pass keeps
 // its accumulators in registers.
+//
+// 8-bit stores (int8, e4m3fn) carry one fp32 scale per group of rows: a row's K scale multiplies its logits
+// before the softmax step and its V scale its weights after it (the running sum l takes the weights before),
+// so the codes widen in registers like bf16 and no dequantized copy is ever written.
 #pragma once
 
 #include <cmath>
@@ -254,14 +258,26 @@ inline void pv_pass(int64_t D, const T* const* vrows, int n, const float* p, con
   }
 }
 
+// x[r * QB + j] *= row_scale[r] for the n rows of a span.
+template <int QB>
+inline void scale_span_rows(float* x, const float* row_scale, int n) {
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < QB; ++j) x[r * QB + j] *= row_scale[r];
+}
+
 // Both passes of one span for queries [0, QB) of q (m, l, acc offset to them by the caller).
 // `first`: the span's first query block, the one that streams its rows in (later blocks find them in cache).
+// k_scales / v_scales: [n] per-row scales of an 8-bit store (unused otherwise).
 template <class V, class T, int QB>
-inline void span_queries(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int n,
-                         float* m, float* l, float* acc, float* logits, const Prefetch& pf, bool first) {
+inline void span_queries(const float* q, int64_t D, const T* const* krows, const T* const* vrows,
+                         const float* k_scales, const float* v_scales, int n, float* m, float* l, float* acc,
+                         float* logits, const Prefetch& pf, bool first) {
   float alpha[QB];
   logits_pass<V, T, QB>(q, D, krows, vrows, n, logits, first ? &pf : nullptr);
+  if constexpr (is_quantized<T>::value) scale_span_rows<QB>(logits, k_scales, n);
   softmax_span<V, QB>(logits, n, m, l, alpha);
+  // after the softmax step: l sums the weights themselves, p @ V takes each times its row's V scale
+  if constexpr (is_quantized<T>::value) scale_span_rows<QB>(logits, v_scales, n);
   pv_pass<V, T, QB>(D, vrows, n, logits, alpha, acc, first ? &pf : nullptr);
 }
 
@@ -285,6 +301,15 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
   const T* krows[kSpan];
   const T* vrows[kSpan];
   alignas(64) float logits[kSpan * 8 + 64];  // [rows][QB <= 8], padded to whole vectors
+  // 8-bit stores: the scales of the span's rows, and the scale rows of this segment
+  constexpr int kScaled = is_quantized<T>::value ? kSpan : 1;
+  float k_scales[kScaled], v_scales[kScaled];
+  const float* ks_base = nullptr;
+  const float* vs_base = nullptr;
+  if constexpr (is_quantized<T>::value) {
+    ks_base = a.k_scale + b * a.ks_stride_b + h * a.ks_stride_h;
+    vs_base = a.v_scale + b * a.vs_stride_b + h * a.vs_stride_h;
+  }
   int64_t pos = lo;
   while (pos < hi) {
     // resolve the span's rows: out-of-range ids are counted and skipped, masked rows skipped
@@ -300,6 +325,10 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
       if (mask && !mask[row]) continue;
       krows[n] = k_base + row * a.k_stride_row;
       vrows[n] = v_base + row * a.v_stride_row;
+      if constexpr (is_quantized<T>::value) {
+        k_scales[n] = ks_base[row / a.scale_rows];
+        v_scales[n] = vs_base[row / a.scale_rows];
+      }
       if (n < pf.ahead) pf.row(krows[n]);  // the lead of the prefetch stream (the rest: inside the passes)
       ++n;
     }
@@ -309,17 +338,21 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
     // query blocks of 8/4/2/1 keep each block's accumulators in registers
     int64_t j = 0;
     for (; j + 8 <= nq; j += 8)
-      span_queries<V, T, 8>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
+      span_queries<V, T, 8>(q + j * D, D, krows, vrows, k_scales, v_scales, n, m + j, l + j,
+                            acc + j * D, logits, pf, j == 0);
     if (nq - j >= 4) {
-      span_queries<V, T, 4>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
+      span_queries<V, T, 4>(q + j * D, D, krows, vrows, k_scales, v_scales, n, m + j, l + j,
+                            acc + j * D, logits, pf, j == 0);
       j += 4;
     }
     if (nq - j >= 2) {
-      span_queries<V, T, 2>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
+      span_queries<V, T, 2>(q + j * D, D, krows, vrows, k_scales, v_scales, n, m + j, l + j,
+                            acc + j * D, logits, pf, j == 0);
       j += 2;
     }
     if (nq - j >= 1)
-      span_queries<V, T, 1>(q + j * D, D, krows, vrows, n, m + j, l + j, acc + j * D, logits, pf, j == 0);
+      span_queries<V, T, 1>(q + j * D, D, krows, vrows, k_scales, v_scales, n, m + j, l + j,
+                            acc + j * D, logits, pf, j == 0);
   }
 }
 

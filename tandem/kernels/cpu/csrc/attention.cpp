@@ -156,7 +156,7 @@ int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* ar
                                 float* out, float* lse, int num_threads) {
   using namespace tandem;
   const KernelTable* table = table_for(isa);
-  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes || q_dtype < 0 || q_dtype >= kNumDtypes) return -1;
+  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes || q_dtype < 0 || q_dtype > kF16) return -1;  // q: float
   if (skip < 0 || skip > count || count > ranked_width) return -2;
   AttendArgs a = *args;
   const int64_t nseg = a.batch * a.num_kv_heads, width = count - skip;

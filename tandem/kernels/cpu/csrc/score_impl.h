@@ -147,9 +147,16 @@ KernelTable make_table() {
   t.score[kF32] = &score_piece<V, float>;
   t.score[kBF16] = &score_piece<V, bf16_t>;
   t.score[kF16] = &score_piece<V, f16_t>;
+  // 8-bit stores: attention only; their digests stay in the model's dtype (tandem_score_topk refuses a null entry)
+  t.attend[kI8] = &attend_piece<V, int8_t>;
+  t.attend[kF8] = &attend_piece<V, f8_t>;
+  t.score[kI8] = nullptr;
+  t.score[kF8] = nullptr;
   t.layout[kF32] = &layout_rows<V, float>;
   t.layout[kBF16] = &layout_rows<V, bf16_t>;
   t.layout[kF16] = &layout_rows<V, f16_t>;
+  t.layout[kI8] = &layout_rows<V, int8_t>;
+  t.layout[kF8] = &layout_rows<V, f8_t>;
   t.read_sum = &read_sum<V>;
   return t;
 }

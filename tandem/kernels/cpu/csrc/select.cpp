@@ -102,12 +102,13 @@ extern "C" {
 
 // scores: [B, Hkv, ceil(nblk / factor)] fp32, or null with k >= 0 (scored into internal scratch). With k >= 0
 // also writes the top-k of each (request, KV head) into topk_ids [B, Hkv, k] and topk_lengths [B, Hkv].
-// Returns 0, or -1 if isa / dtype is unavailable (or scores is null with k < 0).
+// Returns 0, or -1 if isa / dtype is unavailable (8-bit digests included: no score worker) or scores is null
+// with k < 0.
 int64_t tandem_score_topk(int isa, int dtype, const tandem::ScoreArgs* args, float* scores, int64_t k,
                           int64_t* topk_ids, int64_t* topk_lengths, int num_threads) {
   using namespace tandem;
   const KernelTable* table = table_for(isa);
-  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes) return -1;
+  if (table == nullptr || dtype < 0 || dtype >= kNumDtypes || table->score[dtype] == nullptr) return -1;
   ScoreArgs a = *args;
   const int64_t nseg = a.batch * a.num_kv_heads, qsize = nseg * a.nq * a.head_dim;
   // the bound max(q*min, q*max) is q_pos*max + q_neg*min: split q once, not per block

@@ -29,6 +29,22 @@ struct VAvx2 {
     lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
     hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
+  // 8-bit codes widen in natural order. e4m3fn: the sign-extended byte shifted left by 20 puts the exponent and
+  // mantissa at their fp32 places and the sign at bit 31 (bits 27-30, copies of the sign, are masked off);
+  // times 2^120 that is the value (see f8_to_f32).
+  static void load2(const int8_t* p, reg& lo, reg& hi) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + W))));
+  }
+  static reg f8_widen(__m128i bytes) {
+    const __m256i x = _mm256_slli_epi32(_mm256_cvtepi8_epi32(bytes), 20);
+    const __m256i bits = _mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0x87f00000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+  }
+  static void load2(const f8_t* p, reg& lo, reg& hi) {
+    lo = f8_widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    hi = f8_widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + W)));
+  }
   template <class T>
   static int perm(int i) {
     return is_bf16<T>::value ? (i < W ? 2 * i : 2 * (i - W) + 1) : i;

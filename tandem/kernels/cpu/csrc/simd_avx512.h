@@ -29,6 +29,22 @@ struct VAvx512 {
     lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
+  // 8-bit codes widen in natural order. e4m3fn: the sign-extended byte shifted left by 20 puts the exponent and
+  // mantissa at their fp32 places and the sign at bit 31 (bits 27-30, copies of the sign, are masked off);
+  // times 2^120 that is the value (see f8_to_f32).
+  static void load2(const int8_t* p, reg& lo, reg& hi) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+  }
+  static reg f8_widen(__m128i bytes) {
+    const __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);
+    const __m512i bits = _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0x87f00000u)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  }
+  static void load2(const f8_t* p, reg& lo, reg& hi) {
+    lo = f8_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = f8_widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W)));
+  }
   template <class T>
   static int perm(int i) {
     return is_bf16<T>::value ? (i < W ? 2 * i : 2 * (i - W) + 1) : i;

@@ -48,6 +48,7 @@ struct VScalar {
   static reg min(reg a, reg b) {
     return map([&](int i) { return min_num(a.x[i], b.x[i]); });
   }
+  // any storage type through to_f32, 8-bit codes included (natural order)
   template <class T>
   static void load2(const T* p, reg& lo, reg& hi) {
     lo = load(p);

@@ -11,7 +11,8 @@
 
 namespace tandem {
 
-enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNumDtypes = 3 };
+// kI8 / kF8: 8-bit codes of the compressed host tier (int8, float8_e4m3fn), one fp32 scale per group of rows
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kF8 = 4, kNumDtypes = 5 };
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumIsas = 4 };
 
 // Storage element tags, so that loaders overload on the pointer type.
@@ -20,6 +21,9 @@ struct bf16_t {
 };
 struct f16_t {
   uint16_t bits;
+};
+struct f8_t {  // float8_e4m3fn (int8 codes are plain int8_t)
+  uint8_t bits;
 };
 
 // Arguments of sparse attention, shared by the driver and the workers. Mirrored by a ctypes Structure
@@ -39,6 +43,12 @@ struct AttendArgs {
   int64_t prefetch_hint;    // locality 0..3 as __builtin_prefetch (3 = into L1, 1 = L2/L3), -1 = none
   int64_t prefetch_step;    // bytes between prefetched lines: 64, or 128 to leave the pair line to the
                             // L2 spatial prefetcher (half the line-fill buffers per row)
+  // 8-bit stores only (null otherwise): row r of segment (b, h) is codes * k_scale[b * ks_stride_b +
+  // h * ks_stride_h + r / scale_rows] (V likewise)
+  const float* k_scale;
+  const float* v_scale;
+  int64_t ks_stride_b, ks_stride_h, vs_stride_b, vs_stride_h;
+  int64_t scale_rows;       // rows per scale (G)
 };
 
 // Arguments of block scoring. Mirrored in _library.py.
@@ -90,6 +100,20 @@ struct is_bf16<bf16_t> {
   static constexpr bool value = true;
 };
 
+// 8-bit codes with per-group scales: the workers apply the scales to the logits and the softmax weights
+template <class T>
+struct is_quantized {
+  static constexpr bool value = false;
+};
+template <>
+struct is_quantized<int8_t> {
+  static constexpr bool value = true;
+};
+template <>
+struct is_quantized<f8_t> {
+  static constexpr bool value = true;
+};
+
 inline float bf16_to_f32(bf16_t x) {
   uint32_t bits = uint32_t(x.bits) << 16;
   float f;
@@ -123,9 +147,21 @@ inline float f16_to_f32(f16_t x) {
   return f;
 }
 
+// e4m3fn -> float: sign, exponent and mantissa moved to their fp32 places give the value times 2^-120 (the
+// exponent biases differ by 120), normals and subnormals alike; the multiply is exact. 0x7f / 0xff (NaN in
+// e4m3fn) decode to a finite value: stores never hold them.
+inline float f8_to_f32(f8_t x) {
+  const uint32_t bits = (uint32_t(x.bits & 0x80) << 24) | (uint32_t(x.bits & 0x7f) << 20);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f * 0x1p120f;
+}
+
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16_t x) { return bf16_to_f32(x); }
 inline float to_f32(f16_t x) { return f16_to_f32(x); }
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
+inline float to_f32(f8_t x) { return f8_to_f32(x); }
 
 // std::fmax / std::fmin (a NaN operand yields the other) as inline compares: without -ffinite-math-only GCC
 // calls libm's fmaxf / fminf through the PLT. In the inlined scoring loop those calls made kernel 2 3-8x
