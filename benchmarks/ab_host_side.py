@@ -1,15 +1,11 @@
-"""A/B of the engine's host side, alternated within one decode run on a random-weight model of a real shape
-(GPU host): the engine as it is ("engine": compiled parts served on the server thread while the calling thread
-lays them out) against
-- `--against python`: every hand-off served from Python (`DecodeStep.compiled_host_side = False`), or
-- `--against serial`: each compiled part laid out and served from the calling thread in turn
-  (`DecodeStep.server = None`).
+"""A/B of the engine's host side: hand-offs served by the compiled library against the same hand-offs served
+from Python, alternated within one decode run on a random-weight model of a real shape (GPU host).
 
-The switch happens between steps of one `TandemRunner.stream`, so both sides see the same graphs, caches and VM
-state. Prints and saves (JSON + markdown) the median step time of each side and their ratio.
+`DecodeStep.compiled_host_side` switches between the two between steps of one `TandemRunner.stream`, so both
+sides see the same graphs, caches and VM state. Prints and saves (JSON + markdown) the median step time of each
+side per round and their ratio.
 
     python benchmarks/ab_host_side.py --contexts 64k,128k --configs quest,streaming --out results/ab_host_side
-    python benchmarks/ab_host_side.py --model smollm2-135m --contexts 2560 --configs quest,full --against serial
 """
 
 from __future__ import annotations
@@ -35,30 +31,20 @@ def _context(text: str) -> int:
     return int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
 
 
-def _set_side(step, side: str, server) -> None:
-    step.compiled_host_side = side != "python"
-    step.server = None if side == "serial" else server
-
-
-def ab_row(model, policy: str, batch: int, context: int, rounds: int, steps: int, against: str) -> dict:
+def ab_row(model, policy: str, batch: int, context: int, rounds: int, steps: int) -> dict:
     cache = TandemCache.for_model(model, TandemConfig(policy=policy))
     runner = TandemRunner(model, cache)
     fill_tandem_synthetic(cache, model, batch, context)
     runner.set_positions(torch.full((batch,), context))
     warmup = 6
     plan = [None] * warmup + [
-        side for _ in range(rounds) for side in ("engine", against) for _ in range(steps)
+        side for _ in range(rounds) for side in ("compiled", "python") for _ in range(steps)
     ]
     seconds: list[float] = []
-    server = None
     for i, _ in enumerate(runner.stream(torch.zeros(batch, dtype=torch.long), len(plan), seconds)):
-        step = cache.decode_step  # None during the eager warm-up steps
-        if step is None:
-            continue
-        server = server or step.server
         if i + 1 < len(plan):  # the next step's side
-            _set_side(step, plan[i + 1] or "engine", server)
-    times: dict[str, list[float]] = {"engine": [], against: []}
+            cache.decode_step.compiled_host_side = plan[i + 1] != "python"
+    times: dict[str, list[float]] = {"compiled": [], "python": []}
     for side, value in zip(plan, seconds, strict=True):
         if side is not None:
             times[side].append(value)
@@ -66,8 +52,7 @@ def ab_row(model, policy: str, batch: int, context: int, rounds: int, steps: int
     for side, values in times.items():
         row[f"{side}_ms"] = round(statistics.median(values) * 1e3, 3)
         row[f"{side}_p90_ms"] = round(sorted(values)[int(0.9 * (len(values) - 1))] * 1e3, 3)
-    row["against"] = against
-    row["engine_over_other"] = round(row["engine_ms"] / row[f"{against}_ms"], 4)
+    row["compiled_over_python"] = round(row["compiled_ms"] / row["python_ms"], 4)
     del runner, cache
     release_memory(torch.device("cuda"))
     return row
@@ -81,7 +66,6 @@ def main() -> None:
     p.add_argument("--configs", default="quest,streaming", help="policies, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8, help="steps per side and round")
-    p.add_argument("--against", choices=("python", "serial"), default="python")
     p.add_argument("--out", default=None, help="directory for ab_host_side.json / .md")
     args = p.parse_args()
     if not torch.cuda.is_available() or not cpu.is_available():
@@ -100,7 +84,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for context in (_context(c) for c in args.contexts.split(",")):
             for policy in args.configs.split(","):
-                row = ab_row(model, policy, batch, context, args.rounds, args.steps, args.against)
+                row = ab_row(model, policy, batch, context, args.rounds, args.steps)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:
@@ -110,14 +94,13 @@ def main() -> None:
         lines = [
             f"# Host side A/B, {args.model}, {machine['gpu']}, {machine['cores']} cores",
             "",
-            f"| policy | batch x context | engine ms (p90) | {args.against} ms (p90) | engine / {args.against} |",
+            "| policy | batch x context | compiled ms (p90) | Python ms (p90) | compiled / Python |",
             "|---|---|---|---|---|",
         ]
         for r in rows:
-            other = args.against
             lines.append(
-                f"| {r['policy']} | {r['batch']} x {r['context']} | {r['engine_ms']} ({r['engine_p90_ms']}) "
-                f"| {r[f'{other}_ms']} ({r[f'{other}_p90_ms']}) | {r['engine_over_other']} |"
+                f"| {r['policy']} | {r['batch']} x {r['context'] // 1024}K | {r['compiled_ms']} ({r['compiled_p90_ms']}) "
+                f"| {r['python_ms']} ({r['python_p90_ms']}) | {r['compiled_over_python']} |"
             )
         (out / "ab_host_side.md").write_text("\n".join(lines) + "\n")
 

@@ -176,18 +176,6 @@ def test_a_launch_must_be_joined_before_the_next():
 needs_cpu_kernels = pytest.mark.skipif(not cpu.is_available(), reason="compiled CPU kernels unavailable")
 
 
-@pytest.fixture(params=["no server", "server"])
-def server(request):
-    """None (each part laid out and served from the calling thread), or the thread that serves a step of
-    compiled parts while the calling thread lays them out (`run_host_side(server=...)`)."""
-    if request.param == "no server":
-        yield None
-        return
-    thread = handoff.Launcher("test-handoffs")
-    yield thread
-    thread.close()
-
-
 def _ranked(seed: int, batch=2, kv_heads=2, group=4, dim=32, blocks=12, block_size=4, width=5):
     """A `RankedAttention` over random data, its output buffers and its ranked block ids (some invalid)."""
     gen = torch.Generator().manual_seed(seed)
@@ -269,7 +257,7 @@ def test_compiled_parts_are_served_in_order_with_the_results_of_python_calls():
 
 
 @needs_cpu_kernels
-def test_a_failing_compiled_part_raises_its_error_and_releases_every_wait(server):
+def test_a_failing_compiled_part_raises_its_error_and_releases_every_wait():
     calls = [_ranked(seed)[0] for seed in range(3)]  # one task per call: each hand-off has its own
     log = []
     bad = _Part(calls[1], 3, 2, log, 1)  # skip > count: the call refuses it
@@ -277,19 +265,19 @@ def test_a_failing_compiled_part_raises_its_error_and_releases_every_wait(server
     flags = HostFlags(3, None)
     gpu = fake_gpu(flags, [])
     with pytest.raises(ValueError, match="skip / count"):
-        run_host_side(flags, actions, server=server)
+        run_host_side(flags, actions)
     gpu.join(10)
     assert not gpu.is_alive() and all(flags.done(i) for i in range(3))
 
 
 @needs_cpu_kernels
-def test_compiled_serving_times_out_and_stops_on_a_failed_launch(server):
+def test_compiled_serving_times_out_and_stops_on_a_failed_launch():
     calls = [_ranked(seed)[0] for seed in range(3)]
     flags = HostFlags(3, None, timeout=0.2)
     gpu = fake_gpu(flags, [], stop_at=1)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="hand-off 1"):
-        run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(3)], server=server)
+        run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(3)])
     assert time.monotonic() - start < 5
     gpu.join(10)
     assert all(flags.done(i) for i in range(3))
@@ -305,68 +293,11 @@ def test_compiled_serving_times_out_and_stops_on_a_failed_launch(server):
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="launch failed before hand-off 0") as info:
             launcher.start(launch)
-            run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(2)], launcher, server=server)
+            run_host_side(flags, [_Part(calls[i], 0, 2, [], i) for i in range(2)], launcher)
         assert isinstance(info.value.__cause__, OSError)
         assert time.monotonic() - start < 5
     finally:
         launcher.close()
-
-
-@needs_cpu_kernels
-def test_a_server_thread_serves_published_parts_and_hands_back_one_it_cannot_run():
-    """With a server thread every part is served in C++ on that thread as soon as it is both laid out and its q is
-    ready; a part whose native() gives None (here hand-off 2) ends the server's run there, and that hand-off and
-    the ones after it are served from the calling thread. Results and counts equal the Python calls'."""
-    calls = [_ranked(seed) for seed in range(4)]
-    expected = []
-    for call, out, lse in calls:
-        counts = call(0, 3, torch.tensor([40, 13]))
-        expected.append((out.clone(), lse.clone(), counts))
-        out.fill_(7.0), lse.fill_(7.0)
-    log = []
-    parts = [_Part(call, 0, 3, log, i) for i, (call, _, _) in enumerate(calls)]
-
-    class InPython:  # a CPU part with no compiled form this step
-        def __call__(self):
-            log.append(("cpu", 2))
-
-        def native(self):
-            return None
-
-    in_python = InPython()
-    actions = [parts[0], parts[1], in_python, parts[2], parts[3]]
-    flags = HostFlags(len(actions), None)
-    gpu_log = []
-    server = handoff.Launcher("test-handoffs")
-    try:
-        for _ in range(2):  # a second step on the same thread
-            for _, out, lse in calls:
-                out.fill_(7.0), lse.fill_(7.0)
-            for part in parts:
-                part.results.clear()
-            flags.reset()
-            gpu_log.clear()
-            gpu = fake_gpu(flags, gpu_log)
-            run_host_side(flags, actions, server=server)
-            gpu.join(10)
-            assert gpu_log == [event for i in range(5) for event in (("q", i), ("merge", i))]
-            for c, (_, out, lse) in enumerate(calls):
-                assert torch.equal(out, expected[c][0]) and torch.equal(lse, expected[c][1])
-                assert parts[c].results == [expected[c][2]]
-    finally:
-        server.close()
-    assert log == [("cpu", 2), ("cpu", 2)]  # only the part without a compiled form ran in Python
-
-
-@needs_cpu_kernels
-def test_published_tasks_go_out_in_order():
-    tasks = cpu.PublishedTasks(2)
-    with pytest.raises(IndexError, match="next is 0"):
-        tasks.publish(1, None)
-    tasks.publish(0, None)
-    tasks.cancel()
-    status, at = cpu.serve_published(tasks, 0, 0, 0, 16, None, 1.0)
-    assert (status, at) == (handoff._library.ABORTED, 0)
 
 
 def test_without_the_compiled_library_native_parts_run_in_python(monkeypatch):

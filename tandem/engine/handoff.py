@@ -249,10 +249,6 @@ class Launcher:
         self._go.set()
         self._started.wait()
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for the running call to return; True once it has (then `join()`)."""
-        return self._finished.wait(timeout)
-
     def failed(self) -> BaseException | None:
         """The running or last call's error, once it has raised; None before that."""
         return self._error
@@ -302,34 +298,20 @@ class NativePart:
         self.task, self.finish = task, finish
 
 
-def run_host_side(
-    flags: HostFlags,
-    actions,
-    launcher: Launcher | None = None,
-    compiled: bool = True,
-    server: Launcher | None = None,
-) -> None:
+def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, compiled: bool = True) -> None:
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
     On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
 
-    An action with a `native()` method may return a `NativePart` for this step (or None): it is served by the
-    compiled library (the flag, the call and the done flag without Python in between) and finished after its
-    done flag. Other actions, and all of them with `compiled` False, are called here between the flags.
-
-    With a `server` thread (a second `Launcher`) and every action native, the compiled library serves the step
-    on that thread while this one lays out the parts one after another (`_serve_published`): a part's Python
-    layout is then never between the GPU and its hand-off, however short a layer's GPU work is. Without one,
-    each part is laid out here while the GPU computes its query, and served from here.
+    An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out before
+    its ready flag, served by the compiled library (`HostFlags.serve`: the flag, the call and the done flag
+    without Python in between) and finished after its done flag. Other actions, and all of them with `compiled`
+    False, are called here between the flags.
 
     launcher: the `Launcher` that is launching the graph, or None (launched before this call). It is joined
     before this returns, and a launch that fails ends the wait for the next query with its error."""
     failed = launcher.failed if launcher is not None else None
     try:
-        first = 0
-        if compiled and server is not None and len(actions) > 1 and _all_native(actions):
-            first = _serve_published(flags, actions, launcher, server)
-        for i in range(first, len(actions)):
-            action = actions[i]
+        for i, action in enumerate(actions):
             # laid out while the GPU still computes hand-off i's query: off the path from ready to done
             part = _native_part(action) if compiled else None
             if part is None:
@@ -348,69 +330,6 @@ def run_host_side(
         raise
     if launcher is not None:
         launcher.join()
-
-
-def _all_native(actions) -> bool:
-    return cpu.is_available() and all(getattr(action, "native", None) is not None for action in actions)
-
-
-def _serve_published(flags: HostFlags, actions, launcher: Launcher | None, server: Launcher) -> int:
-    """Serve the step's hand-offs from `server`'s thread while this one lays out their parts in order
-    (`cpu.PublishedTasks`), then finish the served parts. Returns the first hand-off left to the caller: the
-    first whose `native()` gave None (served in Python by the caller, with everything after it), or
-    len(actions)."""
-    n = len(actions)
-    tasks = cpu.PublishedTasks(n)
-    base = flags.memory.data_ptr()
-    ready, done = base + 4 * flags._index(0, 0), base + 4 * flags._index(1, 0)
-    abort = launcher.abort_address if launcher is not None else None
-    outcome: list = []
-    server.start(
-        lambda: outcome.append(cpu.serve_published(tasks, 0, ready, done, STRIDE, abort, flags.timeout))
-    )
-    parts = []
-    try:
-        for i, action in enumerate(actions):
-            part = _native_part(action)
-            parts.append(part)
-            tasks.publish(i, part.task if part is not None else None)
-            if part is None:
-                break  # the rest is laid out by the caller, after this hand-off
-    except BaseException:
-        tasks.cancel()
-        with contextlib.suppress(BaseException):
-            server.join()
-        raise
-    _join_in_slices(server, tasks)
-    status, at = outcome[0]
-    for part in parts[:at]:
-        part.finish()  # statistics of the served parts (the GPU may still be merging the last)
-    if status == _library.SERVED or status == _library.YIELD:
-        return at
-    if status == _library.TASK_FAILED:
-        parts[at].finish()  # raises the call's error
-        raise RuntimeError(f"hand-off {at}'s CPU part failed (code {parts[at].task.result})")
-    if status == _library.ABORTED:
-        cause = launcher.failed() if launcher is not None else None
-        raise RuntimeError(f"the step's graph launch failed before hand-off {at}") from cause
-    raise TimeoutError(
-        f"the GPU did not hand over hand-off {at}'s query within {flags.timeout:.0f} s "
-        "(a stalled or failed graph replay)"
-    )
-
-
-def _join_in_slices(server: Launcher, tasks) -> None:
-    """Wait for the server's call to return, in SERVE_SLICE waits so that Python handles signals (Ctrl-C) in
-    between; on any error the server's waits are cancelled first."""
-    try:
-        while not server.wait(SERVE_SLICE):
-            pass
-    except BaseException:
-        tasks.cancel()
-        with contextlib.suppress(BaseException):
-            server.join()
-        raise
-    server.join()
 
 
 def _native_part(action) -> NativePart | None:

@@ -57,8 +57,6 @@ class DecodeStep:
                 Hand-offs must be served while the launch call is still submitting: a large graph's launch blocks
                 until the GPU has drained part of it, and the GPU waits for the hand-offs (launched from the
                 calling thread, a 96-layer step deadlocked)
-    server:     with flags, the thread that serves a step whose CPU parts are all compiled calls
-                (`handoff.run_host_side`), while the calling thread lays them out; `close()` ends it
     segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
                 one graph, and `actions` holds the CPU parts in hand-off order
     compiled_host_side: with flags, serve the hand-offs whose CPU part is one compiled call from the CPU library
@@ -69,7 +67,6 @@ class DecodeStep:
         self.device = device
         self.flags = flags
         self.launcher = handoff_module.Launcher() if flags is not None else None
-        self.server = handoff_module.Launcher("tandem-handoffs") if flags is not None else None
         self.compiled_host_side = True
         self.actions: list = []
         self.after: list = []  # host work after each replay that needs no hand-off (statistics)
@@ -185,9 +182,7 @@ class DecodeStep:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
             self.launcher.start(lambda: _replay_on(graph, stream))
-            handoff_module.run_host_side(
-                self.flags, self.actions, self.launcher, self.compiled_host_side, self.server
-            )
+            handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
         else:
             for graph, after in self.segments:
                 graph.replay()
@@ -197,10 +192,9 @@ class DecodeStep:
             action()
 
     def close(self) -> None:
-        """End the launcher and server threads, if any."""
-        for thread in (self.launcher, self.server):
-            if thread is not None:
-                thread.close()
+        """End the launcher thread, if any."""
+        if self.launcher is not None:
+            self.launcher.close()
 
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()

@@ -15,7 +15,6 @@ from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import default_num_threads
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
-    PublishedTasks,
     RankedAttention,
     block_scores,
     empty_task,
@@ -23,7 +22,6 @@ from tandem.kernels.cpu.ops import (
     read_sum,
     score_topk,
     serve_handoffs,
-    serve_published,
     sparse_attention_lse,
     threshold_select,
     topk_blocks,
@@ -49,7 +47,6 @@ def supported_isas() -> tuple[str, ...]:
 
 __all__ = [
     "PreparedAttention",
-    "PublishedTasks",
     "RankedAttention",
     "block_scores",
     "default_num_threads",
@@ -60,7 +57,6 @@ __all__ = [
     "read_sum",
     "score_topk",
     "serve_handoffs",
-    "serve_published",
     "sparse_attention_lse",
     "supported_isas",
     "threshold_select",

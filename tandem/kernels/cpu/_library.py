@@ -141,8 +141,7 @@ class HandoffTask(ctypes.Structure):
 
 
 EMPTY_TASK, RANKED_TASK = 0, 1  # HandoffTask.kind
-# tandem_serve_handoffs' / tandem_serve_published's return values (YIELD: the latter's part for the caller)
-SERVED, TASK_FAILED, TIMED_OUT, ABORTED, YIELD = 0, 1, 2, 3, 4
+SERVED, TASK_FAILED, TIMED_OUT, ABORTED = 0, 1, 2, 3  # tandem_serve_handoffs' return values
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -157,8 +156,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),
         "tandem_read_sum": (ctypes.c_double, [i32, p, i64, i32]),
         "tandem_serve_handoffs": (i64, [p, i64, p, p, i64, p, ctypes.c_double, p]),
-        "tandem_serve_published": (i64, [p, i64, i64, p, p, p, i64, p, ctypes.c_double, p]),
-        "tandem_publish": (None, [p, i64]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -355,47 +355,6 @@ def serve_handoffs(tasks, ready: int, done: int, stride: int, abort: int | None,
     return status, at.value
 
 
-class PublishedTasks:
-    """A step's hand-off tasks laid out one by one while `serve_published` serves them on another thread:
-    `publish(i, task)` stores task i (a `_library.HandoffTask`, or None for a part the caller serves itself) and
-    then makes it visible to the server with a release store; `cancel()` ends the server's waits."""
-
-    def __init__(self, count: int) -> None:
-        lib = _native()
-        if lib is None:
-            raise RuntimeError(
-                f"PublishedTasks needs the compiled CPU kernels: {_library.unavailable_reason()}"
-            )
-        self.lib, self.count = lib, count
-        self.pointers = (ctypes.c_void_p * count)()
-        self.published = ctypes.c_int64(0)
-        self.tasks: list = [None] * count  # keeps each published task alive while the server may read it
-
-    def publish(self, i: int, task) -> None:
-        if not 0 <= i < self.count or i != self.published.value:
-            raise IndexError(f"task {i}: tasks are published in order, next is {self.published.value}")
-        self.tasks[i] = task
-        self.pointers[i] = ctypes.addressof(task) if task is not None else None
-        self.lib.tandem_publish(ctypes.byref(self.published), i + 1)
-
-    def cancel(self) -> None:
-        self.lib.tandem_publish(ctypes.byref(self.published), -1)
-
-
-def serve_published(tasks: PublishedTasks, first: int, ready: int, done: int, stride: int, abort: int | None,
-                    timeout: float):  # fmt: skip
-    """`serve_handoffs` for hand-offs first..count-1 of `tasks`, each once it is published (this call runs on
-    another thread than the publisher's). Returns (status, index) as `serve_handoffs` does, plus
-    `_library.YIELD` at a task published as None (served by the caller, which may then call again from the next),
-    and `ABORTED` once `tasks.cancel()` was called."""
-    at = ctypes.c_int64(first)
-    status = tasks.lib.tandem_serve_published(
-        tasks.pointers, first, tasks.count, ctypes.byref(tasks.published), ready, done, stride, abort or None,
-        float(timeout), ctypes.byref(at),
-    )  # fmt: skip
-    return status, at.value
-
-
 class PreparedAttention:
     """`sparse_attention_lse` for fixed buffers, checked and laid out once: one decode layer's q, a policy's
     index lists (which it extends in place) and the out / lse buffers, written in place. A call copies q to fp32

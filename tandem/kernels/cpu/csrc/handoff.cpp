@@ -40,7 +40,7 @@ struct HandoffTask {
 };
 
 enum : int64_t { kEmpty = 0, kRanked = 1 };
-enum : int64_t { kServed = 0, kTaskFailed = 1, kTimedOut = 2, kAborted = 3, kYield = 4 };
+enum : int64_t { kServed = 0, kTaskFailed = 1, kTimedOut = 2, kAborted = 3 };
 
 namespace {
 
@@ -69,46 +69,6 @@ int64_t run(HandoffTask& t) {
                                  static_cast<int>(t.num_threads));
 }
 
-// Spin until *flag != 0. Gives up after limit_ns (kTimedOut), once *abort != 0 (kAborted) or once *cancel < 0
-// (kAborted: the publisher gave up). Returns kServed when the flag is set.
-int64_t wait_flag(const int32_t* flag, const int32_t* abort, const int64_t* cancel, int64_t limit_ns) {
-  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) return kServed;
-  const int64_t start = now_ns();
-  for (uint64_t spin = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0; ++spin) {
-    pause();
-    if ((spin & 1023) == 0) {
-      if (abort != nullptr && __atomic_load_n(abort, __ATOMIC_ACQUIRE) != 0) return kAborted;
-      if (cancel != nullptr && __atomic_load_n(cancel, __ATOMIC_ACQUIRE) < 0) return kAborted;
-      if (now_ns() - start > limit_ns) return kTimedOut;
-    }
-  }
-  return kServed;
-}
-
-// Spin until *published > i (task i is out), with wait_flag's exits.
-int64_t wait_published(const int64_t* published, int64_t i, const int32_t* abort, int64_t limit_ns) {
-  const int64_t start = now_ns();
-  for (uint64_t spin = 1;; ++spin) {
-    const int64_t count = __atomic_load_n(published, __ATOMIC_ACQUIRE);
-    if (count < 0) return kAborted;
-    if (count > i) return kServed;
-    pause();
-    if ((spin & 1023) == 0) {
-      if (abort != nullptr && __atomic_load_n(abort, __ATOMIC_ACQUIRE) != 0) return kAborted;
-      if (now_ns() - start > limit_ns) return kTimedOut;
-    }
-  }
-}
-
-int64_t serve_one(HandoffTask& task, int32_t* done_flag) {
-  const int64_t start = now_ns();
-  task.result = run(task);
-  task.nanoseconds = now_ns() - start;
-  if (task.result != 0) return kTaskFailed;
-  __atomic_store_n(done_flag, 1, __ATOMIC_RELEASE);
-  return kServed;
-}
-
 }  // namespace
 }  // namespace tandem
 
@@ -124,40 +84,34 @@ int64_t tandem_serve_handoffs(tandem::HandoffTask* const* tasks, int64_t n, int3
   using namespace tandem;
   const int64_t limit_ns = static_cast<int64_t>(timeout_s * 1e9);
   for (int64_t i = 0; i < n; ++i) {
-    int64_t status = wait_flag(ready + i * stride, abort, nullptr, limit_ns);
-    if (status == kServed) status = serve_one(*tasks[i], done + i * stride);
-    if (status != kServed) {
-      *at = i;
-      return status;
+    int32_t* flag = ready + i * stride;
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0) {
+      const int64_t start = now_ns();
+      for (uint64_t spin = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0; ++spin) {
+        pause();
+        if ((spin & 1023) == 0) {
+          if (abort != nullptr && __atomic_load_n(abort, __ATOMIC_ACQUIRE) != 0) {
+            *at = i;
+            return kAborted;
+          }
+          if (now_ns() - start > limit_ns) {
+            *at = i;
+            return kTimedOut;
+          }
+        }
+      }
     }
+    const int64_t start = now_ns();
+    HandoffTask& task = *tasks[i];
+    task.result = run(task);
+    task.nanoseconds = now_ns() - start;
+    if (task.result != 0) {
+      *at = i;
+      return kTaskFailed;
+    }
+    __atomic_store_n(done + i * stride, 1, __ATOMIC_RELEASE);
   }
   return kServed;
 }
-
-// As tandem_serve_handoffs for hand-offs first..n-1 (flags indexed from hand-off 0), with tasks that another
-// thread lays out while this one serves: task i is read once *published > i (the publisher stores tasks[i], then
-// publishes with tandem_publish, a release store), and *published < 0 cancels every wait (kAborted). A null
-// tasks[i] is a part the caller serves itself: returns kYield with *at = i before waiting for its ready flag.
-int64_t tandem_serve_published(tandem::HandoffTask* const* tasks, int64_t first, int64_t n,
-                               const int64_t* published, int32_t* ready, int32_t* done, int64_t stride,
-                               const int32_t* abort, double timeout_s, int64_t* at) {
-  using namespace tandem;
-  const int64_t limit_ns = static_cast<int64_t>(timeout_s * 1e9);
-  for (int64_t i = first; i < n; ++i) {
-    *at = i;
-    int64_t status = wait_published(published, i, abort, limit_ns);
-    if (status != kServed) return status;
-    HandoffTask* task = __atomic_load_n(tasks + i, __ATOMIC_ACQUIRE);
-    if (task == nullptr) return kYield;
-    status = wait_flag(ready + i * stride, abort, published, limit_ns);
-    if (status == kServed) status = serve_one(*task, done + i * stride);
-    if (status != kServed) return status;
-  }
-  *at = n;
-  return kServed;
-}
-
-// *counter = value with release order (the publisher's side of tandem_serve_published).
-void tandem_publish(int64_t* counter, int64_t value) { __atomic_store_n(counter, value, __ATOMIC_RELEASE); }
 
 }  // extern "C"
