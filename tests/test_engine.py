@@ -246,6 +246,38 @@ def test_streaming_graph_has_no_hand_off_and_matches_eager(handoff):
     assert runner.cache.stats()["mean_fraction_attended"] == 0.0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_quest_read_wholly_by_the_device_has_no_hand_off_and_matches_eager(budget):
+    """quest with gpu_share 1 and its recall cache leaves the CPU nothing: the graph records no hand-off, and its
+    tokens and statistics equal the eager step's (at full budget, DynamicCache's tokens too)."""
+    model = _tiny(device="cuda")
+    ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(8)).cuda()
+    config = TandemConfig(
+        policy="quest", budget=budget, gpu_share=1.0, sink_tokens=4, window_tokens=8, block_size=4
+    )
+    results = []
+    for use_graphs in (False, True):
+        runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=use_graphs)
+        first = runner.prefill(ids, max_new_tokens=16).argmax(-1)
+        tokens, steps = [first.cpu()], []
+        for token in runner.stream(first, 15):
+            tokens.append(token.cpu())
+            steps.append(runner.cache.decode_step)
+        for layer in runner.layers:
+            layer.collect_statistics()
+        counts = [(layer.rows_attended, layer.rows_available, layer.decode_steps) for layer in runner.layers]
+        results.append((torch.stack(tokens, 1), counts, steps[-1], runner))
+    (eager, eager_counts, _, _), (graphs, graph_counts, step, runner) = results
+    assert runner.use_graphs and runner.layers[0].recall is not None
+    assert step.actions == [] and len(step.after) == len(runner.layers)  # no CPU part in the graph
+    assert torch.equal(eager, graphs)
+    assert graph_counts == eager_counts and min(c[0] for c in graph_counts) > 0
+    if budget == 1.0:
+        assert torch.equal(graphs, _hf_greedy(model, ids, torch.ones_like(ids), 16))
+
+
 def test_runner_refuses_bad_input():
     model = _tiny()
     cache = TandemCache.for_model(model, TandemConfig(policy="full"))

@@ -149,6 +149,13 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=Non
         out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
         step.after_replay(partial(_record_no_host_part, layer))
         return out[:, :, None]
+    elif step is not None and step.capturing and _device_only(layer, plan):
+        # the device attends the whole selection (gpu_share 1 with a recall cache): the CPU's list is always
+        # empty, so no hand-off, no q copy and no merge of a CPU part; the host counts the step after the replay
+        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
+        step.after_replay(partial(_record_device_only, layer))
+        return out[:, :, None]
     elif step is not None and step.capturing:
         # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
         # the calling thread runs what `host_work` is given, exactly where the eager branch below runs it
@@ -308,6 +315,22 @@ def _record_no_host_part(layer) -> None:
         return
     layer.host.wait()  # the count reads the valid flags of rows evicted this step
     _record_selection(layer, NONE)
+
+
+def _device_only(layer, plan) -> bool:
+    """The recall plan leaves the CPU nothing (a device share of 1): every selected block is a hit or copied in."""
+    return plan is not None and layer.gpu_share >= 1.0
+
+
+def _record_device_only(layer) -> None:
+    """A replayed step's statistics for a layer whose device attended the whole selection: what the CPU part over
+    its empty list records (no rows, the available ones); the rows the device attended are the recall cache's
+    device-side counts (`LayerKV.collect_statistics`)."""
+    if _nothing_offloaded(layer):
+        return
+    host = layer.host
+    host.wait()  # the count reads the valid flags of rows evicted this step
+    _record_counts(layer, 0, 0, int(host.valid_rows().sum()) * layer.num_kv_heads)
 
 
 def _nothing_offloaded(layer) -> bool:
