@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -59,11 +63,81 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return parsed
 
 
-def load_model(path: str | os.PathLike | None = None, device: str | None = None, dtype: str = "auto"):
+# GGUF files converted once into a Hugging Face directory (safetensors + config + tokenizer), keyed by the file's
+# fingerprint: transformers parses a GGUF file three times per load (config, tokenizer, weights) and dequantizes
+# every tensor, ~17 s for the default model on a 2-core machine; the converted copy loads in a few seconds.
+CACHE_FORMAT = 1  # bump when the stored layout changes: older entries are then ignored
+FINGERPRINT_BYTES = 1 << 20
+
+
+def model_cache_dir() -> Path:
+    """Where converted GGUF files live: $TANDEM_CACHE_DIR/models (default ~/.cache/tandem/models)."""
+    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
+    return Path(root) / "models"
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """A key for a GGUF file's content: its size and its first and last MiB (hashing a multi-GB file whole would
+    cost seconds on every load), plus the cache format."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, path.stat().st_size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:24]
+
+
+def _converted(target: Path) -> Path | None:
+    """The converted copy of GGUF file `target` in the model cache, if one is complete."""
+    entry = model_cache_dir() / f"{target.stem}-{gguf_fingerprint(target)}"
+    return entry if (entry / "tandem-source.json").is_file() else None
+
+
+def _store_converted(target: Path, model, tokenizer) -> Path | None:
+    """Save a model loaded from GGUF file `target` (float32, as transformers dequantizes it) into the model cache:
+    written to a temporary folder first and renamed into place, so a concurrent or interrupted load never sees a
+    partial copy. Returns the entry, or None where it cannot be written (read-only or full disk: loading goes on)."""
+    entry = model_cache_dir() / f"{target.stem}-{gguf_fingerprint(target)}"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=entry.parent))
+        try:
+            # save_pretrained refuses a model that transformers loaded from GGUF (it counts as quantized);
+            # its weights are plain dequantized tensors, saved here as they are (shared ones once)
+            from safetensors.torch import save_model
+
+            save_model(model, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (scratch / "config.json").write_text(json.dumps(config, indent=1))
+            model.generation_config.save_pretrained(scratch)
+            tokenizer.save_pretrained(scratch)
+            source = {"gguf": str(target), "size": target.stat().st_size, "format": CACHE_FORMAT}
+            (scratch / "tandem-source.json").write_text(json.dumps(source))  # last: marks the copy complete
+            try:
+                scratch.rename(entry)
+            except OSError:  # another process stored it first
+                pass
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError:
+        return None
+    return entry if (entry / "tandem-source.json").is_file() else None
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    cache: bool | None = None,
+):
     """Load (model, tokenizer) from a local Hugging Face directory or .gguf file; None = the default model.
 
     device: "cpu", "cuda", "cuda:N" or None (CUDA if available). dtype: "auto" (the checkpoint's; GGUF
     weights come out dequantized to float32), "float32", "bfloat16" or "float16".
+    cache: for a .gguf file, load its converted copy from the model cache (`model_cache_dir()`), converting it
+    there on the first load (float32 safetensors: ~4 bytes per parameter of disk); None (default) = on unless
+    the environment sets TANDEM_MODEL_CACHE=off. The copy loads the same tensors the GGUF file gives.
     Nothing is downloaded: only local files are read.
     """
     if dtype not in DTYPES:
@@ -82,6 +156,11 @@ def load_model(path: str | os.PathLike | None = None, device: str | None = None,
                 f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory"
             )
         location, extra = str(target.parent), {"gguf_file": target.name}
+        if cache is None:
+            cache = os.environ.get("TANDEM_MODEL_CACHE", "on").lower() not in ("0", "off", "false", "no")
+        converted = _converted(target) if cache else None
+        if converted is not None:
+            location, extra = str(converted), {}
     else:
         if not (target / "config.json").is_file():
             raise ValueError(
@@ -99,6 +178,8 @@ def load_model(path: str | os.PathLike | None = None, device: str | None = None,
         raise ValueError(
             f"cannot load model from {str(target)!r}{hint}: {type(err).__name__}: {err}"
         ) from err
+    if cache and target.is_file() and "gguf_file" in extra:
+        _store_converted(target, model, tokenizer)
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

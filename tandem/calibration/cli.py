@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="local HF model directory or .gguf file (default: SmolLM2-135M)"
     )
+    p.add_argument(
+        "--no-model-cache",
+        action="store_true",
+        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
+        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
+    )
     p.add_argument("--out", required=True, help="profile file to write (e.g. profile.pt)")
     p.add_argument(
         "--haystack", default="pydoc", help="'pydoc' (default) or a folder / .txt / .zip / .whl of prose"
@@ -64,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     haystack = load_haystack(args.haystack)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device, dtype="float32")
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype="float32", cache=False if args.no_model_cache else None
+    )
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and min(plan.lengths) + plan.new_tokens + 160 > limit:
         raise ValueError(

@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)",
     )
+    p.add_argument(
+        "--no-model-cache",
+        action="store_true",
+        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
+        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
@@ -277,7 +283,9 @@ def run(args) -> int:
         raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
     config = build_config(args)
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
+    )
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
