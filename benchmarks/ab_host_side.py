@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tandem import TandemCache, TandemConfig
+from tandem import TandemCache, TandemConfig, manifest
 from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
@@ -89,6 +89,7 @@ def main() -> None:
                 rows.append(row)
     if args.out:
         out = Path(args.out)
+        manifest.write(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ab_host_side.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
         lines = [

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from tandem import manifest
 from tandem.bench.bandwidth import (
     host_read_bandwidth,
     last_level_cache_bytes,
@@ -473,7 +474,7 @@ def main() -> None:
     suffix = ("-4k" if args.pages == "4k" else "") + ("-flush" if args.cold == "flush" else "")
     name = args.name or machine_slug(info) + suffix
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write(out_dir, name=f"cpu_attention_{name}.manifest.json")
     result = {"machine": info, "read_bandwidth_gbps": round(bandwidth, 2),
               "probe_range_gbps": [round(low, 1), round(high, 1)], "dtype": args.dtype,
               "pages": args.pages, "cold": args.cold, "note": args.note, "rows": rows}  # fmt: skip

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from tandem import TandemCache, TandemConfig
+from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import hybrid
 from tandem.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
 from tandem.bench.shapes import build_random_model
@@ -151,7 +151,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         del ids
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    manifest.write(out)
     (out / "prefill.json").write_text(
         json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=1)
     )

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from tandem import manifest
 from tandem.bench.bandwidth import hbm_bandwidth
 from tandem.kernels import gpu, reference
 from tandem.kernels.gpu import attention as gpu_attention
@@ -119,6 +120,7 @@ def main() -> None:
         rows.append(row)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        manifest.write(args.out)
         with open(os.path.join(args.out, "quest_selection.json"), "w") as f:
             json.dump({"machine": machine, "rows": rows}, f, indent=1)
         head = list(dict.fromkeys(key for r in rows for key in r))

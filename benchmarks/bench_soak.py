@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tandem import TandemCache, TandemConfig, load_model
+from tandem import TandemCache, TandemConfig, load_model, manifest
 from tandem.engine import TandemRunner
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -171,6 +171,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+        manifest.write(args.out)
         (args.out / "soak.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
         (args.out / "soak.md").write_text(text)
 

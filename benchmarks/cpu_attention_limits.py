@@ -37,6 +37,7 @@ from bench_cpu_attention import (  # this folder is on sys.path when run as a sc
     tokens,
 )
 
+from tandem import manifest
 from tandem.bench.bandwidth import machine_info, machine_slug
 from tandem.kernels import cpu
 from tandem.kernels.cpu import _library
@@ -142,7 +143,7 @@ def main() -> None:
 
     name = (args.name or machine_slug(info)) + ("_interleaved" if args.layout == "interleaved" else "")
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write(out_dir, name=f"cpu_attention_limits_{name}.manifest.json")
     result = {"machine": info, "layout": args.layout, "context": context, "budget": args.budget, "target": args.target,
               "probe_range_gbps": [round(low, 1), round(high, 1)], "empty_call_us": round(empty_us, 1),
               "rows": rows, "budget_sweep": sweeps}  # fmt: skip

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from tandem import load_model
+from tandem import load_model, manifest
 from tandem.calibration.collect import CAPTURE_NAME, _Recorder, segments
 from tandem.calibration.features import anchor_stats, join_segments, step_features
 from tandem.calibration.predictor import predictor_from_state, streaming_logit_threshold
@@ -265,6 +265,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+        manifest.write(args.out)
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
         (args.out / "results.md").write_text(text)
 

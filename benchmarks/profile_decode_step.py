@@ -28,10 +28,11 @@ import platform
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from tandem import TandemCache, TandemConfig
+from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import decode
 from tandem.bench.baselines import release_memory
 from tandem.bench.shapes import build_random_model
@@ -317,6 +318,8 @@ def main() -> None:
             del cache, runner, bufs, layer
             release_memory(torch.device("cuda"))
     if args.out:
+        out = Path(args.out)
+        manifest.write(out.parent, name=f"{out.stem}.manifest.json")
         with open(args.out, "w") as f:
             json.dump({"machine": machine, "rows": results}, f, indent=1)
 

@@ -21,6 +21,8 @@ def _run(tmp_path, *extra):
 def test_bench_writes_every_row_and_full_matches_hf(tmp_path, capsys):
     assert _run(tmp_path, "--policies", "full,quest") == 0
     result = json.loads((tmp_path / "bench.json").read_text())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["versions"]["torch"] and manifest["machine"]["cores"] >= 1
     rows = {(r["system"].split("[")[0], r["batch"]): r for r in result["rows"]}  # labels carry --set
     assert len(rows) == 8  # 2 batches x (2 HF caches + 2 policies)
     assert all(r["status"] == "ok" for r in rows.values()), [r["error"] for r in rows.values()]

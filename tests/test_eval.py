@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem.models
+from tandem import manifest
 from tandem.cli import main
 from tandem.config import TandemConfig
 from tandem.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
@@ -267,6 +268,27 @@ def test_summary_delta_verdict_markdown_and_merge():
     text = markdown(merged)
     assert "| niah | 1K | 100 (±0) · 100.0% | 50 (-50) · 4.0% | 100 (±0) · 30.0% |" in text
     assert "**quest** does not meet" in text and "tandem eval --lengths 2k" in text
+
+
+def test_a_merged_eval_keeps_the_manifests_of_its_parts(tmp_path, capsys):
+    labels = ["full", "quest", "hgca"]
+    folders = []
+    for length in (1024, 2048):
+        runs = [dict(r, length=length) for r in _runs()]
+        cells = summarize(runs, ["niah", "ppl"], [length], labels, "full")
+        meta = {"tasks": ["niah", "ppl"], "command": f"tandem eval --lengths {length}"}
+        folder = tmp_path / str(length)
+        folder.mkdir()
+        (folder / "results.json").write_text(
+            json.dumps({"meta": meta, "baseline": "full", "cells": cells, "runs": runs})
+        )
+        manifest.write(folder, ["tandem", "eval", "--lengths", str(length)])
+        folders.append(str(folder))
+    out = tmp_path / "merged"
+    assert main(["eval", "--merge", *folders, "--out", str(out), "--no-plots"]) == 0, capsys.readouterr().err
+    merged = json.loads((out / "manifest.json").read_text())
+    assert [part["command"][-1] for part in merged["parts"]] == ["1024", "2048"]
+    assert merged["versions"]["torch"]
 
 
 def test_fluxion_statistics_in_cells_verdicts_markdown_and_merge():

@@ -16,6 +16,7 @@ import itertools
 import json
 from pathlib import Path
 
+from .. import manifest
 from ..config import POLICIES
 
 HF_SYSTEMS = ("hf-dynamic", "hf-offloaded")
@@ -31,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "smollm2-135m, tiny-llama) or a local HF directory / .gguf (default llama-3.1-8b)",
     )
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of a named shape")
+    p.add_argument(
+        "--no-model-cache",
+        action="store_true",
+        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
+        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
+    )
     p.add_argument(
         "--contexts", default="16k,32k,64k", help="context lengths, e.g. 16k,32k,64k,128k (k = 1024)"
     )
@@ -105,7 +112,12 @@ def _load(args, device, dtype, longest: int):
         )
     from ..models import load_model
 
-    model, _ = load_model(str(path), device=str(device), dtype=str(dtype).removeprefix("torch."))
+    model, _ = load_model(
+        str(path),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        cache=False if args.no_model_cache else None,
+    )
     return model, {"name": str(path), "weights": "checkpoint", "layers": model.config.num_hidden_layers}
 
 
@@ -210,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                     if row[bound]:
                         row[ratio] = row["tpot_median_ms"] / row[bound]
                 _add(result, row, out_dir)
-    paths = report.write_report(result, out_dir)
+    paths = report.write_report(result, out_dir) + [manifest.write(out_dir)]
     print(report.format_table(result["rows"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import manifest
 from ..config import POLICIES
 from .haystack import PYDOC
 from .names import SETTABLE, TASKS
@@ -36,6 +37,12 @@ DEFAULT_TASKS = "niah,multikey,multivalue,vt,cwe,ppl,error"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="local HF model directory or .gguf file (default: SmolLM2-135M)"
+    )
+    p.add_argument(
+        "--no-model-cache",
+        action="store_true",
+        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
+        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
     )
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma list of: {', '.join(TASKS)}")
@@ -128,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
     )
     haystack = load_haystack(args.haystack)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
+    )
     runner = Runner(model, tokenizer, plan, haystack, progress=not args.no_progress)
     meta = {
         "model": Path(args.model).name if args.model else default_model_path().name,
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return write_results(build_results(runs, plan, meta), args.out, plots=final and not args.no_plots)
 
     runs = runner.run(on_cell=save)
-    written = save(runs, final=True)
+    written = save(runs, final=True) + [manifest.write(args.out)]
     results = build_results(runs, plan, meta)
     print(markdown_table(results))
     print("\n".join(verdict_lines(results)))
@@ -176,10 +185,22 @@ def _merge(args: argparse.Namespace) -> int:
             raise ValueError(f"--merge: cannot read {str(path)!r}: {err}") from None
     results = merge_results(parts)
     written = write_results(results, args.out, plots=not args.no_plots)
+    shards = [_read_manifest(Path(folder)) for folder in args.merge]
+    written.append(manifest.write(args.out, parts=shards))
     print(markdown_table(results))
     print("\n".join(verdict_lines(results)))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    """A merged folder's own manifest.json, or None where it has none (results from before manifests)."""
+    import json
+
+    try:
+        return json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

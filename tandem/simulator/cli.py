@@ -19,6 +19,7 @@ import math
 import sys
 from dataclasses import fields, replace
 
+from tandem import manifest
 from tandem.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep:
             try:
-                paths = write_sweep(args.out, plots=not args.no_plots)
+                paths = write_sweep(args.out, plots=not args.no_plots) + [manifest.write(args.out)]
             except OSError as err:
                 raise ValueError(f"--out: cannot write {args.out} ({err})") from err
             print("wrote " + ", ".join(str(p) for p in paths))

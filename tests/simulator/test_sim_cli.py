@@ -71,6 +71,8 @@ def test_sweep_without_plots(tmp_path, capsys):
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert {r["scheme"] for r in data["rows"]} == {"baseline", "pnm", "pnkv"}
     assert not list(tmp_path.glob("*.png"))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["command"] and manifest["date"].startswith("20")  # the process's command line
 
 
 def test_sweep_warns_once_without_matplotlib(tmp_path, capsys, monkeypatch):
