@@ -8,7 +8,8 @@
 //
 //   g++ -O3 -fopenmp -march=native benchmarks/gather_roofline.cpp -o /tmp/gather && /tmp/gather
 //
-// Result on the GPU host: benchmarks/results/gather_roofline_intel-xeon-16c.log, read in docs/cpu-kernels.md.
+// Result on the GPU host: benchmarks/results/2026-11-26_xeon16_gather_roofline/gather_roofline_intel-xeon-16c.log,
+// read in docs/cpu-kernels.md.
 #include <immintrin.h>
 #include <omp.h>
 #include <algorithm>

@@ -1,5 +1,6 @@
 """GPU checks (skipped without CUDA; run on the lent H100 through the device tool, results in
-benchmarks/results/cuda_tests.md): hot tier on the GPU, pinned host tier, side-stream evictions."""
+benchmarks/results/2026-11-26_h200_cuda_tests/cuda_tests.md): hot tier on the GPU, pinned host tier,
+side-stream evictions."""
 
 import pytest
 import torch
