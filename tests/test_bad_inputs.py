@@ -1,11 +1,11 @@
-"""The catalogue of bad inputs (`tandem.evaluation.bad_inputs`): every case ends in a named refusal or is valid,
+"""The catalogue of bad inputs (`tandem.cli.bad_inputs`): every case ends in a named refusal or is valid,
 and `docs/bad-inputs.md` is the table the catalogue writes now."""
 
 from pathlib import Path
 
 import pytest
 
-from tandem.evaluation import bad_inputs
+from tandem.cli import bad_inputs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md"
 
@@ -38,7 +38,7 @@ def test_the_committed_table_lists_the_catalogue_and_its_outcomes(outcomes):
     expected = _rows(bad_inputs.markdown(outcomes))
     assert len(expected) == len(outcomes)
     assert _rows(DOC.read_text()) == expected, (
-        "regenerate: python -m tandem.evaluation.bad_inputs --out docs/bad-inputs.md"
+        "regenerate: python -m tandem.cli.bad_inputs --out docs/bad-inputs.md"
     )
 
 

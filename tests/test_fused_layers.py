@@ -1,5 +1,5 @@
 """The fused RMSNorm / RoPE kernels (tandem.kernels.gpu.layers) against their references, and the swap of the
-model's own layers for them (tandem.integrations.fused). Without CUDA the kernels run under Triton's interpreter."""
+model's own layers for them (tandem.engine.fused). Without CUDA the kernels run under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs  # noqa: E402
 from tandem.engine import TandemRunner  # noqa: E402
-from tandem.integrations.fused import FusedLayers  # noqa: E402
+from tandem.engine.fused import FusedLayers  # noqa: E402
 from tandem.kernels import gpu, reference  # noqa: E402
 from tandem.kernels.gpu import layers  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402

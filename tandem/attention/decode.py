@@ -245,11 +245,24 @@ def ranked_limit(host) -> int:
     return host.capacity // host.block_size
 
 
+class NativePart:
+    """A hand-off's CPU part as one compiled call, for the engine's hand-off server (`tandem.engine.handoff`).
+
+    task:   the call (`kernels.cpu._library.HandoffTask`), laid out for this step
+    finish: called once the task has run: raises the error its `result` means, else records what it did
+    """
+
+    __slots__ = ("task", "finish")
+
+    def __init__(self, task, finish) -> None:
+        self.task, self.finish = task, finish
+
+
 class CpuPart:
     """One layer's CPU part in a captured decode step, run at replay by the engine's host side.
 
     Calling it runs `_cpu_part` (Python). `native()` instead lays out this step's part as one compiled call for
-    the engine's hand-off server (`tandem.engine.handoff.NativePart`), where it is one: quest's ranked attention
+    the engine's hand-off server (`NativePart`), where it is one: quest's ranked attention
     (`cpu.RankedAttention`), or nothing to attend (an empty host tier, or a policy that never attends it). The
     bookkeeping that precedes the call in `host_part` runs in `native()`, the statistics after it in `finish`.
     """
@@ -265,8 +278,6 @@ class CpuPart:
 
     def native(self):
         """This step's `NativePart`, or None where the part must run in Python."""
-        from ..engine.handoff import NativePart  # the engine imports this module
-
         layer, bufs = self.layer, self.bufs
         host = layer.host
         empty = _nothing_offloaded(layer)

@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from ..attention.decode import NativePart
 from ..kernels import cpu
 from ..kernels.cpu import _library
 
@@ -283,19 +284,6 @@ class Launcher:
                 self._abort.value = 1
             finally:
                 self._finished.set()
-
-
-class NativePart:
-    """A hand-off's CPU part as one compiled call, for `HostFlags.serve`.
-
-    task:   the call (`_library.HandoffTask`), laid out for this step
-    finish: called once the task has run: raises the error its `result` means, else records what it did
-    """
-
-    __slots__ = ("task", "finish")
-
-    def __init__(self, task, finish) -> None:
-        self.task, self.finish = task, finish
 
 
 def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, compiled: bool = True) -> None:

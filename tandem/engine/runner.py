@@ -33,11 +33,11 @@ import time
 
 import torch
 
-from ..integrations.fused import FusedLayers
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
+from .fused import FusedLayers
 
 HANDOFFS = ("auto", "memops", "launches")
 FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
