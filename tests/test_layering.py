@@ -133,3 +133,15 @@ def test_the_checker_sees_a_function_local_upward_import(tmp_path):
             test_no_import_goes_up_a_layer()
     finally:
         fake.unlink()
+
+
+def test_only_the_cpu_kernels_package_binds_the_compiled_library():
+    """`kernels/cpu/_library.py` (ctypes bindings) stays behind `tandem.kernels.cpu`'s own API."""
+    outside = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not _module_name(path).startswith("tandem.kernels.cpu")
+        for target, line in imports(path)
+        if target == "tandem.kernels.cpu._library"
+    ]
+    assert not outside, outside

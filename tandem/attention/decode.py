@@ -248,7 +248,7 @@ def ranked_limit(host) -> int:
 class NativePart:
     """A hand-off's CPU part as one compiled call, for the engine's hand-off server (`tandem.engine.handoff`).
 
-    task:   the call (`kernels.cpu._library.HandoffTask`), laid out for this step
+    task:   the call (a `HandoffTask` of the compiled CPU library), laid out for this step
     finish: called once the task has run: raises the error its `result` means, else records what it did
     """
 

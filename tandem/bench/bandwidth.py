@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from tandem.kernels import cpu
-from tandem.kernels.cpu import _library
 
 GIB = 1 << 30
 
@@ -150,7 +149,7 @@ def machine_info(threads: int) -> dict:
         "llc_mb": round(last_level_cache_bytes() / 2**20),
         "threads": threads,
         "isa": cpu.isa(),
-        "prefetch": list(_library.prefetch_config()),
+        "prefetch": list(cpu.prefetch_config()),
         "torch": torch.__version__,
         "compiler": cxx,
         "gpu": None,

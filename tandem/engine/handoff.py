@@ -45,7 +45,6 @@ import torch
 
 from ..attention.decode import NativePart
 from ..kernels import cpu
-from ..kernels.cpu import _library
 
 STRIDE = 16  # int32s between flags: one 64-byte line each, so the host's writes never share a line
 # seconds a compiled wait for a ready flag runs before it returns to Python, which handles signals (Ctrl-C)
@@ -195,14 +194,14 @@ class HostFlags:
             # waits of at most SERVE_SLICE seconds per call, so that Python handles signals (Ctrl-C) meanwhile
             wait = max(0.0, min(SERVE_SLICE, deadline - time.perf_counter()))
             status, _ = cpu.serve_handoffs([part.task], ready, done, STRIDE, abort, wait)
-            if status != _library.TIMED_OUT or time.perf_counter() >= deadline:
+            if status != cpu.TIMED_OUT or time.perf_counter() >= deadline:
                 break
-        if status == _library.SERVED:
+        if status == cpu.SERVED:
             return
-        if status == _library.TASK_FAILED:
+        if status == cpu.TASK_FAILED:
             part.finish()  # raises the call's error
             raise RuntimeError(f"hand-off {i}'s CPU part failed (code {part.task.result})")
-        if status == _library.ABORTED:
+        if status == cpu.ABORTED:
             raise RuntimeError(f"the step's graph launch failed before hand-off {i}") from launcher.failed()
         raise TimeoutError(
             f"the GPU did not hand over hand-off {i}'s query within {self.timeout:.0f} s "

@@ -12,7 +12,14 @@ namesake in `tandem.kernels.reference` and falls back to it, with one warning, i
 from __future__ import annotations
 
 from tandem.kernels.cpu import _library
-from tandem.kernels.cpu._library import default_num_threads
+from tandem.kernels.cpu._library import (
+    ABORTED,
+    SERVED,
+    TASK_FAILED,
+    TIMED_OUT,
+    default_num_threads,
+    prefetch_config,
+)
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
     RankedAttention,
@@ -46,10 +53,15 @@ def supported_isas() -> tuple[str, ...]:
 
 
 __all__ = [
+    "ABORTED",
+    "SERVED",
+    "TASK_FAILED",
+    "TIMED_OUT",
     "PreparedAttention",
     "RankedAttention",
     "block_scores",
     "default_num_threads",
+    "prefetch_config",
     "empty_task",
     "is_available",
     "isa",
