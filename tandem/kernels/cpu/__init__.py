@@ -23,16 +23,12 @@ from tandem.kernels.cpu._library import (
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
     RankedAttention,
-    block_scores,
     empty_task,
     ranked_block_attention,
-    read_sum,
-    score_topk,
     serve_handoffs,
     sparse_attention_lse,
-    threshold_select,
-    topk_blocks,
 )
+from tandem.kernels.cpu.selection import block_scores, read_sum, score_topk, threshold_select, topk_blocks
 
 
 def is_available() -> bool:

@@ -1,135 +1,34 @@
-"""Launchers of the compiled CPU kernels: validate inputs, pick the implementation, call it.
+"""Launchers of the compiled CPU attention kernels: validate inputs, pick the implementation, call it.
 
 Each function has the signature and semantics of its namesake in `tandem.kernels.reference` plus a
 `num_threads` keyword (default: `default_num_threads()`, i.e. OMP_NUM_THREADS or all cores but one).
 When the compiled library is unavailable the reference runs instead, after one warning per process.
 Bad input raises ValueError naming the argument and what is allowed, whichever implementation runs.
+Quest's scoring and top-k and HGCA's threshold selection are in `selection`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-import warnings
 
 import torch
 
 from tandem.kernels import reference
 from tandem.kernels.cpu import _library
-from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs, ScoreArgs
-
-LOG2E = 1.0 / math.log(2.0)
-_STORE_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-_warned = False
-
-
-def _native():
-    lib = _library.library()
-    if lib is None:
-        global _warned
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                f"Tandem CPU kernels unavailable ({_library.unavailable_reason()}); "
-                "running the slow torch reference instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return lib
-
-
-def _threads(num_threads: int | None) -> int:
-    if num_threads is None:
-        return _library.default_num_threads()
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads: must be a positive int or None, got {num_threads!r}")
-    return num_threads
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _check_tensor(name, t, dim, dtypes=None, shape=None):
-    # on the per-layer hot path: cheap checks first, messages built only on failure
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"{name}: must be on the CPU, got device {t.device}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: dtype {t.dtype} not supported; allowed: {allowed}")
-    if shape is not None:
-        for got, want in zip(t.shape, shape, strict=True):  # a plain loop: any() over a generator costs more
-            if want is not None and got != want:
-                raise ValueError(f"{name}: expected shape {tuple(shape)} (None = any), got {tuple(t.shape)}")
-
-
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # K/V stores of 8-bit codes, with per-group scales
-_NO_SCALES = (None, None, 0, 0, 0, 0, 1)  # AttendArgs' scale fields of a float store
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t as a contiguous tensor of `dtype`, without a call into torch when it already is one (per-layer path)."""
-    if t.dtype is dtype and t.is_contiguous():
-        return t
-    return t.to(dtype).contiguous()
-
-
-def _rows_contiguous(name: str, t: torch.Tensor) -> None:
-    # a copy of a KV store would cost more than the attention itself: refuse instead of copying
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
-
-
-def _check_store(q, k_store, v_store) -> tuple[int, int]:
-    """K/V stores [B, Hkv, cap, D] for q [B, Hq, ..., D]: same batch and head_dim, Hq a multiple of Hkv, rows
-    contiguous. Returns (Hkv, cap)."""
-    _check_tensor("k_store", k_store, 4, tuple(DTYPE_CODES), (q.shape[0], None, None, q.shape[-1]))
-    num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
-    _check_tensor("v_store", v_store, 4, (k_store.dtype,), tuple(k_store.shape))
-    if num_kv_heads == 0 or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of {num_kv_heads} KV heads")
-    _rows_contiguous("k_store", k_store)
-    _rows_contiguous("v_store", v_store)
-    return num_kv_heads, cap
-
-
-def _check_scales(k_store, k_scale, v_scale) -> tuple:
-    """Scales of an 8-bit store: k_scale / v_scale [B, Hkv, S] float32, last dim contiguous, S dividing cap (row r
-    is codes * scale[..., r // (cap // S)]); required exactly for int8 / float8_e4m3fn stores. Returns AttendArgs'
-    scale fields."""
-    if k_store.dtype not in _QUANT_DTYPES:
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if t is not None:
-                raise ValueError(
-                    f"{name}: only for int8 / float8_e4m3fn stores (scales of their codes), got a "
-                    f"{str(k_store.dtype).removeprefix('torch.')} k_store; pass None"
-                )
-        return _NO_SCALES
-    batch, num_kv_heads, cap = k_store.shape[:3]
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None:
-            raise ValueError(
-                f"{name}: required for a {str(k_store.dtype).removeprefix('torch.')} k_store: float32 "
-                "[B, Hkv, S], one scale per cap // S rows"
-            )
-    _check_tensor("k_scale", k_scale, 3, (torch.float32,), (batch, num_kv_heads, None))
-    _check_tensor("v_scale", v_scale, 3, (torch.float32,), tuple(k_scale.shape))
-    groups = k_scale.shape[2]
-    if (groups == 0 and cap > 0) or groups > cap or (groups and cap % groups):
-        raise ValueError(
-            f"k_scale: {groups} scales per (request, KV head) must divide the store's {cap} rows "
-            "(cap // S rows per scale)"
-        )
-    _rows_contiguous("k_scale", k_scale)
-    _rows_contiguous("v_scale", v_scale)
-    rows_per_scale = cap // groups if groups else 1
-    return (_ptr(k_scale), _ptr(v_scale), *k_scale.stride()[:2], *v_scale.stride()[:2], rows_per_scale)
+from tandem.kernels.cpu._checks import (
+    _FLOAT_DTYPES,
+    _INT_DTYPES,
+    LOG2E,
+    _as,
+    _check_scales,
+    _check_store,
+    _check_tensor,
+    _native,
+    _ptr,
+    _threads,
+)
+from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs
 
 
 def sparse_attention_lse(
@@ -448,164 +347,3 @@ def ranked_block_attention(
     )  # fmt: skip
     call(skip, count)
     return out, lse, call.lengths
-
-
-def _score(q, key_min, key_max, factor, k, num_threads):
-    _check_tensor("q", q, 4, _FLOAT_DTYPES)
-    batch, num_q_heads, _, head_dim = q.shape
-    _check_tensor("key_min", key_min, 4, _FLOAT_DTYPES, (batch, None, None, head_dim))  # no 8-bit digests
-    _check_tensor("key_max", key_max, 4, (key_min.dtype,), tuple(key_min.shape))
-    num_kv_heads, num_blocks = key_min.shape[1], key_min.shape[2]
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if not isinstance(factor, int) or factor < 1:
-        raise ValueError(f"factor: must be a positive int (logical / physical block size), got {factor!r}")
-    _rows_contiguous("key_min", key_min)
-    _rows_contiguous("key_max", key_max)
-    threads = _threads(num_threads)
-    lib = _native()
-    if lib is None:
-        scores = reference.block_scores(q, *reference.coarsen_digest(key_min, key_max, factor))
-        return scores if k is None else reference.topk_blocks(scores, k)
-
-    num_logical = -(-num_blocks // factor)
-    qf = q.to(torch.float32).contiguous()
-    # with k, the scores stay in the library's scratch (a fresh tensor here was page-faulted in every call)
-    scores = torch.empty(batch, num_kv_heads, num_logical, dtype=torch.float32) if k is None else None
-    args = ScoreArgs(
-        _ptr(qf), None, _ptr(key_min), _ptr(key_max),
-        *key_min.stride()[:3], *key_max.stride()[:3],
-        batch, num_kv_heads, qf.shape[1] // num_kv_heads * qf.shape[2], head_dim, num_blocks, factor,
-    )  # fmt: skip
-    if k is None:
-        top_ids = top_len = None
-        kk = -1
-    else:
-        kk = min(k, num_logical)
-        top_ids = torch.empty(batch, num_kv_heads, kk, dtype=torch.int64)
-        top_len = torch.empty(batch, num_kv_heads, dtype=torch.int64)
-    status = lib.tandem_score_topk(
-        _library.isa_code(), DTYPE_CODES[key_min.dtype], ctypes.byref(args), _ptr(scores), kk,
-        _ptr(top_ids), _ptr(top_len), threads,
-    )  # fmt: skip
-    if status < 0:
-        raise RuntimeError(f"CPU kernel rejected isa={_library.isa_code()} dtype={key_min.dtype}")
-    if k is None:
-        return scores
-    if kk == 0:
-        top_len.zero_()
-    return top_ids, top_len
-
-
-def block_scores(
-    q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, num_threads: int | None = None
-) -> torch.Tensor:
-    """Quest bound `sum_d max(q_d*min_d, q_d*max_d)` per block, max over a KV head's query group.
-
-    q: [B, Hq, Lq, D]; key_min / key_max: [B, Hkv, nblk, D] float32 / bfloat16 / float16.
-    Returns [B, Hkv, nblk] float32. An empty digest (min > max, e.g. +inf / -inf) scores -inf.
-    """
-    return _score(q, key_min, key_max, 1, None, num_threads)
-
-
-def score_topk(
-    q: torch.Tensor,
-    key_min: torch.Tensor,
-    key_max: torch.Tensor,
-    k: int,
-    factor: int = 1,
-    num_threads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused block scoring + top-k at a logical block of `factor` physical blocks.
-
-    Equals `topk_blocks(block_scores(q, *coarsen_digest(key_min, key_max, factor)), k)` without building
-    the coarse digests or the score tensor in Python. Returns (block ids [B, Hkv, min(k, nlogical)] int64,
-    ascending, unselectable picks last; lengths [B, Hkv] int64). Ids are logical blocks: pass them to
-    `sparse_attention_lse` with `block_size = factor * physical block size`.
-    """
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: must be a non-negative int, got {k!r}")
-    return _score(q, key_min, key_max, factor, k, num_threads)
-
-
-def topk_blocks(
-    scores: torch.Tensor, k: int, num_threads: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`k` blocks per (request, KV head), ascending block order; see `reference.topk_blocks`.
-
-    scores: [B, Hkv, nblk] float32 (-inf = not selectable). Returns (ids [B, Hkv, min(k, nblk)] int64,
-    lengths [B, Hkv] int64); picks with a non-finite score sit past `lengths`.
-    """
-    _check_tensor("scores", scores, 3, (torch.float32,))
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: must be a non-negative int, got {k!r}")
-    threads = _threads(num_threads)
-    lib = _native()
-    if lib is None:
-        return reference.topk_blocks(scores, k)
-    batch, heads, num_blocks = scores.shape
-    k = min(k, num_blocks)
-    top_ids = torch.empty(batch, heads, k, dtype=torch.int64)
-    top_len = torch.zeros(batch, heads, dtype=torch.int64)
-    if k:
-        scores = scores.contiguous()
-        lib.tandem_topk(_ptr(scores), batch * heads, num_blocks, k, _ptr(top_ids), _ptr(top_len), threads)
-    return top_ids, top_len
-
-
-def threshold_select(
-    maw: torch.Tensor,
-    threshold: torch.Tensor | float,
-    num_kv_heads: int,
-    num_rows: int,
-    num_threads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """HGCA salience: rows where any query head of a KV group has `maw > threshold`.
-
-    maw: [B, Hq, N] float32 (only the first `num_rows` rows are live).
-    threshold: scalar, or per head [B, Hq] / [B, Hq, 1].
-    Returns (row ids [B, Hkv, S] int64 ascending, padded with 0; lengths [B, Hkv] int64), S = max length.
-    """
-    _check_tensor("maw", maw, 3, (torch.float32,))
-    batch, num_q_heads, capacity = maw.shape
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads: must divide the {num_q_heads} query heads of maw, got {num_kv_heads!r}"
-        )
-    if not isinstance(num_rows, int) or not 0 <= num_rows <= capacity:
-        raise ValueError(f"num_rows: must be an int in [0, {capacity}], got {num_rows!r}")
-    thr = torch.as_tensor(threshold, dtype=torch.float32)
-    if thr.dim() == 2:
-        thr = thr[..., None]
-    try:
-        thr = thr.broadcast_to(batch, num_q_heads, 1).reshape(batch, num_q_heads).contiguous()
-    except RuntimeError as err:
-        raise ValueError(
-            f"threshold: expected a scalar or shape [B, Hq] / [B, Hq, 1] = [{batch}, {num_q_heads}], "
-            f"got {tuple(thr.shape)}"
-        ) from err
-    threads = _threads(num_threads)
-    lib = _native()
-    if lib is None:
-        return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)
-    if maw.stride(-1) != 1:
-        maw = maw.contiguous()
-    out = torch.empty(batch * num_kv_heads * num_rows, dtype=torch.int64)
-    lengths = torch.empty(batch, num_kv_heads, dtype=torch.int64)
-    width = lib.tandem_threshold_select(
-        _ptr(maw), batch, num_q_heads, maw.stride(0), maw.stride(1), num_rows, num_kv_heads,
-        _ptr(thr), _ptr(out), _ptr(lengths), threads,
-    )  # fmt: skip
-    return out[: batch * num_kv_heads * width].view(batch, num_kv_heads, width), lengths
-
-
-def read_sum(data: torch.Tensor, num_threads: int | None = None) -> float:
-    """Sum of a contiguous float32 tensor read with the kernels' ISA and threads: a bandwidth probe."""
-    _check_tensor("data", data, data.dim(), (torch.float32,))
-    if not data.is_contiguous():
-        raise ValueError("data: must be contiguous")
-    threads = _threads(num_threads)
-    lib = _native()
-    if lib is None:
-        return float(data.sum())
-    return lib.tandem_read_sum(_library.isa_code(), _ptr(data), data.numel(), threads)
