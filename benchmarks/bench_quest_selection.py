@@ -26,7 +26,7 @@ import torch
 from tandem import manifest
 from tandem.bench.bandwidth import hbm_bandwidth
 from tandem.kernels import gpu, reference
-from tandem.kernels.gpu import attention as gpu_attention
+from tandem.kernels.gpu import selection as gpu_selection
 
 
 def per_call_us(fn, replays: int = 50, per_graph: int = 10) -> float:
@@ -76,7 +76,7 @@ def measure(batch: int, context: int, budget: float, hbm: float) -> dict:
     row["topk_sorted_us"] = per_call_us(lambda: torch.topk(scores, k, dim=-1, sorted=True))
     row["topk_unsorted_then_sort_us"] = per_call_us(lambda: ranked_then_sorted(scores, k))
     expected = reference.top_blocks(scores, k, k)
-    saved = {name: getattr(gpu_attention, name) for name in SETTINGS}
+    saved = {name: getattr(gpu_selection, name) for name in SETTINGS}
     kinds = [("registers", {"REGISTER_TOP_BLOCKS": 1 << 20})] if num_blocks <= 16384 else []
     kinds += [
         ("tiles", {"REGISTER_TOP_BLOCKS": 0, "LONG_ROWS": "tiles"}),
@@ -87,13 +87,13 @@ def measure(batch: int, context: int, budget: float, hbm: float) -> dict:
     for kind, settings in kinds:
         # each kernel at every shape (the launcher picks the register one up to REGISTER_TOP_BLOCKS)
         for name, value in settings.items():
-            setattr(gpu_attention, name, value)
+            setattr(gpu_selection, name, value)
         try:
             row[f"top_blocks_{kind}_us"] = per_call_us(lambda: gpu.top_blocks(scores, k_dev, k))
             row[f"top_blocks_{kind}_equal"] = bool(torch.equal(gpu.top_blocks(scores, k_dev, k), expected))
         finally:
             for name, value in saved.items():
-                setattr(gpu_attention, name, value)
+                setattr(gpu_selection, name, value)
     return {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
 
 

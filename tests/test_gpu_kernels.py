@@ -13,7 +13,7 @@ from tolerances import assert_close
 pytest.importorskip("triton")
 
 from tandem.kernels import gpu, reference  # noqa: E402
-from tandem.kernels.gpu import attention as gpu_attention  # noqa: E402
+from tandem.kernels.gpu import selection as gpu_selection  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -279,10 +279,10 @@ def long_rows(kernel: str, monkeypatch) -> None:
     """Send every row through one kernel: "registers", or a long-row kernel ("tiles", "split") with 64-block
     tiles, so small rows already span several tiles (and the output's padding more)."""
     if kernel != "registers":
-        monkeypatch.setattr(gpu_attention, "REGISTER_TOP_BLOCKS", 0)
-        monkeypatch.setattr(gpu_attention, "LONG_ROWS", kernel)
-        monkeypatch.setattr(gpu_attention, "TOP_BLOCKS_TILE", 64)
-        monkeypatch.setattr(gpu_attention, "SPLIT_TOP_BLOCKS_TILE", 64)
+        monkeypatch.setattr(gpu_selection, "REGISTER_TOP_BLOCKS", 0)
+        monkeypatch.setattr(gpu_selection, "LONG_ROWS", kernel)
+        monkeypatch.setattr(gpu_selection, "TOP_BLOCKS_TILE", 64)
+        monkeypatch.setattr(gpu_selection, "SPLIT_TOP_BLOCKS_TILE", 64)
 
 
 TOP_BLOCKS_KERNELS = ["registers", "tiles", "split"]

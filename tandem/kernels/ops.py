@@ -343,7 +343,7 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
 def top_blocks_available(scores) -> bool:
     """Whether Quest should select with `top_blocks`: on CPU tensors, or with Triton on the scores' CUDA device
     (then a captured graph may hold it: `k` is read on the device; faster than torch.topk at every row length
-    measured, see `gpu.attention.REGISTER_TOP_BLOCKS`)."""
+    measured, see `gpu.selection.REGISTER_TOP_BLOCKS`)."""
     return not scores.is_cuda or _triton_on(scores.device)
 
 

@@ -1,23 +1,18 @@
 """Triton GPU kernels: hot-tier decode attention (with HGCA's moving average), zero-copy attention over
-selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, and an in-place LSE merge.
+selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, quest's recall
+cache, an in-place LSE merge, and the model's fused small layers.
 
-`triton_kernels` holds only the `@triton.jit` functions; `attention` holds their launchers, which validate
-inputs and launch. Importing this package never fails: without triton, `triton_available` is False and the
-callers use `tandem.kernels.reference` instead.
+Each concern is a pair: `<concern>_kernels.py` holds only its `@triton.jit` functions, `<concern>.py` their
+launchers, which validate inputs and launch (`attention`, `selection`, `recall`, `layers`). `_common.py` holds
+what the launchers share (the optional triton import, the interpreter's set-up, the input checks) and
+`_common_kernels.py` the jit helpers the kernels share. Importing this package never fails: without triton,
+`triton_available` is False and the callers use `tandem.kernels.reference` instead.
 """
 
-from .attention import (
-    block_scores,
-    host_block_attention,
-    hot_decode_attention,
-    interpreted,
-    merge_lse_,
-    prefill_attention,
-    recall_blocks,
-    recall_plan,
-    top_blocks,
-    triton_available,
-)
+from ._common import interpreted, triton_available
+from .attention import host_block_attention, hot_decode_attention, merge_lse_, prefill_attention
+from .recall import recall_blocks, recall_plan
+from .selection import block_scores, top_blocks
 
 __all__ = [
     "block_scores",

@@ -1,8 +1,8 @@
-"""Launchers of the fused model-layer kernels: RMSNorm and rotary embedding, each one kernel where the model's
-own code launches several small ones (seven for an RMSNorm, ten for RoPE on q and k).
+"""Launchers of the fused model-layer kernels (`layers_kernels`): RMSNorm and rotary embedding, each one
+kernel where the model's own code launches several small ones (seven for an RMSNorm, ten for RoPE on q and k).
 
 At batch 1 these layers move a few kilobytes, so each of those launches costs more than its work: ~20 of a decode
-step's ~63 kernels per layer on a Llama-3.1-8B shape. `tandem.integrations.fused` swaps these in for the model's
+step's ~63 kernels per layer on a Llama-3.1-8B shape. `tandem.engine.fused` swaps these in for the model's
 own functions when they reproduce them, and only on the engine's (Tandem's) forward passes.
 
 Both follow the model's order of operations and rounding (each elementwise product rounded to the output dtype,
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention import FLOAT_DTYPES, _check, _check_on, _check_tensor, _guard, _run_device, _unit_last_stride
+from ._common import FLOAT_DTYPES, _check, _check_on, _check_tensor, _guard, _run_device, _unit_last_stride
 
 try:
     import triton
 
-    from . import triton_kernels as _kernels
+    from . import layers_kernels as _kernels
 except ImportError:
     triton = None
     _kernels = None

@@ -1,0 +1,150 @@
+"""Launchers of quest's recall-cache kernels (`recall_kernels`): one step's plan and the copy of host blocks
+into the device cache's slots. Each validates its inputs, then launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    FLOAT_DTYPES,
+    MAX_HEAD_DIM,
+    QUANT_CODES,
+    _as_codes,
+    _block_d,
+    _check,
+    _check_on,
+    _check_readable,
+    _check_real,
+    _check_tensor,
+    _guard,
+    _kv_scales,
+    _positive_int,
+    _run_device,
+    interpreted,
+)
+
+try:
+    import triton
+
+    from . import recall_kernels as _kernels
+except ImportError:  # the torch references remain usable without triton
+    triton = None
+    _kernels = None
+
+
+def recall_plan(ids, k, share, state, out, block_size):
+    """One step's plan for quest's recall cache, and its bookkeeping, in place: `reference.recall_plan`'s
+    algorithm as one program per (request, KV head). All tensors contiguous on one device; ids / k / the state's
+    int tensors int64, `ref` int8 (see `reference.recall_plan` for the layouts)."""
+    device = _run_device("ids", ids)
+    _check_tensor("ids", ids, "[B, Hkv, K]", (None, None, None), (torch.int64,))
+    batch, heads, width_k = ids.shape
+    slots = state["slot_block"].shape[-1]
+    width = out["src"].shape[-1]
+    num_blocks = state["block_slot"].shape[-1]
+    limit = int(state["limit"])
+    _check(0 <= limit < num_blocks, f"limit must lie in [0, {num_blocks}), got {limit}")
+    _check(slots >= width_k + width, f"need at least K + W = {width_k + width} slots, got {slots}")
+    _check_real("share", share, 0.0, 1.0)
+    shapes = {
+        "k": (k, (1,)),
+        "block_slot": (state["block_slot"], (batch, heads, num_blocks)),
+        "slot_block": (state["slot_block"], (batch, heads, slots)),
+        "last": (state["last"], (batch, heads, slots)),
+        "hand": (state["hand"], (batch, heads)),
+        "step": (state["step"], (batch, heads)),
+        "counters": (state["counters"], (2,)),
+        "cpu": (out["cpu"], (batch, heads, width_k)),
+        "src": (out["src"], (batch, heads, width)),
+        "dst": (out["dst"], (batch, heads, width)),
+        "counts": (out["counts"], (batch, heads)),
+        "gpu": (out["gpu"], (batch, heads, width_k + width)),
+    }
+    for name, (t, shape) in shapes.items():
+        _check_tensor(name, t, str(list(shape)), shape, (torch.int64,))
+    _check_tensor("ref", state["ref"], "[B, Hkv, S]", (batch, heads, slots), (torch.int8,))
+    for name, t in [("ids", ids), ("ref", state["ref"])] + [(n, t) for n, (t, _) in shapes.items()]:
+        _check_on(name, t, device)
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    if batch == 0 or heads == 0:
+        return
+    block_s = 1 << (
+        min(slots, 1024).bit_length() - 1
+    )  # a power of two <= S: a chunk never holds a slot twice
+    with _guard(device):
+        _kernels.recall_plan_kernel[(batch, heads)](
+            ids, k, state["block_slot"], state["slot_block"], state["last"], state["ref"], state["hand"],
+            state["step"], out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"], state["counters"],
+            float(share), width_k, width, slots, num_blocks, limit, heads, int(block_size),
+            BLOCK_K=min(1024, triton.next_power_of_2(max(width_k, 1))), BLOCK_S=block_s,
+            BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))), num_warps=4,
+        )  # fmt: skip
+
+
+def recall_blocks(
+    src_keys, src_values, src_valid, keys, values, valid, src_ids, dst_ids, counts, block_size, slots,
+    *, src_k_scale=None, src_v_scale=None,
+):  # fmt: skip
+    """Copy selected blocks of a host KV store into the slots of a device-resident block cache.
+
+    src_keys, src_values : [B, Hkv, T, D] in pinned host memory (read zero-copy) or on the cache's device;
+        src_valid [B, T] bool next to them. Or int8 / float8_e4m3fn codes with `src_k_scale`, `src_v_scale`
+        ([B, Hkv, T // G] float32, as `host_block_attention` reads them): decoded to the cache's dtype on the way
+    keys, values : [B, Hkv * slots * block_size, D] the cache on the device (slot s of head h holds rows
+        [(h * slots + s) * block_size, ... + block_size)); valid [B, Hkv * slots * block_size] bool
+    src_ids, dst_ids : [B, Hkv, W] int64 host block ids and target slots; counts [B, Hkv] int64: the first
+        counts[b, h] entries are copied, the rest ignored. Rows of a block past T are marked not valid.
+    """
+    device = _run_device("keys", keys)
+    src_dtypes = FLOAT_DTYPES + tuple(QUANT_CODES)
+    _check_tensor("src_keys", src_keys, "[B, Hkv, T, D]", (None, None, None, None), src_dtypes)
+    batch, num_kv_heads, num_rows, head_dim = src_keys.shape
+    _check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    _check_tensor("src_values", src_values, "[B, Hkv, T, D]", tuple(src_keys.shape), (src_keys.dtype,))
+    _check_tensor("src_valid", src_valid, "[B, T]", (batch, num_rows), (torch.bool,))
+    if not (_positive_int(block_size) and _positive_int(slots)):
+        raise ValueError(f"block_size and slots must be positive ints, got {block_size!r} / {slots!r}")
+    cache_rows = num_kv_heads * slots * block_size
+    layout = "[B, Hkv * slots * block_size, D]"
+    quant = QUANT_CODES.get(src_keys.dtype, 0)
+    cache_dtypes = FLOAT_DTYPES if quant else (src_keys.dtype,)
+    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), cache_dtypes)
+    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
+    _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
+    width = src_ids.shape[-1] if src_ids.dim() == 3 else None
+    _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
+    _check_tensor("dst_ids", dst_ids, "[B, Hkv, W]", (batch, num_kv_heads, width), (torch.int64,))
+    _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
+    for name, t in (("src_keys", src_keys), ("src_values", src_values), ("src_valid", src_valid)):
+        _check_readable(name, t, device)
+    _, scale_group = _kv_scales(src_keys, src_k_scale, src_v_scale, device, ("src_k_scale", "src_v_scale"))
+    for name, t in (("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
+                    ("counts", counts)):  # fmt: skip
+        _check_on(name, t, device)
+    for name, t in (("src_keys", src_keys), ("src_values", src_values), ("keys", keys), ("values", values)):
+        _check(
+            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
+    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids), ("src_valid", src_valid), ("valid", valid)):
+        _check(
+            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
+    if batch == 0 or width == 0:
+        return
+    block_d = _block_d(head_dim)
+    block_r = min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
+    if not quant:  # placeholders, never read
+        src_k_scale = src_v_scale = counts
+    scale_strides = (*src_k_scale.stride()[:2], *src_v_scale.stride()[:2]) if quant else (0, 0, 0, 0)
+    with _guard(device):
+        _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
+            _as_codes(src_keys), _as_codes(src_values), src_valid.view(torch.uint8), keys, values,
+            valid.view(torch.uint8), src_ids, dst_ids, counts, src_k_scale, src_v_scale,
+            num_rows, int(slots), scale_group,
+            *src_keys.stride()[:3], *src_values.stride()[:3], src_valid.stride(0),
+            keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), valid.stride(0),
+            *src_ids.stride()[:2], *dst_ids.stride()[:2], *counts.stride(), *scale_strides,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), QUANT=quant,
+            RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, num_warps=4,
+        )  # fmt: skip
