@@ -11,6 +11,18 @@ import pydoc_data.topics
 import pytest
 import torch
 
+from tandem.kernels import cpu
+from tandem.kernels.cpu import _library
+
+
+@pytest.fixture(params=_library.ISA_NAMES)
+def isa(request, monkeypatch):
+    """Run the test once per SIMD path of the compiled CPU kernels, forced through TANDEM_CPU_ISA."""
+    if request.param not in cpu.supported_isas():
+        pytest.skip(f"{request.param} not supported on this CPU")
+    monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
+    return request.param
+
 
 @pytest.fixture(scope="session")
 def smollm():

@@ -14,19 +14,9 @@ import torch
 from tolerances import assert_close
 
 from tandem.kernels import cpu, reference
-from tandem.kernels.cpu import _library
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 needs_native = pytest.mark.skipif(not cpu.is_available(), reason="CPU kernels unavailable (no compiler?)")
-
-
-@pytest.fixture(params=_library.ISA_NAMES)
-def isa(request, monkeypatch):
-    """Run the test once per SIMD path, forced through TANDEM_CPU_ISA."""
-    if request.param not in cpu.supported_isas():
-        pytest.skip(f"{request.param} not supported on this CPU")
-    monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
-    return request.param
 
 
 def make_case(

@@ -19,15 +19,6 @@ SCALE_ROWS = 16  # rows per scale (G) unless a test says otherwise
 needs_native = pytest.mark.skipif(not cpu.is_available(), reason="CPU kernels unavailable (no compiler?)")
 
 
-@pytest.fixture(params=_library.ISA_NAMES)
-def isa(request, monkeypatch):
-    """Run the test once per SIMD path, forced through TANDEM_CPU_ISA."""
-    if request.param not in cpu.supported_isas():
-        pytest.skip(f"{request.param} not supported on this CPU")
-    monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
-    return request.param
-
-
 def make_store(kind, batch, num_kv_heads, cap, head_dim, key_mask, gen, scale_rows=SCALE_ROWS):
     """Quantized K and V: (k_codes, v_codes, k_scale, v_scale) and their float32 decodings (k, v)."""
     k_codes, k_scale = reference.quantize_blocks(
