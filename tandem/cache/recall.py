@@ -2,7 +2,7 @@
 
 Consecutive decode steps select mostly the same blocks. On the default model (8K tokens of prose, quest 5%), 70%
 of a step's blocks were also selected the step before, and this cache at 4x the budget served 78% of the attended
-rows (`benchmarks/selection_overlap.py`). Each step, the selected blocks found in the cache are attended
+rows (`benchmarks/bench_selection_overlap.py`). Each step, the selected blocks found in the cache are attended
 from device memory; of the others the device takes its share (`gpu_share`), copying them from pinned host memory
 into slots a clock hand frees, and the CPU attends the rest. The selection is quest's own, so the result is the
 same as without the cache; only where each block is read from changes.

@@ -6,7 +6,7 @@
 // FMAs per row as the kernel's q.k and p.V (64, in 8 independent chains)? Against a sequential read of
 // 1 GiB, caches flushed before every timed call. AVX-512 only.
 //
-//   g++ -O3 -fopenmp -march=native benchmarks/gather_roofline.cpp -o /tmp/gather && /tmp/gather
+//   g++ -O3 -fopenmp -march=native benchmarks/bench_gather_roofline.cpp -o /tmp/gather && /tmp/gather
 //
 // Result on the GPU host: benchmarks/results/2026-11-26_xeon16_gather_roofline/gather_roofline_intel-xeon-16c.log,
 // read in docs/cpu-kernels.md.

@@ -14,7 +14,7 @@ The engine serves the hand-offs of compiled CPU parts (quest, streaming) in C++ 
 per-part timers stay empty and `cpu_parts_ms` is the engine's own time in CPU parts; `--python-host-side` serves
 every hand-off from Python with the per-part timers, as the engine did before.
 
-    python benchmarks/profile_decode_step.py --model llama-3.1-8b --contexts 64k,128k --configs streaming,quest:0,quest:0.5
+    python benchmarks/bench_step_profile.py --model llama-3.1-8b --contexts 64k,128k --configs streaming,quest:0,quest:0.5
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@
 Weight bytes / measured HBM read bandwidth is the bound all of these are compared with. Prints JSON; a result:
 benchmarks/results/profile_8b_h100/floor_h100.json.
 
-    python benchmarks/decode_floor.py
+    python benchmarks/bench_decode_floor.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -126,4 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args()  # no options; --help prints the docstring
     main()

@@ -5,8 +5,8 @@ selected blocks per KV head for a few greedy steps, then replays them through tw
 the device's share of each step's misses and keeps the rest of the misses out. Then it decodes again with
 Tandem's own recall cache (gpu_cache 4) and reports where the attended rows came from.
 
-    python benchmarks/selection_overlap.py                          # the default model on pydoc prose, 8000 tokens
-    python benchmarks/selection_overlap.py --random llama-3.2-1b    # random weights of a named shape, 4 layers
+    python benchmarks/bench_selection_overlap.py                          # the default model on pydoc prose, 8000 tokens
+    python benchmarks/bench_selection_overlap.py --random llama-3.2-1b    # random weights of a named shape, 4 layers
 
 The default model cannot take more than 8192 positions; a random shape takes any --context.
 """

@@ -1,7 +1,7 @@
 """Decode a deep random Llama through the engine: does the one-graph step (handoff "memops") launch and run at
 that depth? Hidden size 1024, 8 heads of 128, quest at its defaults, greedy steps timed.
 
-    python benchmarks/deep_model_decode.py LAYERS CONTEXT [TIMEOUT_S]
+    python benchmarks/bench_deep_model_decode.py LAYERS CONTEXT [TIMEOUT_S]
 
 CUDA only. The process prints its stack and exits after TIMEOUT_S (default 90) instead of hanging: before the
 launcher thread (`tandem.engine.handoff.Launcher`) 96 and 128 layers hung in the graph's launch
@@ -10,8 +10,8 @@ launcher thread (`tandem.engine.handoff.Launcher`) 96 and 128 layers hung in the
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
-import sys
 
 import torch
 from transformers import LlamaConfig
@@ -44,4 +44,9 @@ def main(layers: int, context: int, timeout_s: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 90)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layers", type=int)
+    p.add_argument("context", type=int, help="prompt tokens")
+    p.add_argument("timeout_s", type=int, nargs="?", default=90, help="print the stack and exit after this")
+    args = p.parse_args()
+    main(args.layers, args.context, args.timeout_s)

@@ -3,11 +3,12 @@ from pinned memory per layer and / or a flag hand-off (2 stream memory operation
 decode step records them. Prints the median host time of `CUDAGraph.replay()` as JSON; a result:
 benchmarks/results/profile_8b_h100/graph_launch_cost_h100.json.
 
-    python benchmarks/graph_launch_cost.py
+    python benchmarks/bench_graph_launch_cost.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -58,4 +59,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args()  # no options; --help prints the docstring
     main()

@@ -13,8 +13,8 @@ rows and 16- / 64-token blocks, through `cpu.PreparedAttention` (the decode path
 
 It prints a table and writes cpu_attention_limits_<machine>.{json,md} under --out-dir. A program, not a test.
 
-    python benchmarks/cpu_attention_limits.py                    # 128K, 5%, the GPU host's shape
-    python benchmarks/cpu_attention_limits.py --context 16k      # a small machine
+    python benchmarks/bench_cpu_attention_limits.py                    # 128K, 5%, the GPU host's shape
+    python benchmarks/bench_cpu_attention_limits.py --context 16k      # a small machine
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and 
 logical 16 and 64) instead, allocated like the host tier's.
 
     cp -r tandem/kernels/cpu/csrc /tmp/csrc_old     # before editing the kernel
-    PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc
-    PYTHONPATH=. python benchmarks/ab_cpu_attention.py /tmp/csrc_old tandem/kernels/cpu/csrc --kernel score
+    PYTHONPATH=. python benchmarks/bench_cpu_attention_ab.py /tmp/csrc_old tandem/kernels/cpu/csrc
+    PYTHONPATH=. python benchmarks/bench_cpu_attention_ab.py /tmp/csrc_old tandem/kernels/cpu/csrc --kernel score
 
 Prints median ms per call and its ratio to the first version's, per configuration. A diagnostic, not a test.
 """

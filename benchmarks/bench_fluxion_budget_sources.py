@@ -21,7 +21,7 @@ Reported per source: the share of head-steps whose blocks meet tau (Eq. 2's true
 head-steps it skipped (streaming) although the step needed host blocks, and the mean budget (share of the host
 tier's rows).
 
-    python benchmarks/fluxion_budget_sources.py --out benchmarks/results/<date>_<machine>_fluxion_budget_sources
+    python benchmarks/bench_fluxion_budget_sources.py --out benchmarks/results/<date>_<machine>_fluxion_budget_sources
 """
 
 from __future__ import annotations

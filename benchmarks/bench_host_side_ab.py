@@ -5,7 +5,7 @@ from Python, alternated within one decode run on a random-weight model of a real
 sides see the same graphs, caches and VM state. Prints and saves (JSON + markdown) the median step time of each
 side per round and their ratio.
 
-    python benchmarks/ab_host_side.py --contexts 64k,128k --configs quest,streaming --out results/ab_host_side
+    python benchmarks/bench_host_side_ab.py --contexts 64k,128k --configs quest,streaming --out results/ab_host_side
 """
 
 from __future__ import annotations
