@@ -13,12 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from tolerances import assert_close
 
 from tandem.cli import build_parser
 from tandem.cli.generate import build_config
 from tandem.config import MAX_WINDOW_TOKENS, POLICIES, TandemConfig
 from tandem.kernels import ops, reference
+from tests.tolerances import assert_close
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,7 +7,7 @@ import pytest
 
 from tandem.cli import bad_inputs
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from tolerances import assert_close
 
 from tandem.kernels import cpu, reference
+from tests.tolerances import assert_close
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 needs_native = pytest.mark.skipif(not cpu.is_available(), reason="CPU kernels unavailable (no compiler?)")
@@ -390,8 +391,8 @@ def test_read_sum():
 
 
 def run_script(script: str, **env: str) -> subprocess.CompletedProcess:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    full_env = {**os.environ, "PYTHONPATH": root, **env}
+    root = Path(__file__).resolve().parents[2]  # the repository, so the subprocess imports this tandem
+    full_env = {**os.environ, "PYTHONPATH": str(root), **env}
     full_env.pop("TANDEM_CPU_ISA", None)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],

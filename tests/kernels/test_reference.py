@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from tolerances import assert_close
 
 from tandem.kernels import reference
+from tests.tolerances import assert_close
 
 INF = float("inf")
 HEADS = [(4, 4), (12, 4), (8, 1)]  # (num_q_heads, num_kv_heads): GQA ratios 1, 3 and 8

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from tolerances import TOLERANCES
 
 from tandem.attention import TaskPool, attend
 from tandem.attention.hybrid import causal_mask
 from tandem.cache import LayerKV
 from tandem.config import TandemConfig
 from tandem.kernels import reference
+from tests.tolerances import TOLERANCES
 
 DEVICES = [
     "cpu",

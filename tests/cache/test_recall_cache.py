@@ -14,7 +14,7 @@ from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.cache.recall import RecallCache
 from tandem.config import DEFAULT_GPU_CACHE
 from tandem.kernels import gpu, reference
-from tests.test_engine import _hf_greedy, _run, _tiny
+from tests.engine.test_engine import _hf_greedy, _run, _tiny
 
 DEVICES = [
     "cpu",

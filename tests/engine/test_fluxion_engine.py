@@ -7,7 +7,7 @@ import torch
 
 from tandem import TandemConfig
 from tandem.calibration.profile import Profile
-from tests.test_engine import _hf_greedy, _run, _tiny
+from tests.engine.test_engine import _hf_greedy, _run, _tiny
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -84,7 +84,7 @@ def test_replayed_profile_runs_fluxion_on_an_8b_shaped_layer_in_graphs(tmp_path)
     the engine with CUDA graphs."""
     from tandem.calibration.profile import load_profile
     from tandem.calibration.replay import replay_profile
-    from tests.test_cuda import _llama_8b_shape
+    from tests.integrations.test_cuda import _llama_8b_shape
 
     model = _llama_8b_shape(layers=2)
     path = tmp_path / "replayed.pt"

@@ -9,10 +9,10 @@ import ctypes
 
 import pytest
 import torch
-from tolerances import assert_close
 
 from tandem.kernels import cpu, ops, reference
 from tandem.kernels.cpu import _library
+from tests.tolerances import assert_close
 
 KINDS = tuple(reference.QUANT_DTYPES)  # "int8", "fp8"
 SCALE_ROWS = 16  # rows per scale (G) unless a test says otherwise

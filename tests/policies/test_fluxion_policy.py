@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from tolerances import TOLERANCES
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.calibration.features import NUM_FEATURES
@@ -14,6 +13,7 @@ from tandem.calibration.predictor import predictor_state, train_predictor
 from tandem.calibration.profile import Profile, default_profile_path, load_profile
 from tandem.calibration.search import CALIBRATION_BLOCKS
 from tests.tiny import tiny_model
+from tests.tolerances import TOLERANCES
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16  # tiny_model("Llama")
 SINKS, WINDOW = 16, 32

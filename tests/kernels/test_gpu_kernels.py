@@ -8,7 +8,8 @@ import math
 
 import pytest
 import torch
-from tolerances import assert_close
+
+from tests.tolerances import assert_close
 
 pytest.importorskip("triton")
 

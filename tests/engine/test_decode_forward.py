@@ -4,7 +4,6 @@ shared with the model, and the fallback for models outside the family."""
 
 import pytest
 import torch
-from tolerances import assert_close
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
@@ -12,6 +11,7 @@ from tandem.engine import TandemRunner
 from tandem.engine.forward import DecodeForward, unsupported_reason
 from tandem.kernels import gpu as gpu_kernels
 from tests.tiny import tiny_model
+from tests.tolerances import assert_close
 
 DEVICES = [
     "cpu",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_close
+
+from tests.tolerances import assert_close
 
 pytest.importorskip("triton")
 

@@ -1,7 +1,7 @@
 """The compressed host tier (`TandemConfig.host_dtype`): 8-bit codes with per-block scales in host memory.
 
-The kernels' own tests (against `reference.dequantize`d stores) are in test_quantized_cpu.py and
-test_quantized_gpu.py; these check the tier, the layer and the engine built on them:
+The kernels' own tests (against `reference.dequantize`d stores) are in tests/kernels/test_quantized_cpu.py and
+tests/kernels/test_quantized_gpu.py; these check the tier, the layer and the engine built on them:
 - a row decodes to within half a quantization step of what was written, and the digests stay exact;
 - with every entry kept, attention equals dense attention over the decoded rows (the rows the kernels read),
   and stays within the format's error of exact dense attention;
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import assert_close
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.attention import TaskPool, attend
@@ -23,6 +22,7 @@ from tandem.evaluation.metrics import layer_full_attention
 from tandem.evaluation.runner import parse_setting
 from tandem.kernels import reference
 from tests.tiny import tiny_model
+from tests.tolerances import assert_close
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

@@ -11,8 +11,8 @@ import torch
 from tandem import TandemCache, TandemConfig
 from tandem.config import DEFAULT_GPU_SHARE
 from tandem.policies.quest import QuestPolicy
-from tests.test_engine import _hf_greedy, _run, _tiny
-from tests.test_quest_device import _host, _Layer
+from tests.engine.test_engine import _hf_greedy, _run, _tiny
+from tests.policies.test_quest_device import _host, _Layer
 
 DEVICES = [
     "cpu",
@@ -67,7 +67,7 @@ def test_device_and_cpu_shares_split_the_selection(share):
 
 def _config(**extra):
     # the device share alone: the recall cache on top of it (on by default on CUDA) has its own tests
-    # (test_recall_cache.py)
+    # (tests/cache/test_recall_cache.py)
     extra.setdefault("gpu_cache", 0)
     return TandemConfig(policy="quest", sink_tokens=4, window_tokens=12, block_size=4, **extra)
 
