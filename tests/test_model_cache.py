@@ -28,13 +28,13 @@ def _entries():
 def test_a_gguf_file_is_converted_once_and_its_copy_loads_the_same_model(cache_root, smollm):
     """The first load converts (an entry appears, nothing partial is left); the second reads the entry and gives
     the model the GGUF file gives: every tensor, the config, the tokenizer with its chat template."""
-    first, _ = load_model(device="cpu")
+    first, _ = load_model(device="cpu", dtype="float32")
     gguf = default_model_path()
     assert _entries() == [f"{gguf.stem}-{gguf_fingerprint(gguf)}"]
     entry = model_cache_dir() / _entries()[0]
     assert (entry / "model.safetensors").is_file() and (entry / "tandem-source.json").is_file()
     del first
-    cached, tokenizer = load_model(device="cpu")
+    cached, tokenizer = load_model(device="cpu", dtype="float32")
     reference, ref_tokenizer = (
         smollm  # loaded by the session (from the file, or its copy in the user's cache)
     )
@@ -118,3 +118,28 @@ def test_the_fingerprint_follows_the_content(tmp_path):
     data[-5] = 1  # the last MiB changes
     b.write_bytes(bytes(data))
     assert gguf_fingerprint(a) != gguf_fingerprint(b)
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bf16(cache_root, monkeypatch):
+    import transformers
+
+    seen = []
+
+    def model_loader(cls, location, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        return _Loaded([], location, kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(model_loader))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        classmethod(lambda cls, loc, **kw: _Loaded([], loc, kw)),
+    )
+    monkeypatch.setattr(models, "_store_converted", lambda *args: None)
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(models, "cpu_has_bf16", lambda native=native: native)
+        load_model(device="cpu")
+        assert seen[-1] is expected
+        assert models.auto_dtype(torch.device("cuda")) is None  # GPUs keep the checkpoint's dtype
+    load_model(device="cpu", dtype="float32")
+    assert seen[-1] is torch.float32  # an explicit dtype wins

@@ -138,7 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model.generate; auto: on with CUDA and greedy decoding (default)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
+    )
     p.add_argument(
         "--json",
         action="store_true",

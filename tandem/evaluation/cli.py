@@ -88,7 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
+    )
 
 
 def machine_description(device) -> str:
