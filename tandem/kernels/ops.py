@@ -13,9 +13,9 @@ import torch
 
 from . import cpu as _native
 from . import reference
+from .scales import QUANT_DTYPES, scale_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # host K/V stores of 8-bit codes, with per-group scales
 
 
 def native_cpu_available() -> bool:
@@ -64,39 +64,13 @@ def _check_qkv(
     _check(k.device == v.device, f"{k_name} is on {k.device} but {v_name} is on {v.device}")
 
 
-def _check_kv_scales(k_store: torch.Tensor, k_scale, v_scale) -> None:
-    """k_scale / v_scale: float32 [B, Hkv, S] with S dividing cap, last dim contiguous, next to k_store; given
-    exactly when k_store holds 8-bit codes (int8 / float8_e4m3fn)."""
-    if k_store.dtype not in QUANT_DTYPES:
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+def _check_kv_scales(k_store: torch.Tensor, k_scale, v_scale, names=("k_scale", "v_scale")) -> None:
+    """The scales of an 8-bit store (`scales.scale_rows`), on the store's device."""
+    if scale_rows(k_store, k_scale, v_scale, names):
+        for name, t in zip(names, (k_scale, v_scale)):
             _check(
-                t is None,
-                f"{name} is only for k_store.dtype int8 or float8_e4m3fn (scales of the codes), got {k_store.dtype}",
+                t.device == k_store.device, f"{name} is on {t.device} but the store is on {k_store.device}"
             )
-        return
-    batch, num_kv_heads, cap = k_store.shape[:3]
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        _check(
-            t is not None,
-            f"{name} must be given with k_store.dtype {k_store.dtype}: float32 [B, Hkv, S], one scale per cap // S rows",
-        )
-        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _check(t.dtype == torch.float32, f"{name}.dtype must be float32, got {t.dtype}")
-        _check(
-            t.dim() == 3 and tuple(t.shape[:2]) == (batch, num_kv_heads),
-            f"{name} must be [B, Hkv, S] = [{batch}, {num_kv_heads}, S], got {tuple(t.shape)}",
-        )
-        _check(t.device == k_store.device, f"{name} is on {t.device} but k_store is on {k_store.device}")
-        _check(t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    groups = k_scale.shape[2]
-    _check(
-        (groups > 0 and cap % groups == 0) or groups == cap == 0,
-        f"k_scale's {groups} scales per (request, KV head) must divide the {cap} rows of k_store",
-    )
-    _check(
-        v_scale.shape == k_scale.shape,
-        f"v_scale must have k_scale's shape {tuple(k_scale.shape)}, got {tuple(v_scale.shape)}",
-    )
 
 
 def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = False):
@@ -405,7 +379,7 @@ def recall_blocks(src_keys, src_values, src_valid, keys, values, valid, src_ids,
         from . import gpu
 
         return gpu.recall_blocks(*args, src_k_scale=src_k_scale, src_v_scale=src_v_scale)
-    _check_kv_scales(src_keys, src_k_scale, src_v_scale)
+    _check_kv_scales(src_keys, src_k_scale, src_v_scale, ("src_k_scale", "src_v_scale"))
     return reference.recall_blocks(*args, src_k_scale, src_v_scale)
 
 

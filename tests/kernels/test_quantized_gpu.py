@@ -299,10 +299,10 @@ def test_launchers_refuse_bad_scales(case):
 def test_reference_path_refuses_bad_scales():
     """The launchers' CPU path (`ops`, the reference there) checks the scales too, with `ops._check_kv_scales`."""
     args = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in _block_args().items()}
-    with pytest.raises(ValueError, match="k_scale must be given"):
+    with pytest.raises(ValueError, match="k_scale is required"):
         ops.host_block_attention(**{**args, "k_scale": None})
-    with pytest.raises(ValueError, match="must divide the 32 rows"):
+    with pytest.raises(ValueError, match="must divide the store's T = 32 rows"):
         ops.host_block_attention(**{**args, "k_scale": torch.ones(1, 2, 5), "v_scale": torch.ones(1, 2, 5)})
     args = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in _recall_args().items()}
-    with pytest.raises(ValueError, match="v_scale must be given"):
+    with pytest.raises(ValueError, match="src_v_scale is required"):
         ops.recall_blocks(**{**args, "src_v_scale": None})

@@ -10,6 +10,7 @@ import torch
 
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import DTYPE_CODES
+from tandem.kernels.scales import QUANT_DTYPES, scale_rows
 
 LOG2E = 1.0 / math.log(2.0)
 _STORE_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
@@ -62,7 +63,7 @@ def _check_tensor(name, t, dim, dtypes=None, shape=None):
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # K/V stores of 8-bit codes, with per-group scales
+_QUANT_DTYPES = QUANT_DTYPES  # K/V stores of 8-bit codes, with per-group scales
 _NO_SCALES = (None, None, 0, 0, 0, 0, 1)  # AttendArgs' scale fields of a float store
 
 
@@ -93,33 +94,12 @@ def _check_store(q, k_store, v_store) -> tuple[int, int]:
 
 
 def _check_scales(k_store, k_scale, v_scale) -> tuple:
-    """Scales of an 8-bit store: k_scale / v_scale [B, Hkv, S] float32, last dim contiguous, S dividing cap (row r
-    is codes * scale[..., r // (cap // S)]); required exactly for int8 / float8_e4m3fn stores. Returns AttendArgs'
-    scale fields."""
-    if k_store.dtype not in _QUANT_DTYPES:
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if t is not None:
-                raise ValueError(
-                    f"{name}: only for int8 / float8_e4m3fn stores (scales of their codes), got a "
-                    f"{str(k_store.dtype).removeprefix('torch.')} k_store; pass None"
-                )
+    """AttendArgs' scale fields for a store: none for a float one; for 8-bit codes, the scales checked by
+    `scales.scale_rows` (on the CPU, like the store)."""
+    rows = scale_rows(k_store, k_scale, v_scale)
+    if not rows:
         return _NO_SCALES
-    batch, num_kv_heads, cap = k_store.shape[:3]
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is None:
-            raise ValueError(
-                f"{name}: required for a {str(k_store.dtype).removeprefix('torch.')} k_store: float32 "
-                "[B, Hkv, S], one scale per cap // S rows"
-            )
-    _check_tensor("k_scale", k_scale, 3, (torch.float32,), (batch, num_kv_heads, None))
-    _check_tensor("v_scale", v_scale, 3, (torch.float32,), tuple(k_scale.shape))
-    groups = k_scale.shape[2]
-    if (groups == 0 and cap > 0) or groups > cap or (groups and cap % groups):
-        raise ValueError(
-            f"k_scale: {groups} scales per (request, KV head) must divide the store's {cap} rows "
-            "(cap // S rows per scale)"
-        )
-    _rows_contiguous("k_scale", k_scale)
-    _rows_contiguous("v_scale", v_scale)
-    rows_per_scale = cap // groups if groups else 1
-    return (_ptr(k_scale), _ptr(v_scale), *k_scale.stride()[:2], *v_scale.stride()[:2], rows_per_scale)
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: must be a CPU tensor like k_store, got one on {t.device}")
+    return (_ptr(k_scale), _ptr(v_scale), *k_scale.stride()[:2], *v_scale.stride()[:2], rows)

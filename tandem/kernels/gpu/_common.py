@@ -17,6 +17,8 @@ import numbers
 
 import torch
 
+from ..scales import scale_rows
+
 try:
     import triton
     from triton.runtime.jit import JITFunction
@@ -171,38 +173,14 @@ def _output(
 
 def _kv_scales(keys, k_scale, v_scale, device, names=("k_scale", "v_scale")):
     """(QUANT, G) of a KV store [B, Hkv, T, D]: 0 and 1 for a float store, which takes no scales; 1 (int8) or
-    2 (float8_e4m3fn) and the rows per scale for an 8-bit one, which needs k / v scales [B, Hkv, T // G] float32
-    (G >= 1 dividing T, stride 1 along T // G) on `device` or pinned."""
-    k_name, v_name = names
-    dtype = str(keys.dtype).removeprefix("torch.")
-    quant = QUANT_CODES.get(keys.dtype, 0)
-    if not quant:
-        for name, t in ((k_name, k_scale), (v_name, v_scale)):
-            _check(
-                t is None,
-                f"{name} must be None for a {dtype} store (scales go with int8 / float8_e4m3fn codes), "
-                f"got a {type(t).__name__}",
-            )
+    2 (float8_e4m3fn) and the rows per scale for an 8-bit one (`scales.scale_rows` checks the scales), whose
+    scales must also be on `device` or pinned."""
+    rows = scale_rows(keys, k_scale, v_scale, names)
+    if not rows:
         return 0, 1
-    batch, num_kv_heads, num_rows = keys.shape[:3]
-    layout = "[B, Hkv, T // G]"
-    for name, t in ((k_name, k_scale), (v_name, v_scale)):
-        _check(t is not None, f"{name} is required for a store of {dtype} codes: {layout} float32")
-    _check_tensor(k_name, k_scale, layout, (batch, num_kv_heads, None), (torch.float32,))
-    _check_tensor(v_name, v_scale, f"{layout} ({k_name}'s shape)", tuple(k_scale.shape), (torch.float32,))
-    num_scales = k_scale.shape[2]
-    if not ((num_scales > 0 and num_rows % num_scales == 0) or num_rows == num_scales == 0):
-        raise ValueError(
-            f"{k_name}.shape[2] must divide the store's T = {num_rows} rows (G = T // {k_name}.shape[2] rows "
-            f"per scale), got {num_scales}"
-        )
-    for name, t in ((k_name, k_scale), (v_name, v_scale)):
+    for name, t in zip(names, (k_scale, v_scale)):
         _check_readable(name, t, device)
-        _check(
-            t.stride(-1) == 1 or t.shape[-1] <= 1,
-            f"{name} must be contiguous in its last dimension, got strides {t.stride()}",
-        )
-    return quant, max(1, num_rows // max(num_scales, 1))
+    return QUANT_CODES[keys.dtype], rows
 
 
 def _as_codes(store: torch.Tensor) -> torch.Tensor:
