@@ -31,12 +31,12 @@ ANY_VALUE = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
     st.sampled_from([np.float32(0.5), np.float64(0.05), np.int64(16), np.int32(4), np.float16(0.25)]),
-    st.sampled_from(list(POLICIES) + ["cuda", "cuda:0", "predictor", "static", "oracle"]),
+    st.sampled_from(list(POLICIES) + ["cuda", "cuda:0", "predictor", "static", "oracle", "int8", "fp8"]),
 )
 FIELDS = [
     "policy", "sink_tokens", "window_tokens", "block_size", "budget", "beta", "maw_alpha", "span",
     "observation_tokens", "prefill_chunk", "cpu_threads", "gpu_share", "gpu_cache", "device", "huge_pages", "tau",
-    "fluxion_mode", "granularity", "skip_streaming",
+    "fluxion_mode", "granularity", "skip_streaming", "host_dtype",
 ]  # fmt: skip
 
 
@@ -58,6 +58,7 @@ def _valid(config: TandemConfig) -> None:
     assert config.gpu_share is None or (type(config.gpu_share) is float and 0 <= config.gpu_share <= 1)
     assert config.huge_pages in (True, False) and config.skip_streaming in (True, False)
     assert config.granularity in (None, 16, 32, 64, 128)
+    assert config.host_dtype in (None, "int8", "fp8")
 
 
 @SETTINGS
@@ -136,6 +137,43 @@ def test_sparse_attention_names_the_bad_argument_or_matches_the_reference(
     assert rows_selected.numel() == 0 or int(rows_selected.min()) >= 0
     assert_close(out.float(), ref_out.float(), dtype)
     assert_close(lse, ref_lse, dtype)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["int8", "fp8"]),
+    batch=st.integers(1, 2),
+    num_kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([8, 16, 24, 64]),
+    blocks=st.integers(1, 6),
+    block=st.sampled_from([1, 4, 16]),
+    data=st.data(),
+)
+def test_an_8bit_store_attends_as_the_reference_over_its_decoded_rows(
+    kind, batch, num_kv_heads, group, head_dim, blocks, block, data
+):
+    """Over shapes, scale groups (any G dividing the rows), selections and padding: the launcher over the codes
+    equals the reference over `reference.dequantize`'d rows at float32's tolerance."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    rows = blocks * block
+    x = torch.randn(2, batch, num_kv_heads, rows, head_dim, generator=gen) * 3
+    valid = torch.rand(batch, rows, generator=gen) > 0.2
+    scale_block = data.draw(st.sampled_from([g for g in (1, 2, 4, 8, 16) if rows % g == 0]), label="G")
+    (k, ks), (v, vs) = (reference.quantize_blocks(t, valid, scale_block, kind) for t in x)
+    q = torch.randn(batch, num_kv_heads * group, 1, head_dim, generator=gen)
+    width = data.draw(st.integers(0, rows), label="width")
+    indices = torch.stack([torch.randperm(rows, generator=gen)[:width] for _ in range(batch * num_kv_heads)])
+    indices = indices.reshape(batch, num_kv_heads, width)
+    lengths = torch.randint(0, width + 1, (batch, num_kv_heads), generator=gen)
+    out, lse = ops.sparse_attention_lse(
+        q, k, v, indices, lengths, 0.3, key_mask=valid, k_scale=ks, v_scale=vs
+    )
+    ref_out, ref_lse = reference.sparse_attention_lse(
+        q, reference.dequantize(k, ks), reference.dequantize(v, vs), indices, lengths, 0.3, valid
+    )
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
