@@ -87,17 +87,19 @@ def gguf_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:24]
 
 
-def _converted(target: Path) -> Path | None:
-    """The converted copy of GGUF file `target` in the model cache, if one is complete."""
-    entry = model_cache_dir() / f"{target.stem}-{gguf_fingerprint(target)}"
-    return entry if (entry / "tandem-source.json").is_file() else None
+def _cache_entry(target: Path) -> Path:
+    """Where GGUF file `target`'s converted copy lives in the model cache."""
+    return model_cache_dir() / f"{target.stem}-{gguf_fingerprint(target)}"
 
 
-def _store_converted(target: Path, model, tokenizer) -> Path | None:
-    """Save a model loaded from GGUF file `target` (float32, as transformers dequantizes it) into the model cache:
+def _complete(entry: Path) -> bool:
+    return (entry / "tandem-source.json").is_file()  # written last: marks the copy complete
+
+
+def _store_converted(target: Path, entry: Path, model, tokenizer) -> Path | None:
+    """Save a model loaded from GGUF file `target` (float32, as transformers dequantizes it) as cache `entry`:
     written to a temporary folder first and renamed into place, so a concurrent or interrupted load never sees a
     partial copy. Returns the entry, or None where it cannot be written (read-only or full disk: loading goes on)."""
-    entry = model_cache_dir() / f"{target.stem}-{gguf_fingerprint(target)}"
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=entry.parent))
@@ -122,7 +124,7 @@ def _store_converted(target: Path, model, tokenizer) -> Path | None:
             shutil.rmtree(scratch, ignore_errors=True)
     except OSError:
         return None
-    return entry if (entry / "tandem-source.json").is_file() else None
+    return entry if _complete(entry) else None
 
 
 def cpu_has_bf16() -> bool:
@@ -168,6 +170,7 @@ def load_model(
         raise FileNotFoundError(
             f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory or a .gguf file"
         )
+    entry = None
     if target.is_file():
         if target.suffix.lower() != ".gguf":
             raise ValueError(
@@ -176,9 +179,9 @@ def load_model(
         location, extra = str(target.parent), {"gguf_file": target.name}
         if cache is None:
             cache = os.environ.get("TANDEM_MODEL_CACHE", "on").lower() not in ("0", "off", "false", "no")
-        converted = _converted(target) if cache else None
-        if converted is not None:
-            location, extra = str(converted), {}
+        entry = _cache_entry(target) if cache else None
+        if entry is not None and _complete(entry):
+            location, extra = str(entry), {}
     else:
         if not (target / "config.json").is_file():
             raise ValueError(
@@ -187,7 +190,9 @@ def load_model(
         location, extra = str(target), {}
     kwargs = dict(extra, local_files_only=True)
     chosen = DTYPES[dtype] if dtype != "auto" else auto_dtype(device)
-    if chosen is not None:
+    # a GGUF file converted now is stored as transformers gives it (float32), then cast to the dtype asked for
+    convert = entry is not None and "gguf_file" in extra
+    if chosen is not None and not convert:
         kwargs["dtype"] = chosen
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **dict(extra, local_files_only=True))
@@ -197,8 +202,10 @@ def load_model(
         raise ValueError(
             f"cannot load model from {str(target)!r}{hint}: {type(err).__name__}: {err}"
         ) from err
-    if cache and target.is_file() and "gguf_file" in extra:
-        _store_converted(target, model, tokenizer)
+    if convert:
+        _store_converted(target, entry, model, tokenizer)
+        if chosen is not None:
+            model = model.to(chosen)
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -78,7 +78,7 @@ def test_the_cache_can_be_turned_off_and_a_partial_entry_is_ignored(cache_root, 
     loader = classmethod(lambda cls, location, **kwargs: _Loaded(log, location, kwargs))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loader)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loader)
-    monkeypatch.setattr(models, "_store_converted", lambda target, model, tok: stored.append(target))
+    monkeypatch.setattr(models, "_store_converted", lambda target, entry, model, tok: stored.append(target))
     gguf = default_model_path()
     entry = model_cache_dir() / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
     entry.mkdir(parents=True)
@@ -121,13 +121,20 @@ def test_the_fingerprint_follows_the_content(tmp_path):
 
 
 def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bf16(cache_root, monkeypatch):
+    """dtype="auto" asks for bfloat16 on a CPU with native bf16 (a GPU keeps the checkpoint's dtype); a load that
+    converts the GGUF file stores what transformers gives (float32) and casts after."""
     import transformers
 
-    seen = []
+    seen, casts, stored = [], [], []
+
+    class Model(_Loaded):
+        def to(self, target):
+            casts.append(target)
+            return self
 
     def model_loader(cls, location, **kwargs):
         seen.append(kwargs.get("dtype"))
-        return _Loaded([], location, kwargs)
+        return Model([], location, kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(model_loader))
     monkeypatch.setattr(
@@ -135,11 +142,16 @@ def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bf16(cache_root, monkeypatc
         "from_pretrained",
         classmethod(lambda cls, loc, **kw: _Loaded([], loc, kw)),
     )
-    monkeypatch.setattr(models, "_store_converted", lambda *args: None)
+    monkeypatch.setattr(models, "_store_converted", lambda target, entry, model, tok: stored.append(entry))
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
+    load_model(device="cpu")  # no copy yet: converts
+    assert seen[-1] is None and len(stored) == 1 and torch.bfloat16 in casts  # stored float32, then cast
+    (stored[0]).mkdir(parents=True)
+    (stored[0] / "tandem-source.json").write_text("{}")  # the copy is complete from now on
     for native, expected in ((True, torch.bfloat16), (False, None)):
         monkeypatch.setattr(models, "cpu_has_bf16", lambda native=native: native)
         load_model(device="cpu")
         assert seen[-1] is expected
         assert models.auto_dtype(torch.device("cuda")) is None  # GPUs keep the checkpoint's dtype
     load_model(device="cpu", dtype="float32")
-    assert seen[-1] is torch.float32  # an explicit dtype wins
+    assert seen[-1] is torch.float32 and len(stored) == 1  # an explicit dtype wins; nothing stored again
