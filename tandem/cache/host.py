@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 
 from tandem.cache.memory import host_empty
-from tandem.kernels.reference import QUANT_DTYPES, quantize_blocks
+from tandem.kernels.reference import QUANT_DTYPES, dequantize, quantize_blocks
 
 
 class HostMemoryError(MemoryError):
@@ -228,15 +228,16 @@ class HostTier:
             )
 
     def _decoded(self, store, scale, k0: int, k1: int, device=None) -> torch.Tensor:
-        """Rows [k0, k1) of `store` on `device` (default: where the store is), decoded to the model's dtype."""
-        rows = rows_to_device(store, k0, k1, store.device if device is None else device)
+        """Rows [k0, k1) of `store` on `device` (default: where the store is), decoded to the model's dtype: the
+        whole blocks around them cross to the device with their scales, and `reference.dequantize` decodes them."""
+        device = store.device if device is None else device
         if not self.quant:
-            return rows
+            return rows_to_device(store, k0, k1, device)
         bs = self.block_size
-        b0, b1 = k0 // bs, -(-k1 // bs)
-        per_row = scale[:, :, b0:b1].to(rows.device, non_blocking=True).repeat_interleave(bs, dim=2)
-        per_row = per_row[:, :, k0 - b0 * bs : k1 - b0 * bs]
-        return (rows.float() * per_row[..., None]).to(self.dtype)
+        b0, b1 = k0 // bs, -(-k1 // bs)  # live rows are whole blocks: b1 * bs <= rows
+        codes = rows_to_device(store, b0 * bs, b1 * bs, device)
+        decoded = dequantize(codes, scale[:, :, b0:b1].to(codes.device, non_blocking=True))
+        return decoded[:, :, k0 - b0 * bs : k1 - b0 * bs].to(self.dtype)
 
     def digest(self) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.rows // self.block_size

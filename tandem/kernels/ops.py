@@ -13,7 +13,7 @@ import torch
 
 from . import cpu as _native
 from . import reference
-from .scales import QUANT_DTYPES, scale_rows
+from .scales import CODE_DTYPES, scale_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,7 +41,7 @@ def _check_qkv(
 ) -> None:
     """q, k, v 4-D and consistent; with `quantized_ok`, k / v may also be 8-bit codes (int8, float8_e4m3fn)."""
     floats = (FLOAT_DTYPES, "float32, float16 or bfloat16")
-    codes = (FLOAT_DTYPES + QUANT_DTYPES, "float32, float16, bfloat16, int8 or float8_e4m3fn")
+    codes = (FLOAT_DTYPES + CODE_DTYPES, "float32, float16, bfloat16, int8 or float8_e4m3fn")
     kv = codes if quantized_ok else floats
     for name, t, (dtypes, allowed) in (("q", q, floats), (k_name, k, kv), (v_name, v, kv)):
         _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")

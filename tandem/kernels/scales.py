@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+from .reference import QUANT_DTYPES
+
+CODE_DTYPES = tuple(QUANT_DTYPES.values())  # the stores' element types: int8, float8_e4m3fn
 LAYOUT = "[B, Hkv, T // G]"
 
 
@@ -26,7 +28,7 @@ def scale_rows(store: torch.Tensor, k_scale, v_scale, names: tuple[str, str] = (
     """
     k_name, v_name = names
     dtype = _dtype_name(store.dtype)
-    if store.dtype not in QUANT_DTYPES:
+    if store.dtype not in CODE_DTYPES:
         for name, t in ((k_name, k_scale), (v_name, v_scale)):
             if t is not None:
                 raise ValueError(

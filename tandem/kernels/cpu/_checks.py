@@ -10,7 +10,7 @@ import torch
 
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._library import DTYPE_CODES
-from tandem.kernels.scales import QUANT_DTYPES, scale_rows
+from tandem.kernels.scales import scale_rows
 
 LOG2E = 1.0 / math.log(2.0)
 _STORE_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
@@ -63,7 +63,6 @@ def _check_tensor(name, t, dim, dtypes=None, shape=None):
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_QUANT_DTYPES = QUANT_DTYPES  # K/V stores of 8-bit codes, with per-group scales
 _NO_SCALES = (None, None, 0, 0, 0, 0, 1)  # AttendArgs' scale fields of a float store
 
 
