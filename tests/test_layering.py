@@ -7,7 +7,7 @@ sideways, never up, and no two groups of modules import each other.
     3  cache
     4  attention
     5  integrations, engine
-    6  bench, evaluation, calibration's collection and command, simulator, cli, the package itself
+    6  bench, evaluation, calibration's collection and command, simulator, serve, cli, the package itself
 """
 
 import ast
@@ -20,7 +20,7 @@ CALIBRATION_MATH = ("features", "predictor", "profile", "search", "replay")
 LEVELS = {
     "config": 0, "manifest": 0, "models": 0, "kernels": 0,
     "policies": 2, "cache": 3, "attention": 4, "integrations": 5, "engine": 5,
-    "bench": 6, "evaluation": 6, "simulator": 6, "cli": 6, "calibration": 6,
+    "bench": 6, "evaluation": 6, "simulator": 6, "cli": 6, "calibration": 6, "serve": 6,
 }  # fmt: skip
 
 

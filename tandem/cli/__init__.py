@@ -11,7 +11,7 @@ from ..bench import cli as bench
 from ..calibration import cli as calibrate
 from ..evaluation import cli as evaluate
 from ..simulator import cli as simulate
-from . import generate
+from . import generate, serve
 
 
 class CliError(Exception):
@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_arguments(gen)
     gen.set_defaults(run=generate.run)
+    srv = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching", description=serve.DESCRIPTION
+    )
+    serve.add_arguments(srv)
+    srv.set_defaults(run=serve.run)
     sim = sub.add_parser(
         "simulate", help="system model of PNM-KV / PnG-KV platforms (throughput, energy, cost)"
     )

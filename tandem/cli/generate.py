@@ -39,6 +39,33 @@ def _window(text: str) -> int | float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --do-sample)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    add_cache_arguments(p)
+    p.add_argument(
+        "--engine",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode with Tandem's engine (chunked prefill, a CUDA graph per step; greedy only) instead of "
+        "model.generate; auto: on with CUDA and greedy decoding (default)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with `text` and `stats` instead of streaming",
+    )
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --no-model-cache, --device, --dtype: which model is loaded, and how."""
     p.add_argument(
         "--model",
         default=None,
@@ -50,15 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="load a .gguf model from the file itself, not from its converted copy in the model cache "
         "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --do-sample)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
+    )
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The cache's settings (`build_config` reads them)."""
     p.add_argument(
         "--policy", choices=POLICIES, default="hgca", help="host-tier selection policy (default hgca)"
     )
@@ -129,24 +157,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
-    )
-    p.add_argument(
-        "--engine",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="decode with Tandem's engine (chunked prefill, a CUDA graph per step; greedy only) instead of "
-        "model.generate; auto: on with CUDA and greedy decoding (default)",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object with `text` and `stats` instead of streaming",
     )
 
 

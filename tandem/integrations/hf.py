@@ -66,6 +66,31 @@ class TandemLayer(CacheLayerMixin):
         setattr(key_states, _HANDOFF, self)
         return key_states, value_states
 
+    def attention(self, query, key, value, attention_mask, scale: float) -> torch.Tensor:
+        """Attention of the new tokens over this layer's cache and themselves, which it then caches:
+        query [B, Hq, Lq, D], key / value [B, Hkv, Lq, D] as `update` returned them. Returns [B, Hq, Lq, D]."""
+        self.pending = False
+        batch, _, q_len, _ = query.shape
+        valid = padding_valid(attention_mask, batch, q_len, query.device)
+        owner, kv = self.owner, self.kv
+        step = owner.decode_step
+        kv.check_usable()
+        if kv.initialized:
+            kv.check_continues(
+                key
+            )  # a wrong batch is refused before anything changes: the cache stays usable
+        try:
+            if step is not None and q_len == 1:
+                out = decode_layer(kv, query, key, value, valid, scale, owner.pool, step).to(query.dtype)
+            else:
+                out = attend(kv, query, key, value, valid, scale, owner.pool)
+        except BaseException as err:
+            owner.mark_failed(err)  # the layers before this one hold the step's token, the rest do not
+            raise
+        if q_len > 1 and owner.on_prefill_layer is not None:
+            owner.on_prefill_layer(kv.layer_idx)
+        return out
+
     def get_seq_length(self) -> int:
         return self.kv.seq_len
 
@@ -128,6 +153,7 @@ class TandemCache(Cache):
         num_kv_heads: int,
         head_dim: int,
         max_positions: int | None = None,
+        pool: TaskPool | None = None,
     ) -> None:
         window = config.window_tokens
         if max_positions is not None and isinstance(window, int) and window > max_positions:
@@ -136,7 +162,8 @@ class TandemCache(Cache):
                 f"(config.max_position_embeddings): allowed 1 to {max_positions}, or a fraction of the prompt in (0, 1)"
             )
         self.config = config
-        self.pool = TaskPool(config.cpu_threads)
+        # CPU attention threads; caches that take turns (a server's requests) may share one pool
+        self.pool = pool if pool is not None else TaskPool(config.cpu_threads)
         streams: dict = {}
         budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
         layers = [
@@ -153,8 +180,11 @@ class TandemCache(Cache):
         self.decode_step = None
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, config: TandemConfig | None = None) -> TandemCache:
-        """Build a cache for `model` and switch the model's attention to Tandem's (public API only)."""
+    def for_model(
+        cls, model: PreTrainedModel, config: TandemConfig | None = None, pool: TaskPool | None = None
+    ) -> TandemCache:
+        """Build a cache for `model` and switch the model's attention to Tandem's (public API only). `pool`: CPU
+        attention threads to share with other caches (default: the cache's own, `config.cpu_threads` wide)."""
         config = config if config is not None else TandemConfig()
         if not isinstance(model, PreTrainedModel):
             raise ValueError(
@@ -173,7 +203,7 @@ class TandemCache(Cache):
         shape = attention_shape(text_config)
         if config.policy == "fluxion":  # a missing or mismatched profile is refused here, before any work
             resolve_profile(config, *shape)
-        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None))
+        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None), pool)
 
     def mark_failed(self, err: BaseException) -> None:
         """A step failed part way (some layers stored its tokens, others not): every layer now refuses further
@@ -268,36 +298,20 @@ def tandem_attention(module, query, key, value, attention_mask, scaling=None, dr
         layer is None
     ):  # a non-Tandem cache (or none): exact SDPA, so the same model still runs with DynamicCache
         return _sdpa_fallback(query, key, value, attention_mask, scaling)
-    layer.pending = False
-    batch, _, q_len, _ = query.shape
-    if attention_mask is None:
-        valid = torch.ones(batch, q_len, dtype=torch.bool, device=query.device)
-    elif attention_mask.dim() == 2:
-        valid = attention_mask[:, -q_len:].to(device=query.device, dtype=torch.bool)
-    else:
-        raise ValueError(
-            f"TandemCache takes a 2-D padding attention_mask [batch, tokens]; got shape {tuple(attention_mask.shape)}"
-        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    step = layer.owner.decode_step
-    layer.kv.check_usable()
-    if layer.kv.initialized:
-        layer.kv.check_continues(
-            key
-        )  # a wrong batch is refused before anything changes: the cache stays usable
-    try:
-        if step is not None and q_len == 1:
-            out = decode_layer(layer.kv, query, key, value, valid, scale, layer.owner.pool, step).to(
-                query.dtype
-            )
-        else:
-            out = attend(layer.kv, query, key, value, valid, scale, layer.owner.pool)
-    except BaseException as err:
-        layer.owner.mark_failed(err)  # the layers before this one hold the step's token, the rest do not
-        raise
-    if q_len > 1 and layer.owner.on_prefill_layer is not None:
-        layer.owner.on_prefill_layer(layer.kv.layer_idx)
-    return out.transpose(1, 2).contiguous(), None
+    # the handed-off layer: a TandemLayer, or any layer with the same `attention` (e.g. integrations.rows)
+    return layer.attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+
+
+def padding_valid(attention_mask, batch: int, q_len: int, device) -> torch.Tensor:
+    """[B, Lq] bool of the new tokens from the 2-D padding mask the model passes (None: no padding)."""
+    if attention_mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -q_len:].to(device=device, dtype=torch.bool)
+    raise ValueError(
+        f"TandemCache takes a 2-D padding attention_mask [batch, tokens]; got shape {tuple(attention_mask.shape)}"
+    )
 
 
 def tandem_mask(

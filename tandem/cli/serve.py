@@ -1,0 +1,145 @@
+"""`tandem serve`: an OpenAI-compatible HTTP server with continuous batching over per-request Tandem caches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .generate import add_cache_arguments, add_model_arguments, build_config
+
+DESCRIPTION = (
+    "Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) plus /health "
+    "and /metrics (Prometheus). Requests join the running decode batch at step boundaries; long prompts prefill "
+    "in chunks between decode steps. Each request's cache keeps its KV as `tandem generate` does; its settings "
+    "default to the flags below and may be changed per request by extra body fields (e.g. "
+    '{"policy": "quest", "budget": 0.1}).'
+)
+GIB = 2**30
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a number of GiB > 0") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a number of GiB > 0")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the model file or directory's name)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=16, help="requests decoding at once, at most (default 16)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for admission, at most; more get 429 with Retry-After (default 256)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per turn between decode steps: the longest pause a running stream sees "
+        "is one chunk (default 256 on CPU, 2048 on CUDA)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=_gib,
+        default=None,
+        help="GiB of host memory admitted requests' caches may take (default: 80%% of the memory available at "
+        "start, after the model is loaded)",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=_gib,
+        default=None,
+        help="CUDA only: GiB of GPU memory admitted requests' caches may take (default: 80%% of what is free "
+        "after the model is loaded)",
+    )
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_cache_arguments(p)
+
+
+def _check(args) -> None:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port={args.port} is out of range: allowed 1 to 65535")
+    for flag, value, low in (
+        ("--max-batch", args.max_batch, 1),
+        ("--max-queue", args.max_queue, 0),
+        ("--prefill-chunk", args.prefill_chunk, 1),
+    ):
+        if value is not None and value < low:
+            raise ValueError(f"{flag}={value} is out of range: allowed >= {low}")
+
+
+def model_name(path: str | None) -> str:
+    if path is None:
+        return "SmolLM2-135M-Instruct"
+    name = Path(path).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def build_server(args):
+    """Load the model and build the `Server` for parsed `tandem serve` arguments."""
+    import torch
+
+    from ..attention import TaskPool
+    from ..cache.memory import available_host_bytes
+    from ..models import load_model
+    from ..serve.app import Server
+    from ..serve.scheduler import Limits, Scheduler
+
+    _check(args)
+    config = build_config(args)
+    model, tokenizer = load_model(
+        args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
+    )
+    device = next(model.parameters()).device
+    available = available_host_bytes()
+    host = int(args.host_memory * GIB) if args.host_memory else (int(0.8 * available) if available else None)
+    if device.type == "cuda":
+        gpu = (
+            int(args.device_memory * GIB)
+            if args.device_memory
+            else int(0.8 * torch.cuda.mem_get_info(device)[0])
+        )
+    elif args.device_memory is not None:
+        raise ValueError(
+            "--device-memory applies to CUDA devices only; on a CPU, --host-memory bounds everything"
+        )
+    else:
+        gpu = None
+    chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
+    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
+    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads))
+    name = args.served_model_name or model_name(args.model)
+    return Server(model, tokenizer, name, config, scheduler)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from ..serve.app import create_app
+
+    server = build_server(args)
+    lim = server.scheduler.limits
+    budget = "unbounded" if lim.host_bytes is None else f"{lim.host_bytes / GIB:.1f} GiB"
+    print(
+        f"[tandem] serving '{server.model_name}' on http://{args.host}:{args.port}/v1 | policy {server.config.policy} "
+        f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk} | host budget "
+        f"{budget}",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

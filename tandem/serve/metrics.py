@@ -1,0 +1,88 @@
+"""Prometheus metrics of a server: requests by outcome, tokens, latencies, the batch and the memory it holds."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """One registry per server (tests run several in a process)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, scheduler) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes among others
+        self.requests = Counter(
+            "tandem_requests", "Requests ended, by outcome (stop, length, cancelled, error, rejected, invalid)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds", "From arrival to the first token", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.token_gap = Histogram(
+            "tandem_inter_token_seconds",
+            "Between two tokens of one request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_chunk = Histogram(
+            "tandem_prefill_chunk_seconds",
+            "One prefill chunk: the longest a running stream waits for another prompt",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_step = Histogram(
+            "tandem_decode_step_seconds",
+            "One decode step of the whole batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        counts = scheduler.counts
+        for name, key, doc in (
+            ("tandem_requests_waiting", "waiting", "Requests queued for admission"),
+            ("tandem_requests_prefilling", "prefilling", "Admitted requests still prefilling"),
+            ("tandem_requests_decoding", "decoding", "Requests in the decode batch"),
+            (
+                "tandem_reserved_host_bytes",
+                "reserved_host_bytes",
+                "Host memory reserved by admitted requests",
+            ),
+            (
+                "tandem_reserved_device_bytes",
+                "reserved_device_bytes",
+                "Device memory reserved by admitted requests",
+            ),
+            ("tandem_live_caches", "live_caches", "Request caches not yet freed"),
+        ):
+            Gauge(name, doc, registry=r).set_function(lambda key=key: counts()[key])
+        lim = scheduler.limits
+        budgets = Gauge("tandem_budget_bytes", "Memory budgets for admission", ["memory"], registry=r)
+        budgets.labels("host").set(-1 if lim.host_bytes is None else lim.host_bytes)
+        budgets.labels("device").set(-1 if lim.device_bytes is None else lim.device_bytes)
+        stats = scheduler.stats
+        stats.on_prefill_chunk = self.prefill_chunk.observe
+        stats.on_decode_step = lambda seconds, batch: self.decode_step.observe(seconds)
+        stats.on_first_token = self.ttft.observe
+        stats.on_token_gap = self.token_gap.observe
+        stats.on_finish = self._finished
+
+    def _finished(self, request, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+        self.generation_tokens.inc(request.generated)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,385 @@
+"""Continuous batching over per-request Tandem caches: one thread owns the model and runs, in turn, a chunk of a
+waiting prompt and one decode step of every running request.
+
+- **Admission.** A request's cache bytes (`sizing.request_bytes`) are known before it starts. It is admitted
+  when the batch has room (`max_batch`) and the host and device budgets hold its bytes next to those of every
+  admitted request; otherwise it waits in a FIFO queue of `max_queue`. A full queue refuses at once
+  (`QueueFull`), and so does a request that could never fit (`TooLarge`): nothing waits forever.
+- **Prefill** runs `prefill_chunk` tokens at a time, one chunk per turn, so a running stream waits at most one
+  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`).
+- **Decode.** Every request past its prefill decodes one token per step in one model forward over
+  `integrations.rows.RowsCache`. A request leaves the batch when it finishes or is cancelled, and its cache is
+  dropped there and then: its memory goes back before the next step.
+- **Events.** Each request's `emit(event)` callback gets `("text", piece)` as text becomes final, then one
+  `("done", finish_reason)` or `("error", message)`. It is called from the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import TaskPool
+from ..config import TandemConfig
+from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..integrations.rows import RowsCache
+from .sampling import TextStream, choose_token
+from .sizing import CacheShape, RequestBytes, request_bytes
+
+
+class QueueFull(Exception):
+    """The waiting queue is full; try again later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooLarge(ValueError):
+    """The request could never fit the server's memory budgets or batch (HTTP 400)."""
+
+
+@dataclass
+class Request:
+    """One generation: the prompt's token ids, when to stop, how to choose tokens, the cache's settings."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    config: TandemConfig
+    emit: Callable[[tuple], None]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    id: str = ""
+    # filled in by the scheduler
+    bytes: RequestBytes | None = None
+    cache: TandemCache | None = None
+    prefilled: int = 0
+    tokens: list[int] = field(default_factory=list)
+    text: TextStream | None = None
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    finish_reason: str | None = None
+    generated: int = 0  # tokens chosen, an end-of-sequence token included
+    submitted: float = 0.0
+    admitted: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class Limits:
+    """The scheduler's bounds. Byte budgets of None are unbounded."""
+
+    max_batch: int = 16
+    max_queue: int = 256
+    prefill_chunk: int = 512
+    host_bytes: int | None = None
+    device_bytes: int | None = None
+
+
+class SchedulerStats:
+    """Counters and recent timings, read by `/metrics` (the callbacks run on the scheduler's thread)."""
+
+    def __init__(self) -> None:
+        self.on_prefill_chunk: Callable[[float], None] | None = None
+        self.on_decode_step: Callable[[float, int], None] | None = None
+        self.on_first_token: Callable[[float], None] | None = None
+        self.on_token_gap: Callable[[float], None] | None = None
+        self.on_finish: Callable[[Request, str], None] | None = None
+        self.max_prefill_chunk_seconds = 0.0
+        self.request_seconds = 0.0  # moving average of a request's time from admission to its end
+
+
+class Scheduler:
+    """Runs requests on `model` in a background thread (see the module's docstring)."""
+
+    def __init__(self, model, tokenizer, limits: Limits, pool: TaskPool, tokenizer_lock=None) -> None:
+        self.model, self.tokenizer, self.limits, self.pool = model, tokenizer, limits, pool
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()
+        self.device = next(model.parameters()).device
+        text = model.config.get_text_config(decoder=True)
+        from ..models import attention_shape
+
+        self.shape = CacheShape(*attention_shape(text), next(model.parameters()).dtype)
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self.cache_arg = next(iter(generate_cache_kwargs(model, None)))  # `past_key_values` or `cache`
+        self.stats = SchedulerStats()
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._prefilling: list[Request] = []
+        self._decoding: list[Request] = []
+        self._reserved_host = 0
+        self._reserved_device = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the thread, if anything did
+        self._live_caches: weakref.WeakSet = weakref.WeakSet()
+
+    # ---- the API side ---------------------------------------------------------------------------------------
+    def size(self, request: Request) -> RequestBytes:
+        """The request's cache bytes; TooLarge when it could never be admitted."""
+        nbytes = request_bytes(
+            self.shape, request.config, len(request.prompt_ids), request.max_tokens, self.device.type
+        )
+        lim = self.limits
+        for need, budget, where, flag in (
+            (nbytes.on_host, lim.host_bytes, "host memory", "--host-memory"),
+            (nbytes.on_device, lim.device_bytes, f"{self.device.type} memory", "--device-memory"),
+        ):
+            if budget is not None and need > budget:
+                raise TooLarge(
+                    f"this request's cache needs {need / 2**30:.2f} GiB of {where} ({len(request.prompt_ids)} prompt "
+                    f"tokens + max_tokens {request.max_tokens}) and the server's budget is {budget / 2**30:.2f} GiB "
+                    f"({flag}): shorten the prompt or max_tokens, or use host_dtype='int8'"
+                )
+        return nbytes
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request; it starts when it fits. Raises QueueFull or TooLarge (nothing is queued then)."""
+        request.bytes = self.size(request)
+        with self._cond:
+            if self._stop or self.failure is not None:
+                raise RuntimeError("the server is shutting down")
+            if len(self._waiting) >= self.limits.max_queue:
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are waiting (--max-queue {self.limits.max_queue}); retry later",
+                    retry_after=max(1.0, self.stats.request_seconds),
+                )
+            request.id = request.id or f"req-{next(self._ids)}"
+            request.submitted = time.perf_counter()
+            self._waiting.append(request)
+            self._cond.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (a client went away): it leaves at the next step boundary and its cache is freed."""
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify()
+
+    def counts(self) -> dict:
+        with self._cond:
+            return {
+                "waiting": len(self._waiting),
+                "prefilling": len(self._prefilling),
+                "decoding": len(self._decoding),
+                "reserved_host_bytes": self._reserved_host,
+                "reserved_device_bytes": self._reserved_device,
+                "live_caches": len(self._live_caches),
+            }
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    # ---- the scheduler's thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cond:
+                        self._drop_cancelled()
+                        self._admit()
+                        while not (self._stop or self._prefilling or self._decoding or self._waiting):
+                            self._cond.wait()
+                        if self._stop:
+                            break
+                        self._drop_cancelled()
+                        self._admit()
+                        prefill = self._prefilling[0] if self._prefilling else None
+                        batch = list(self._decoding)
+                    if prefill is not None:
+                        self._prefill_chunk(prefill)
+                    if batch:
+                        self._decode_step(batch)
+        except BaseException as err:  # a bug in the scheduler itself: fail every request, never hang them
+            self.failure = err
+            raise
+        finally:
+            with self._cond:
+                message = (
+                    "the server is shutting down"
+                    if self.failure is None
+                    else f"the server's scheduler failed: {type(self.failure).__name__}: {self.failure}"
+                )
+                for request in list(self._waiting) + self._prefilling + self._decoding:
+                    self._end(request, error=message)
+                self._waiting.clear()
+
+    def _admit(self) -> None:
+        """Move waiting requests into the batch, in order, while the next one fits (called under the lock)."""
+        lim = self.limits
+        while self._waiting:
+            request = self._waiting[0]
+            if request.cancelled:
+                self._waiting.popleft()
+                self._end(request, reason="cancelled")
+                continue
+            need = request.bytes
+            if len(self._prefilling) + len(self._decoding) >= lim.max_batch:
+                return
+            if lim.host_bytes is not None and self._reserved_host + need.on_host > lim.host_bytes:
+                return
+            if lim.device_bytes is not None and self._reserved_device + need.on_device > lim.device_bytes:
+                return
+            self._waiting.popleft()
+            self._reserved_host += need.on_host
+            self._reserved_device += need.on_device
+            request.admitted = time.perf_counter()
+            self._prefilling.append(request)
+
+    def _drop_cancelled(self) -> None:
+        for group in (self._prefilling, self._decoding):
+            for request in [r for r in group if r.cancelled]:
+                self._end(request, reason="cancelled")
+
+    def _end(self, request: Request, reason: str | None = None, error: str | None = None) -> None:
+        """Take a request out of the batch, free its cache and reservation, and tell its client (under the lock,
+        or on the scheduler's thread)."""
+        for group in (self._prefilling, self._decoding):
+            if request in group:
+                group.remove(request)
+                self._reserved_host -= request.bytes.on_host
+                self._reserved_device -= request.bytes.on_device
+                seconds = time.perf_counter() - request.admitted
+                self.stats.request_seconds = 0.8 * self.stats.request_seconds + 0.2 * seconds
+        request.cache = None  # the cache's tensors go with the last reference
+        request.finish_reason = reason if error is None else "error"
+        if self.stats.on_finish is not None:
+            self.stats.on_finish(request, request.finish_reason)
+        if error is not None:
+            request.emit(("error", error))
+        elif reason != "cancelled":
+            tail = request.text.finish() if request.text is not None else ""
+            if tail:
+                request.emit(("text", tail))
+            request.emit(("done", reason))
+        else:
+            request.emit(("done", "cancelled"))
+
+    def _new_cache(self, request: Request) -> TandemCache:
+        cache = TandemCache.for_model(self.model, request.config, pool=self.pool)
+        for kv in cache.tandem_layers():  # the host tier is reserved once, as sized at admission
+            kv.capacity_hint = len(request.prompt_ids) + request.max_tokens
+        self._live_caches.add(cache)
+        return cache
+
+    def _prefill_chunk(self, request: Request) -> None:
+        try:
+            if request.cache is None:
+                request.cache = self._new_cache(request)
+                request.text = TextStream(self.tokenizer, request.stop)
+                request.generator = torch.Generator()
+                request.generator.manual_seed(
+                    request.seed if request.seed is not None else torch.seed() & (2**63 - 1)
+                )
+            total = len(request.prompt_ids)
+            s, e = request.prefilled, min(total, request.prefilled + self.limits.prefill_chunk)
+            start = time.perf_counter()
+            for kv in request.cache.tandem_layers():  # only the last chunk's HGCA observation counts
+                kv.observe_appends = e == total
+            ids = torch.tensor([request.prompt_ids[s:e]], device=self.device)
+            out = self.model(
+                input_ids=ids,
+                position_ids=torch.arange(s, e, device=self.device)[None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_arg: request.cache},
+            )
+            logits = out.logits[0, -1].float().cpu()
+            request.prefilled = e
+            seconds = time.perf_counter() - start
+            self.stats.max_prefill_chunk_seconds = max(self.stats.max_prefill_chunk_seconds, seconds)
+            if self.stats.on_prefill_chunk is not None:
+                self.stats.on_prefill_chunk(seconds)
+        except Exception as err:
+            with self._cond:
+                self._end(request, error=_describe(err))
+            return
+        if e < total:
+            return
+        with self._cond:
+            if request in self._prefilling:
+                self._prefilling.remove(request)
+                self._decoding.append(request)
+        self._accept(request, logits)
+
+    def _decode_step(self, batch: list[Request]) -> None:
+        start = time.perf_counter()
+        try:
+            ids = torch.tensor([[r.tokens[-1]] for r in batch], device=self.device)
+            positions = torch.tensor(
+                [[len(r.prompt_ids) + len(r.tokens) - 1] for r in batch], device=self.device
+            )
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_arg: RowsCache([r.cache for r in batch])},
+            )
+            logits = out.logits[:, -1].float().cpu()
+        except Exception as err:  # every cache of the step may hold half of it: end them all
+            with self._cond:
+                for request in batch:
+                    self._end(request, error=_describe(err))
+            return
+        if self.stats.on_decode_step is not None:
+            self.stats.on_decode_step(time.perf_counter() - start, len(batch))
+        for b, request in enumerate(batch):
+            self._accept(request, logits[b])
+
+    def _accept(self, request: Request, logits: torch.Tensor) -> None:
+        """Choose the request's next token from its logits [V], release its text, end it if it is done."""
+        token = choose_token(logits, request.temperature, request.top_p, request.generator)
+        now = time.perf_counter()
+        if request.first_token is None:
+            request.first_token = now
+            if self.stats.on_first_token is not None:
+                self.stats.on_first_token(now - request.submitted)
+        elif self.stats.on_token_gap is not None:
+            self.stats.on_token_gap(now - request.last_token)
+        request.last_token = now
+        request.generated += 1
+        reason = None
+        if token in self.eos:
+            reason = "stop"
+        else:
+            request.tokens.append(token)
+            with self.tokenizer_lock:
+                piece = request.text.push(token)
+            if piece:
+                request.emit(("text", piece))
+            if request.text.stopped:
+                reason = "stop"
+            elif len(request.tokens) >= request.max_tokens:
+                reason = "length"
+        if reason is not None:
+            with self._cond:
+                self._end(request, reason=reason)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"

@@ -1,0 +1,84 @@
+"""What one request's cache will hold, known before it is admitted: host-tier bytes and compute-device bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import TandemConfig
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The attention shape of a model and the dtype its KV is stored in."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def element(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RequestBytes:
+    """Bytes a request's `TandemCache` allocates: `host` in host memory (the host tier), `device` on the
+    compute device (hot tier, digests mirrored there, quest's recall cache). On a CPU device both are host
+    memory; `on_host` sums what host memory must hold."""
+
+    host: int
+    device: int
+    device_is_host: bool
+
+    @property
+    def on_host(self) -> int:
+        return self.host + (self.device if self.device_is_host else 0)
+
+    @property
+    def on_device(self) -> int:
+        return 0 if self.device_is_host else self.device
+
+
+def request_bytes(
+    shape: CacheShape, config: TandemConfig, prompt_tokens: int, max_tokens: int, device_type: str
+) -> RequestBytes:
+    """Upper bound on a batch-1 cache's allocations for a prompt of `prompt_tokens` and `max_tokens` more.
+
+    Follows the tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is reserved once
+    for every token past the sinks (the server passes the same capacity hint), whole blocks."""
+    total = prompt_tokens + max_tokens
+    bs = config.block_size
+    e = shape.element
+    kv_row = 2 * shape.num_kv_heads * shape.head_dim  # K and V of one token, elements
+    needs_digest = config.policy in ("quest", "fluxion")
+    needs_maw = config.policy == "hgca"
+    on_cuda = device_type == "cuda"
+    share = config.gpu_share_on(device_type)
+
+    window = config.window_for_prompt(prompt_tokens)
+    slots = config.sink_tokens + (math.ceil(window / bs) + 1) * bs
+    hot = slots * (kv_row * e + 1) + (shape.num_q_heads * slots * 4 if needs_maw else 0)
+
+    rows = -(-max(0, total - config.sink_tokens) // bs) * bs
+    blocks = rows // bs
+    stored = 1 if config.host_dtype is not None else e
+    host = rows * (kv_row * stored + 1)
+    if config.host_dtype is not None:
+        host += blocks * 2 * shape.num_kv_heads * 4  # K and V scales per block and KV head
+    digest = blocks * 2 * shape.num_kv_heads * shape.head_dim * e if needs_digest else 0
+    host += digest
+    if needs_maw:
+        host += rows * shape.num_q_heads * 4
+    device = hot
+    if needs_digest and (on_cuda or share > 0):
+        device += digest  # the digests' mirror on the compute device
+    if config.policy == "quest" and share > 0:
+        factor = config.gpu_cache_on(device_type) or 0.0
+        selected = math.ceil(config.budget * blocks)
+        device += int(factor * selected) * bs * kv_row * e
+    return RequestBytes(host * shape.num_layers, device * shape.num_layers, not on_cuda)
