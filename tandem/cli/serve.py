@@ -67,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA only: GiB of GPU memory admitted requests' caches may take (default: 80%% of what is free "
         "after the model is loaded)",
     )
+    p.add_argument(
+        "--random-weights",
+        metavar="SHAPE",
+        default=None,
+        help="serve random weights of a named model shape (e.g. llama-3.1-8b; the names `tandem bench --model` "
+        "takes) instead of --model, with the default model's tokenizer (benchmarks only: the text is noise, the "
+        "cost is real)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_cache_arguments(p)
 
@@ -90,6 +98,31 @@ def model_name(path: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def _random_model(args):
+    import torch
+
+    from ..bench.shapes import SHAPES, build_random_model
+    from ..models import load_model, resolve_device
+
+    if args.random_weights not in SHAPES:
+        raise ValueError(
+            f"--random-weights={args.random_weights!r} is not a known shape: allowed {', '.join(SHAPES)}"
+        )
+    if args.model is not None:
+        raise ValueError("--random-weights and --model exclude each other: pass one")
+    device = resolve_device(args.device)
+    dtypes = {
+        "auto": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+    }
+    if args.dtype not in dtypes:
+        raise ValueError(f"--dtype={args.dtype!r}: allowed {', '.join(dtypes)}")
+    _, tokenizer = load_model(None, device="cpu", cache=False if args.no_model_cache else None)
+    return build_random_model(args.random_weights, device, dtypes[args.dtype]), tokenizer
+
+
 def build_server(args):
     """Load the model and build the `Server` for parsed `tandem serve` arguments."""
     import torch
@@ -102,9 +135,12 @@ def build_server(args):
 
     _check(args)
     config = build_config(args)
-    model, tokenizer = load_model(
-        args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
-    )
+    if args.random_weights is not None:
+        model, tokenizer = _random_model(args)
+    else:
+        model, tokenizer = load_model(
+            args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
+        )
     device = next(model.parameters()).device
     available = available_host_bytes()
     host = int(args.host_memory * GIB) if args.host_memory else (int(0.8 * available) if available else None)
@@ -123,7 +159,7 @@ def build_server(args):
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
     limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
     scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads))
-    name = args.served_model_name or model_name(args.model)
+    name = args.served_model_name or (args.random_weights or model_name(args.model))
     return Server(model, tokenizer, name, config, scheduler)
 
 

@@ -10,8 +10,9 @@ waiting prompt and one decode step of every running request.
 - **Decode.** Every request past its prefill decodes one token per step in one model forward over
   `integrations.rows.RowsCache`. A request leaves the batch when it finishes or is cancelled, and its cache is
   dropped there and then: its memory goes back before the next step.
-- **Events.** Each request's `emit(event)` callback gets `("text", piece)` as text becomes final, then one
-  `("done", finish_reason)` or `("error", message)`. It is called from the scheduler's thread.
+- **Events.** Each request's `emit(event)` callback gets `("text", piece)` for every token it generates (the
+  text that became final with it, possibly empty: a partial character or a possible stop string is held back),
+  then one `("done", finish_reason)` or `("error", message)`. It is called from the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -370,8 +371,7 @@ class Scheduler:
             request.tokens.append(token)
             with self.tokenizer_lock:
                 piece = request.text.push(token)
-            if piece:
-                request.emit(("text", piece))
+            request.emit(("text", piece))
             if request.text.stopped:
                 reason = "stop"
             elif len(request.tokens) >= request.max_tokens:
