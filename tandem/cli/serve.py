@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "takes) instead of --model, with the default model's tokenizer (benchmarks only: the text is noise, the "
         "cost is real)",
     )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --random-weights: a local Hugging Face tokenizer directory (default: the default model's)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_cache_arguments(p)
 
@@ -119,7 +124,14 @@ def _random_model(args):
     }
     if args.dtype not in dtypes:
         raise ValueError(f"--dtype={args.dtype!r}: allowed {', '.join(dtypes)}")
-    _, tokenizer = load_model(None, device="cpu", cache=False if args.no_model_cache else None)
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        if not Path(args.tokenizer).is_dir():
+            raise FileNotFoundError(f"--tokenizer {args.tokenizer!r} is not a directory")
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        _, tokenizer = load_model(None, device="cpu", cache=False if args.no_model_cache else None)
     return build_random_model(args.random_weights, device, dtypes[args.dtype]), tokenizer
 
 
@@ -129,12 +141,18 @@ def build_server(args):
 
     from ..attention import TaskPool
     from ..cache.memory import available_host_bytes
-    from ..models import load_model
+    from ..models import load_model, resolve_device
     from ..serve.app import Server
     from ..serve.scheduler import Limits, Scheduler
 
     _check(args)
     config = build_config(args)
+    if args.device_memory is not None and resolve_device(args.device).type != "cuda":  # before loading
+        raise ValueError(
+            "--device-memory applies to CUDA devices only; on a CPU, --host-memory bounds everything"
+        )
+    if args.tokenizer is not None and args.random_weights is None:
+        raise ValueError("--tokenizer goes with --random-weights (a --model brings its own tokenizer)")
     if args.random_weights is not None:
         model, tokenizer = _random_model(args)
     else:
@@ -149,10 +167,6 @@ def build_server(args):
             int(args.device_memory * GIB)
             if args.device_memory
             else int(0.8 * torch.cuda.mem_get_info(device)[0])
-        )
-    elif args.device_memory is not None:
-        raise ValueError(
-            "--device-memory applies to CUDA devices only; on a CPU, --host-memory bounds everything"
         )
     else:
         gpu = None

@@ -9,6 +9,7 @@ function (transformers 5.17 passes no other per-call state to `update`). Both si
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,15 @@ class TandemLayer(CacheLayerMixin):
     def __init__(self, kv: LayerKV, owner: TandemCache, max_positions: int | None) -> None:
         super().__init__()
         self.kv = kv
-        self.owner = owner
+        # weak: the cache holds its layers, and a cycle would keep a dropped cache's tensors (a server request's
+        # whole KV) alive until the garbage collector happens to run
+        self._owner = weakref.ref(owner)
         self.max_positions = max_positions
         self.pending = False
+
+    @property
+    def owner(self) -> TandemCache:
+        return self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

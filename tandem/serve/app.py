@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..config import TandemConfig
+from ..integrations.hf import TandemCache
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, parse
+from .protocol import REQUEST_FIELDS, APIError, ChatRequest, CompletionRequest, parse
 from .scheduler import QueueFull, Scheduler, TooLarge
 from .scheduler import Request as Job
 
@@ -103,13 +104,25 @@ class Server:
         return Job(
             prompt_ids=ids,
             max_tokens=limit,
-            config=request.cache_config(self.config),
+            config=self.cache_config(request),
             emit=emit,
             temperature=request.temperature,
             top_p=request.top_p,
             seed=request.seed,
             stop=request.stops(),
         )
+
+    def cache_config(self, request) -> TandemConfig:
+        """The request's cache settings, refused here (400) where its cache would refuse them at prefill: a window
+        past the model's context, fluxion settings its profile was not calibrated for."""
+        config = request.cache_config(self.config)
+        if config is not self.config:
+            try:  # builds the layers' bookkeeping only: tensors come with the prefill
+                TandemCache.for_model(self.model, config, pool=self.scheduler.pool)
+            except (ValueError, FileNotFoundError) as err:
+                param = next((n for n in REQUEST_FIELDS if f"TandemConfig.{n}=" in str(err)), None)
+                raise APIError(400, str(err), param) from None
+        return config
 
     def submit(self, job: Job) -> None:
         try:
@@ -228,15 +241,19 @@ def _usage(job: Job) -> dict:
 
 
 async def _collect(http: Request, job: Job, events: asyncio.Queue, server: Server) -> tuple[str, str]:
-    """The whole text of a non-streamed request; a client that disconnects cancels it."""
+    """The whole text of a non-streamed request; a client that disconnects cancels it (checked every
+    DISCONNECT_POLL_SECONDS, also while tokens keep coming)."""
     pieces = []
+    deadline = time.monotonic() + DISCONNECT_POLL_SECONDS
     while True:
-        try:
-            kind, value = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
-        except asyncio.TimeoutError:
+        if time.monotonic() >= deadline:
             if await http.is_disconnected():
                 server.scheduler.cancel(job)
-                raise APIError(499, "the client closed the request", None, "cancelled") from None
+                raise APIError(499, "the client closed the request", None, "cancelled")
+            deadline = time.monotonic() + DISCONNECT_POLL_SECONDS
+        try:
+            kind, value = await asyncio.wait_for(events.get(), deadline - time.monotonic())
+        except asyncio.TimeoutError:
             continue
         if kind == "text":
             pieces.append(value)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import TandemConfig
 
-# TandemConfig fields a request may set; the rest are the server's (threads, device, memory layout)
-SERVER_FIELDS = ("cpu_threads", "device", "huge_pages", "prefill_chunk")
+# TandemConfig fields a request may set; the rest are the server's (threads, device, memory layout, and the
+# fluxion profile: a file path on the server, which a client must not choose)
+SERVER_FIELDS = ("cpu_threads", "device", "huge_pages", "prefill_chunk", "profile")
 REQUEST_FIELDS = tuple(f for f in TandemConfig.field_names() if f not in SERVER_FIELDS)
 MAX_STOP = 16
 
@@ -173,7 +174,30 @@ def parse(model_type, body) -> BaseModel:
         request = model_type.model_validate(body)
     except ValidationError as err:
         first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = _field_path(model_type, first["loc"])
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
     request.refuse_unsupported()
     return request
+
+
+def _field_path(model_type, loc: tuple) -> str | None:
+    """The field a validation error's location names, written `messages[0].content`: pydantic's tags of union
+    members (`prompt.str`, `stop.list[str]`) are not part of it."""
+    path, fields = "", model_type.model_fields
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif fields:  # a field of a model, or a key its extra="forbid" refuses
+            path += f".{part}" if path else part
+            fields = _model_fields(fields[part].annotation) if part in fields else {}
+    return path or None
+
+
+def _model_fields(annotation) -> dict:
+    """The fields of the model an annotation holds (`list[Message]`, `StreamOptions | None`), else {}."""
+    if get_origin(annotation) is None and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation.model_fields
+    for arg in get_args(annotation):
+        if found := _model_fields(arg):
+            return found
+    return {}

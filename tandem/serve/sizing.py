@@ -9,6 +9,8 @@ import torch
 
 from ..config import TandemConfig
 
+HOST_MIN_BLOCKS = 64  # `HostTier.reserve` allocates at least this many blocks, even for a short request
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -50,7 +52,8 @@ def request_bytes(
     """Upper bound on a batch-1 cache's allocations for a prompt of `prompt_tokens` and `max_tokens` more.
 
     Follows the tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is reserved once
-    for every token past the sinks (the server passes the same capacity hint), whole blocks."""
+    for every token past the sinks (the server passes the same capacity hint), whole blocks, at least
+    `HOST_MIN_BLOCKS` of them."""
     total = prompt_tokens + max_tokens
     bs = config.block_size
     e = shape.element
@@ -64,7 +67,7 @@ def request_bytes(
     slots = config.sink_tokens + (math.ceil(window / bs) + 1) * bs
     hot = slots * (kv_row * e + 1) + (shape.num_q_heads * slots * 4 if needs_maw else 0)
 
-    rows = -(-max(0, total - config.sink_tokens) // bs) * bs
+    rows = max(-(-max(0, total - config.sink_tokens) // bs), HOST_MIN_BLOCKS) * bs
     blocks = rows // bs
     stored = 1 if config.host_dtype is not None else e
     host = rows * (kv_row * stored + 1)

@@ -1,0 +1,69 @@
+"""`tandem serve`'s flags: help, one-line errors for bad values before any model is loaded, and the server
+`build_server` puts together from them (a small random-weight model stands in for the real one)."""
+
+import pytest
+
+import tandem.models
+from tandem.cli import build_parser, main
+from tandem.cli.serve import GIB, build_server
+from tandem.serve.scheduler import Limits
+from tests.tiny import tiny_model
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+
+def test_serve_help(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--help"])
+    assert caught.value.code == 0
+    out = capsys.readouterr().out
+    for words in ("/v1/chat/completions", "--max-batch", "--max-queue", "--prefill-chunk", "--policy"):
+        assert words in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "0"], "--port=0 is out of range: allowed 1 to 65535"),
+        (["--port", "65536"], "--port=65536 is out of range"),
+        (["--max-batch", "0"], "--max-batch=0 is out of range: allowed >= 1"),
+        (["--max-queue", "-1"], "--max-queue=-1 is out of range: allowed >= 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk=0 is out of range: allowed >= 1"),
+        (["--random-weights", "nope"], "--random-weights='nope' is not a known shape: allowed "),
+        (["--random-weights", "llama-3.1-8b", "--model", "m.gguf"], "exclude each other"),
+        (["--device", "cpu", "--device-memory", "1"], "--device-memory applies to CUDA devices only"),
+        (["--policy", "quest", "--budget", "2"], "TandemConfig.budget=2.0 is out of range"),
+    ],
+)
+def test_bad_flags_give_one_line_before_loading_a_model(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(tandem.models, "load_model", _no_model)
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tandem: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("argv", [["--host-memory", "0"], ["--host-memory", "lots"], ["--log-level", "loud"]])
+def test_malformed_flag_values_are_usage_errors(argv, monkeypatch, capsys):
+    monkeypatch.setattr(tandem.models, "load_model", _no_model)
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", *argv])
+    assert caught.value.code == 2
+    assert f"argument {argv[0]}: invalid" in capsys.readouterr().err
+
+
+def test_build_server_from_flags(monkeypatch):
+    model = tiny_model("Llama")
+    monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: (model, None))
+    argv = ["serve", "--max-batch", "3", "--max-queue", "0", "--prefill-chunk", "32", "--host-memory", "1.5"]
+    argv += ["--policy", "quest", "--budget", "0.2", "--served-model-name", "tiny", "--cpu-threads", "1"]
+    server = build_server(build_parser().parse_args(argv))
+    assert server.model_name == "tiny" and server.model is model
+    assert server.scheduler.limits == Limits(3, 0, 32, int(1.5 * GIB), None)
+    assert (server.config.policy, server.config.budget, server.config.cpu_threads) == ("quest", 0.2, 1)
+    assert server.scheduler.pool.num_threads == 1
+    defaults = build_server(build_parser().parse_args(["serve", "--model", "/models/Qwen2-0.5B.gguf"]))
+    assert defaults.model_name == "Qwen2-0.5B"
+    assert defaults.scheduler.limits.prefill_chunk == 256  # on a CPU
+    assert defaults.scheduler.limits.host_bytes is None or defaults.scheduler.limits.host_bytes > 0

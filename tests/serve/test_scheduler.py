@@ -1,0 +1,208 @@
+"""The continuous-batching scheduler on a small random-weight model: admission (batch, queue, memory budget),
+refusals (QueueFull, TooLarge), the events a request sends, cancellation, failures, shutdown; and greedy tokens
+equal to a plain prefill + decode with the same cache settings, whatever the prefill chunk."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.attention import TaskPool
+from tandem.serve.scheduler import Limits, QueueFull, Request, Scheduler, TooLarge
+from tests.tiny import tiny_model
+
+CONFIG = TandemConfig(policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, observation_tokens=6)
+TIMEOUT = 30.0
+
+
+class LetterTokenizer:
+    def decode(self, tokens, skip_special_tokens=True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+@pytest.fixture
+def model():
+    # no end-of-sequence token: every request runs to its max_tokens
+    return tiny_model("Llama", eos_token_id=None)
+
+
+def _scheduler(model, **limits) -> Scheduler:
+    return Scheduler(model, LetterTokenizer(), Limits(**limits), TaskPool(1))
+
+
+def _job(prompt_tokens: int, max_tokens: int, config: TandemConfig = CONFIG, first: int = 3):
+    """A greedy request and what it receives: `events`, and `done` set by its last event."""
+    events, done = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if event[0] != "text":
+            done.set()
+
+    ids = [(first + 7 * i) % 128 for i in range(prompt_tokens)]
+    request = Request(prompt_ids=ids, max_tokens=max_tokens, config=config, emit=emit, temperature=0.0)
+    return SimpleNamespace(request=request, events=events, done=done)
+
+
+def _reference(model, ids: list[int], max_tokens: int, config: TandemConfig) -> list[int]:
+    """Greedy tokens from one whole prefill and a decode loop on a TandemCache of the same settings."""
+    cache = TandemCache.for_model(model, config)
+    kwargs = generate_cache_kwargs(model, cache)
+    tokens = []
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, **kwargs)
+        for step in range(max_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            position = torch.tensor([[len(ids) + step]])
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]), position_ids=position, use_cache=True, **kwargs
+            )
+    return tokens
+
+
+def test_a_request_fitting_the_batch_never_waits_in_the_queue(model):
+    scheduler = _scheduler(model, max_batch=1, max_queue=0)  # not started: admission happens at submit
+    scheduler.submit(_job(5, 4).request)
+    with pytest.raises(QueueFull) as caught:
+        scheduler.submit(_job(5, 4).request)
+    assert caught.value.retry_after >= 1.0 and "--max-queue 0" in str(caught.value)
+    counts = scheduler.counts()
+    assert (counts["prefilling"], counts["waiting"]) == (1, 0)
+
+
+def test_the_queue_holds_max_queue_requests(model):
+    scheduler = _scheduler(model, max_batch=1, max_queue=2)
+    for _ in range(3):
+        scheduler.submit(_job(5, 4).request)
+    with pytest.raises(QueueFull):
+        scheduler.submit(_job(5, 4).request)
+    counts = scheduler.counts()
+    assert (counts["prefilling"], counts["waiting"]) == (1, 2)
+
+
+def test_a_request_past_the_budget_is_too_large_and_not_queued(model):
+    one = _scheduler(model).size(_job(5, 100).request)
+    scheduler = _scheduler(model, host_bytes=one.on_host, device_bytes=1)  # a CPU model needs no device bytes
+    scheduler.submit(_job(5, 100).request)
+    with pytest.raises(TooLarge, match="--host-memory"):
+        scheduler.submit(_job(5, 100_000).request)
+    assert scheduler.counts()["waiting"] == 0
+
+
+def test_the_host_budget_admits_requests_in_turn_and_all_is_freed(model):
+    jobs = [_job(11, 6, first=f) for f in (3, 4, 5)]
+    one = _scheduler(model).size(jobs[0].request)
+    scheduler = _scheduler(model, host_bytes=one.on_host)
+    for job in jobs:
+        scheduler.submit(job.request)
+    counts = scheduler.counts()
+    assert (counts["prefilling"], counts["waiting"], counts["reserved_host_bytes"]) == (1, 2, one.on_host)
+    scheduler.start()
+    try:
+        assert all(job.done.wait(TIMEOUT) for job in jobs)
+    finally:
+        scheduler.stop()
+    for job in jobs:
+        *texts, last = job.events
+        assert last == ("done", "length") and len(texts) == 6 == job.request.generated
+        assert "".join(t for _, t in texts) == LetterTokenizer().decode(job.request.tokens)
+    assert jobs[0].request.last_token <= jobs[1].request.admitted <= jobs[2].request.admitted
+    assert scheduler.counts() == dict.fromkeys(scheduler.counts(), 0)  # no cache left alive, without a gc
+
+
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, TandemConfig(policy="full", sink_tokens=2, window_tokens=8, block_size=4)],
+    ids=["hgca", "full"],
+)
+def test_greedy_tokens_equal_one_prefill_for_any_chunk(model, config):
+    """Chunks of 3 and 5 (hgca's last chunk then grows to its 6 observed tokens), or the whole prompt at once;
+    three requests of different lengths decoding in one batch."""
+    jobs = [_job(n, 7, config, first=n) for n in (13, 29, 37)]
+    expected = [_reference(model, job.request.prompt_ids, 7, config) for job in jobs]
+    for chunk in (3, 5, 64):
+        runs = [_job(n, 7, config, first=n) for n in (13, 29, 37)]
+        scheduler = _scheduler(model, prefill_chunk=chunk)
+        scheduler.start()
+        try:
+            for run in runs:
+                scheduler.submit(run.request)
+            assert all(run.done.wait(TIMEOUT) for run in runs)
+        finally:
+            scheduler.stop()
+        assert [run.request.tokens for run in runs] == expected, f"prefill chunk {chunk}"
+
+
+def test_cancelling_frees_a_running_and_a_waiting_request(model):
+    scheduler = _scheduler(model, max_batch=1)
+    running, waiting = _job(9, 1000), _job(9, 1000)
+    first_token = threading.Event()
+    emit = running.request.emit
+    running.request.emit = lambda event: (emit(event), first_token.set())
+    scheduler.start()
+    try:
+        scheduler.submit(running.request)
+        scheduler.submit(waiting.request)
+        assert first_token.wait(TIMEOUT)
+        scheduler.cancel(waiting.request)
+        assert waiting.done.wait(TIMEOUT) and waiting.events == [("done", "cancelled")]
+        scheduler.cancel(running.request)
+        assert running.done.wait(TIMEOUT) and running.events[-1] == ("done", "cancelled")
+        assert running.request.generated < 1000 and running.request.cache is None
+        assert scheduler.counts() == dict.fromkeys(scheduler.counts(), 0)
+    finally:
+        scheduler.stop()
+
+
+def test_a_request_that_fails_ends_with_an_error_and_the_others_go_on(model):
+    # fluxion's shipped profile is the default model's: this model's shapes are refused when its cache is made
+    broken = _job(9, 3, TandemConfig(policy="fluxion"))
+    fine = _job(9, 3)
+    scheduler = _scheduler(model)
+    scheduler.start()
+    try:
+        scheduler.submit(broken.request)
+        scheduler.submit(fine.request)
+        assert broken.done.wait(TIMEOUT) and fine.done.wait(TIMEOUT)
+        (kind, message), *_ = broken.events
+        assert kind == "error" and "profile" in message
+        assert fine.events[-1] == ("done", "length") and scheduler.alive
+    finally:
+        scheduler.stop()
+
+
+def test_shutdown_ends_running_requests_and_refuses_new_ones(model):
+    scheduler = _scheduler(model)
+    job = _job(9, 100_000)
+    scheduler.start()
+    scheduler.submit(job.request)
+    scheduler.stop()
+    assert job.done.is_set() and job.events[-1] == ("error", "the server is shutting down")
+    assert not scheduler.alive
+    with pytest.raises(RuntimeError, match="shutting down"):
+        scheduler.submit(_job(5, 4).request)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(model, monkeypatch):
+    scheduler = _scheduler(model, max_batch=1)
+    running, waiting = _job(9, 1000), _job(9, 1000)
+
+    def fault(batch):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(scheduler, "_decode_step", fault)
+    scheduler.start()
+    try:
+        scheduler.submit(running.request)
+        scheduler.submit(waiting.request)
+        assert running.done.wait(TIMEOUT) and waiting.done.wait(TIMEOUT)
+        failed = ("error", "the server's scheduler failed: RuntimeError: a bug")
+        assert running.events[-1] == failed and waiting.events == [failed]
+        assert not scheduler.alive and isinstance(scheduler.failure, RuntimeError)
+        with pytest.raises(RuntimeError):
+            scheduler.submit(_job(5, 4).request)
+    finally:
+        scheduler.stop()
