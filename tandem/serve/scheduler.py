@@ -10,7 +10,8 @@ waiting prompt and one decode step of every running request.
   chunk holds at least the `observation_tokens` whose attention scores the prompt (as one whole prefill does).
 - **Decode.** Every request past its prefill decodes one token per step in one model forward over
   `integrations.rows.RowsCache`. A request leaves the batch when it finishes or is cancelled, and its cache is
-  dropped there and then: its memory goes back before the next step.
+  dropped there and then: its tensors are freed before the next step (to the allocator; glibc's free heap goes
+  back to the OS when the server is idle).
 - **Events.** Each request's `emit(event)` callback gets `("text", piece)` for every token it generates (the
   text that became final with it, possibly empty: a partial character or a possible stop string is held back),
   then one `("done", finish_reason)` or `("error", message)`. It is called from the scheduler's thread.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -36,6 +38,8 @@ from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
 from .sampling import TextStream, choose_token
 from .sizing import CacheShape, RequestBytes, request_bytes
+
+SWITCH_INTERVAL_SECONDS = 0.0002  # see Scheduler.start
 
 
 class QueueFull(Exception):
@@ -187,6 +191,11 @@ class Scheduler:
             }
 
     def start(self) -> None:
+        # This thread gives up the GIL in every torch op and must win it back from the event loop's thread each
+        # time; at CPython's default 5 ms switch interval, a busy event loop stretched the default model's 30 ms
+        # CPU decode step to 12 s (0.07 s at 0.2 ms; measured against a spinning Python thread). Under 64 clients:
+        # +11% throughput, p99 inter-token 1.5 -> 1.0 s (benchmarks/results/2026-11-27_cpu_serve)
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
         self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
@@ -406,8 +415,8 @@ def _return_free_heap() -> None:
     """Give the heap's free pages back to the OS once the last request has ended. glibc keeps freed memory for
     reuse, and caches smaller than a huge page (`cache.memory.host_empty`), hot tiers and activations come from
     its heap: without this, the default model's scheduler stayed 20-250% above its resident size before a load
-    of 128-2,048-token prompts, all caches freed (2-core CPU, 2026-11-27). It took 0.15 s there after a load
-    that left 2 GB free on the heap, once per idle spell."""
+    of 128-2,048-token prompts, all caches freed (2-core CPU; benchmarks/results/2026-11-27_cpu_serve). It took
+    0.15 s there after a load that left 2 GB free on the heap, once per idle spell."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
