@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import secrets
 import sys
 import threading
 import time
@@ -312,8 +313,9 @@ class Scheduler:
                 request.cache = self._new_cache(request)
                 request.text = TextStream(self.tokenizer, request.stop)
                 request.generator = torch.Generator()
+                # without a seed, a fresh one (torch.seed() would also reseed the process's global generator)
                 request.generator.manual_seed(
-                    request.seed if request.seed is not None else torch.seed() & (2**63 - 1)
+                    request.seed if request.seed is not None else secrets.randbits(63)
                 )
             total = len(request.prompt_ids)
             s, e = request.prefilled, min(total, request.prefilled + self.limits.prefill_chunk)

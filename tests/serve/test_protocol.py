@@ -64,6 +64,7 @@ def test_chat_content_parts_and_limits():
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),  # past what torch.Generator takes: refused here, not at prefill
         ({"stop": 5}, "stop"),
         ({"stop": ["a", 5]}, "stop"),
         ({"prompt": {"text": "hi"}}, "prompt"),
