@@ -6,8 +6,11 @@ import torch
 
 
 class HotTier:
-    """Fixed-size device storage: `sink_slots` slots for the first tokens, then `ring_blocks` blocks of
-    `block_size` slots used as a FIFO ring for the recent window. Nothing is reallocated after creation.
+    """Device storage: `sink_slots` slots for the first tokens, then up to `ring_blocks` blocks of `block_size`
+    slots used as a FIFO ring for the recent window. The ring is allocated for `initial_blocks` and doubles (up to
+    `ring_blocks`) when a new block is needed and none is free, so a short sequence with a wide window does not
+    hold the whole window's memory. Growing moves the storage: `generation` counts the moves (a recorded CUDA
+    graph reads the old addresses and must be recorded again).
 
     Storage:
         keys, values: [B, Hkv, slots, D]
@@ -30,9 +33,13 @@ class HotTier:
         ring_blocks: int,
         block_size: int,
         keep_maw: bool,
+        initial_blocks: int | None = None,
     ) -> None:
         self.sink_slots, self.ring_blocks, self.block_size = sink_slots, ring_blocks, block_size
-        slots = sink_slots + ring_blocks * block_size
+        allocated = ring_blocks if initial_blocks is None else max(1, min(ring_blocks, initial_blocks))
+        self.allocated_blocks = allocated
+        self.generation = 0
+        slots = sink_slots + allocated * block_size
         # zeros, not empty: unused slots are masked, but must never hold NaN/Inf that a matmul could spread
         self.keys = torch.zeros(batch, num_kv_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
@@ -41,7 +48,7 @@ class HotTier:
         self.sink_used = 0
         self.order: list[int] = []  # ring blocks holding tokens, oldest first
         self.tail_fill = 0  # tokens in the newest block
-        self.free: list[int] = list(range(ring_blocks))
+        self.free: list[int] = list(range(allocated))
         self._reuse_after: dict[int, torch.cuda.Event] = {}  # block -> event of its copy to the host
 
     @property
@@ -61,6 +68,8 @@ class HotTier:
             self.maw[:, :, slot : slot + n].zero_()
 
     def take_free_block(self) -> int:
+        if not self.free:
+            self._grow()
         block = self.free.pop(0)
         event = self._reuse_after.pop(block, None)
         if event is not None:
@@ -69,6 +78,40 @@ class HotTier:
         start = self.block_start(block)
         self.valid[:, start : start + self.block_size] = False  # stale entries now live in the host tier
         return block
+
+    def _grow(self) -> None:
+        """Double the ring's allocation (at most `ring_blocks`); the slots keep their indices."""
+        if self.allocated_blocks >= self.ring_blocks:
+            raise RuntimeError(
+                "the hot tier's ring is full: the oldest block must leave for the host tier first"
+            )
+        new_blocks = min(self.ring_blocks, 2 * self.allocated_blocks)
+        if self.keys.is_cuda:
+            # blocks still being copied to the host are read from the old storage: the stream that will reuse its
+            # memory waits for those copies first
+            stream = torch.cuda.current_stream(self.keys.device)
+            for event in self._reuse_after.values():
+                stream.wait_event(event)
+        slots = self.sink_slots + new_blocks * self.block_size
+        used = self.keys.shape[2]
+        for name in ("keys", "values", "valid", "maw"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            shape = (
+                (*old.shape[:-2], slots, old.shape[-1])
+                if name in ("keys", "values")
+                else (*old.shape[:-1], slots)
+            )
+            new = torch.zeros(shape, dtype=old.dtype, device=old.device)
+            if name in ("keys", "values"):
+                new[:, :, :used].copy_(old)
+            else:
+                new[..., :used].copy_(old)
+            setattr(self, name, new)
+        self.free.extend(range(self.allocated_blocks, new_blocks))
+        self.allocated_blocks = new_blocks
+        self.generation += 1
 
     def release(self, blocks: list[int], event: torch.cuda.Event | None) -> None:
         for block in blocks:

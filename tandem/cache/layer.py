@@ -97,6 +97,12 @@ class LayerKV:
             ring_blocks=ring_blocks,
             block_size=cfg.block_size,
             keep_maw=needs_maw,
+            # the ring is allocated for the tokens expected (the prompt, or the caller's capacity hint) and
+            # grows from there; at most the window's blocks
+            initial_blocks=-(
+                -max(0, max(prompt_len, self.capacity_hint) - cfg.sink_tokens - max_pad) // cfg.block_size
+            )
+            + 1,
         )
         stream = None
         if keys.is_cuda:

@@ -427,9 +427,10 @@ class TandemRunner:
         step.host_seconds = 0.0
         step.prepare(self.layers)
         if self.use_graphs and t >= self.warmup_steps:
-            generations = [layer.host.generation for layer in self.layers]
+            generations = [(layer.host.generation, layer.hot.generation) for layer in self.layers]
             if not step.segments or generations != step.generations:
-                # (re)record: a host tier that grew has moved the digest mirror the graphs read
+                # (re)record: a host tier that grew has moved the digest mirror the graphs read, a hot tier that
+                # grew has moved its storage
                 step.capture(self._step_body)
                 step.generations = generations
             step.replay()

@@ -325,8 +325,12 @@ def tokens_in(keys, values, valid):
 def check_layer(layer, feeder, cfg, window, hot_buffers):
     hot, host = layer.hot, layer.host
     assert layer.seq_len == feeder.total
-    # the hot tier is the same fixed allocation as after the first append
-    assert [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)] == hot_buffers
+    # the hot tier moves only when its ring grows (generation counts the moves), by doubling, up to the window
+    generation, buffers = hot_buffers
+    if hot.generation == generation:
+        assert [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)] == buffers
+    assert hot.allocated_blocks <= hot.ring_blocks
+    assert hot.keys.shape[2] == hot.sink_slots + hot.allocated_blocks * hot.block_size
     assert len(hot.order) <= hot.ring_blocks and hot.sink_used <= hot.sink_slots
     assert host.rows % cfg.block_size == 0
     hot_tokens = tokens_in(hot.keys, hot.values, hot.valid)
@@ -385,6 +389,40 @@ def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
             hot = layer.hot
             assert hot.sink_slots == cfg.sink_tokens + max(pads)
             assert hot.ring_blocks == math.ceil(window / BLOCK) + 1
-            hot_buffers = [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)]
+            hot_buffers = (
+                hot.generation,
+                [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)],
+            )
         check_layer(layer, feeder, cfg, window, hot_buffers)
+        if layer.hot.generation != hot_buffers[0]:
+            hot = layer.hot
+            hot_buffers = (
+                hot.generation,
+                [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)],
+            )
     assert layer.host.rows > 0  # the schedule did evict
+
+
+def test_hot_ring_grows_with_the_sequence_and_keeps_every_token():
+    """A short prompt under a wide window allocates a ring for its own tokens; decoding doubles it (each move
+    counted by `generation`) up to the window's blocks, and no token is lost or duplicated on the way."""
+    cfg = TandemConfig(
+        policy="full", device="cpu", sink_tokens=4, window_tokens=64, block_size=BLOCK, cpu_threads=1
+    )
+    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    feeder = Feeder([0, 0])
+    layer.append(*feeder.next(8))
+    hot = layer.hot
+    max_blocks = math.ceil(64 / BLOCK) + 1
+    assert hot.allocated_blocks < max_blocks and hot.generation == 0
+    first_bytes = hot.nbytes()
+    generations = [0]
+    for _ in range(120):
+        layer.append(*feeder.next(1))
+        generations.append(hot.generation)
+        buffers = [(t.data_ptr(), t.shape) for t in (hot.keys, hot.values, hot.valid)]
+        check_layer(layer, feeder, cfg, 64, (hot.generation, buffers))  # every token once, in hot or host
+    assert hot.allocated_blocks == max_blocks
+    assert generations[-1] >= 2 and generations == sorted(generations)  # doubled, never shrank
+    assert hot.nbytes() > first_bytes
+    assert layer.host.rows > 0  # and the full ring then evicted to the host tier
