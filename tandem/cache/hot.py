@@ -93,21 +93,15 @@ class HotTier:
             for event in self._reuse_after.values():
                 stream.wait_event(event)
         slots = self.sink_slots + new_blocks * self.block_size
-        used = self.keys.shape[2]
-        for name in ("keys", "values", "valid", "maw"):
+        # each tensor and its slot dimension (keys, values: [B, Hkv, slots, D]; valid: [B, slots]; maw: [B, Hq, slots])
+        for name, dim in (("keys", 2), ("values", 2), ("valid", 1), ("maw", 2)):
             old = getattr(self, name)
             if old is None:
                 continue
-            shape = (
-                (*old.shape[:-2], slots, old.shape[-1])
-                if name in ("keys", "values")
-                else (*old.shape[:-1], slots)
-            )
-            new = torch.zeros(shape, dtype=old.dtype, device=old.device)
-            if name in ("keys", "values"):
-                new[:, :, :used].copy_(old)
-            else:
-                new[..., :used].copy_(old)
+            shape = list(old.shape)
+            shape[dim] = slots
+            new = old.new_zeros(shape)
+            new.narrow(dim, 0, old.shape[dim]).copy_(old)
             setattr(self, name, new)
         self.free.extend(range(self.allocated_blocks, new_blocks))
         self.allocated_blocks = new_blocks

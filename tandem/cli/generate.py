@@ -216,9 +216,9 @@ def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
     import torch
 
     from ..engine import TandemRunner
+    from ..models import end_of_sequence_ids
 
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    eos = end_of_sequence_ids(model)
     runner = TandemRunner(model, cache)
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
     token = runner.prefill(ids, chunk_tokens=ENGINE_CHUNK_TOKENS, max_new_tokens=max_new_tokens).argmax(-1)

@@ -107,7 +107,7 @@ def _random_model(args):
     import torch
 
     from ..bench.shapes import SHAPES, build_random_model
-    from ..models import load_model, resolve_device
+    from ..models import DTYPES, load_model, resolve_device
 
     if args.random_weights not in SHAPES:
         raise ValueError(
@@ -116,14 +116,9 @@ def _random_model(args):
     if args.model is not None:
         raise ValueError("--random-weights and --model exclude each other: pass one")
     device = resolve_device(args.device)
-    dtypes = {
-        "auto": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "float32": torch.float32,
-    }
-    if args.dtype not in dtypes:
-        raise ValueError(f"--dtype={args.dtype!r}: allowed {', '.join(dtypes)}")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype={args.dtype!r}: allowed {', '.join(DTYPES)}")
+    dtype = DTYPES[args.dtype] or torch.bfloat16  # random weights have no checkpoint dtype: auto is bfloat16
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -132,7 +127,7 @@ def _random_model(args):
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
         _, tokenizer = load_model(None, device="cpu", cache=False if args.no_model_cache else None)
-    return build_random_model(args.random_weights, device, dtypes[args.dtype]), tokenizer
+    return build_random_model(args.random_weights, device, dtype), tokenizer
 
 
 def build_server(args):

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config import TandemConfig
 from ..integrations.hf import TandemCache
 from .metrics import Metrics
-from .protocol import REQUEST_FIELDS, APIError, ChatRequest, CompletionRequest, parse
+from .protocol import REQUEST_FIELDS, APIError, ChatRequest, CompletionRequest, config_error, parse
 from .scheduler import QueueFull, Scheduler, TooLarge
 from .scheduler import Request as Job
 
@@ -38,8 +38,7 @@ class Server:
         self.tokenizer_lock = scheduler.tokenizer_lock
         self.metrics = Metrics(scheduler)
         self.created = int(time.time())
-        text = model.config.get_text_config(decoder=True)
-        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.max_positions = scheduler.max_positions
 
     # ---- requests -> jobs -----------------------------------------------------------------------------------
     def tokenize(self, request) -> list[int]:
@@ -120,8 +119,7 @@ class Server:
             try:  # builds the layers' bookkeeping only: tensors come with the prefill
                 TandemCache.for_model(self.model, config, pool=self.scheduler.pool)
             except (ValueError, FileNotFoundError) as err:
-                param = next((n for n in REQUEST_FIELDS if f"TandemConfig.{n}=" in str(err)), None)
-                raise APIError(400, str(err), param) from None
+                raise config_error(err, REQUEST_FIELDS) from None
         return config
 
     def submit(self, job: Job) -> None:

@@ -94,8 +94,13 @@ class _Common(BaseModel):
         try:
             return TandemConfig(**{**base.to_dict(), **extras})
         except (ValueError, TypeError) as err:
-            param = next((n for n in extras if f"TandemConfig.{n}=" in str(err)), None)
-            raise APIError(400, str(err), param) from None
+            raise config_error(err, extras) from None
+
+
+def config_error(err: Exception, names) -> APIError:
+    """A 400 for a `TandemConfig` refusal, its `param` the field among `names` that the message names."""
+    param = next((n for n in names if f"TandemConfig.{n}=" in str(err)), None)
+    return APIError(400, str(err), param)
 
 
 class CompletionRequest(_Common):

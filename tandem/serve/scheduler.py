@@ -37,6 +37,7 @@ from ..attention import TaskPool
 from ..config import TandemConfig
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
+from ..models import attention_shape, end_of_sequence_ids
 from .sampling import TextStream, choose_token
 from .sizing import CacheShape, RequestBytes, request_bytes
 
@@ -116,12 +117,9 @@ class Scheduler:
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.device = next(model.parameters()).device
         text = model.config.get_text_config(decoder=True)
-        from ..models import attention_shape
-
         self.shape = CacheShape(*attention_shape(text), next(model.parameters()).dtype)
         self.max_positions = getattr(text, "max_position_embeddings", None)
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self.eos = end_of_sequence_ids(model)
         self.cache_arg = next(iter(generate_cache_kwargs(model, None)))  # `past_key_values` or `cache`
         self.stats = SchedulerStats()
         self._ids = itertools.count()
