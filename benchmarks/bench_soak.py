@@ -13,6 +13,7 @@ first 10% (target within 5%; quest's selection grows with the context, so its dr
 
     python benchmarks/bench_soak.py --steps 20000 --window 64 --out benchmarks/results/<date>_<machine>_soak
     python benchmarks/bench_soak.py --model llama-3.1-8b --steps 100000 --device cuda   # random 8B weights
+    python benchmarks/bench_soak.py --model llama-3.1-8b --layers 4 --steps 100000 --device cuda  # 8B's layers, 4 of them
 
 The default model was trained on 8,192 positions; past them its tokens mean nothing, which does not matter
 here (the output says so). A named shape runs random weights.
@@ -52,8 +53,9 @@ def soak(args, policy: str) -> dict:
         from tandem.bench.shapes import build_random_model
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_random_model(args.model, device, torch.bfloat16)
-        weights = f"random ({args.model} shape)"
+        model = build_random_model(args.model, device, torch.bfloat16, num_layers=args.layers)
+        layers = f", {args.layers} of its layers" if args.layers else ""
+        weights = f"random ({args.model} shape{layers})"
     else:
         model, _ = load_model(args.model, device=args.device)
         weights = "real"
@@ -137,9 +139,12 @@ def markdown(results: list[dict], machine: str) -> str:
     if "cuda_allocated_delta" in results[0]:
         lines.append("")
         for r in results:
+            second, last = r["samples"][1], r["samples"][-1]  # the step's graphs are recorded after the first
             lines.append(
                 f"- {r['policy']}: CUDA memory allocated {r['cuda_allocated_delta'] / 1e6:+.1f} MB, reserved "
-                f"{r['cuda_reserved_delta'] / 1e6:+.1f} MB over the run."
+                f"{r['cuda_reserved_delta'] / 1e6:+.1f} MB over the run; from step {second['step']} (once the step's "
+                f"CUDA graphs are recorded) {(last['cuda_allocated'] - second['cuda_allocated']) / 1e6:+.1f} / "
+                f"{(last['cuda_reserved'] - second['cuda_reserved']) / 1e6:+.1f} MB."
             )
     return "\n".join(lines) + "\n"
 
@@ -160,6 +165,9 @@ def main() -> None:
     parser.add_argument("--sample-every", type=int, default=500)
     parser.add_argument("--threads", type=int, default=1, help="CPU attention threads")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="a named shape with this many layers (each of its own size)"
+    )
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -264,6 +264,60 @@ def test_host_memory_exhausted_mid_run_is_a_clear_error_and_the_cache_refuses_fu
     assert out.shape == (1, 43)
 
 
+def _out_of_memory_at(monkeypatch, module, name: str, call: int):
+    """Make `module.name` raise torch.OutOfMemoryError (the CUDA allocator's error) at its `call`-th call."""
+    original, calls = getattr(module, name), {"n": 0}
+
+    def fails(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, fails)
+
+
+def test_device_memory_exhausted_in_prefill_is_a_memory_error_naming_the_chunk(monkeypatch):
+    from tandem.engine import TandemRunner
+
+    model = tiny_model("Llama")
+    cache = TandemCache.for_model(
+        model, TandemConfig(policy="quest", sink_tokens=4, window_tokens=8, block_size=4)
+    )
+    runner = TandemRunner(model, cache)
+    mlp = type(model.model.layers[1].mlp)
+    _out_of_memory_at(monkeypatch, mlp, "forward", 3)  # layer 1 of the second chunk: layer 0 holds it already
+    with pytest.raises(
+        MemoryError,
+        match=r"ran out of memory during prefill of 1 x 40 tokens in chunks of 16: .*chunk_tokens",
+    ):
+        runner.prefill(torch.randint(0, 128, (1, 40)), chunk_tokens=16)
+    with pytest.raises(RuntimeError, match="unusable: .*OutOfMemoryError"):
+        model(torch.zeros(1, 1, dtype=torch.long), use_cache=True, **generate_cache_kwargs(model, cache))
+
+
+def test_device_memory_exhausted_mid_decode_is_a_memory_error_and_the_step_is_closed(monkeypatch):
+    import threading
+
+    from tandem.engine import TandemRunner
+
+    model = tiny_model("Llama")
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=64, block_size=4)
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache)
+    first = runner.prefill(torch.randint(0, 128, (1, 6))).argmax(-1)  # a ring sized for the prompt
+    hot = cache.tandem_layers()[0].hot
+    assert hot.allocated_blocks < hot.ring_blocks  # the ring grows during the decode below
+    threads = {t.name for t in threading.enumerate()}
+    _out_of_memory_at(monkeypatch, torch.Tensor, "new_zeros", 1)  # the ring's first growth
+    with pytest.raises(MemoryError, match=r"ring could not grow .*window_tokens"):
+        runner.decode(first, 40)
+    assert cache.decode_step is None and {t.name for t in threading.enumerate()} <= threads
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="unusable: a step failed .*ring could not grow"):
+        runner.decode(first, 1)
+
+
 def test_a_cpu_worker_raising_inside_a_step_fails_the_step_and_leaves_no_thread_behind(monkeypatch):
     import threading
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tandem.cli import build_parser
 from tandem.cli.generate import build_config
 from tandem.config import MAX_WINDOW_TOKENS, POLICIES, TandemConfig
-from tandem.kernels import ops, reference
+from tandem.kernels import gpu, ops, reference
 from tests.tolerances import assert_close
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -192,8 +192,9 @@ def test_an_8bit_store_attends_as_the_reference_over_its_decoded_rows(
 def test_hot_attention_names_the_bad_argument_or_matches_the_reference(
     batch, kv_heads, group, slots, dim, dtype, valid_bits, scale, with_maw
 ):
-    """The hot tier's decode attention (the Triton kernel under the interpreter in the test run): rows with no
-    valid slot included."""
+    """The hot tier's decode attention: the launcher's checks (`ops.hot_attention`) and the Triton kernel it runs
+    on CUDA (`gpu.hot_decode_attention`, under the interpreter on CPU tensors), against the reference; rows with
+    no valid slot included."""
     gen = torch.Generator().manual_seed(slots * 7 + dim)
     q = torch.randn(batch, kv_heads * group, dim, generator=gen).to(dtype)
     keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
@@ -205,6 +206,12 @@ def test_hot_attention_names_the_bad_argument_or_matches_the_reference(
     maw_ref = maw.clone() if with_maw else None
     try:
         out, lse = ops.hot_attention(q, keys, values, valid, scale, maw=maw, alpha=0.25 if with_maw else 0.0)
+        if gpu.triton_available(q.device):  # ops sends CPU tensors to the reference: run the kernel itself
+            if with_maw:
+                maw.copy_(maw_ref)
+            out, lse = gpu.hot_decode_attention(
+                q, keys, values, valid, scale, maw=maw, alpha=0.25 if with_maw else 0.0
+            )
     except ValueError as err:
         assert "scale" in str(err) and not math.isfinite(scale), str(err)
         return

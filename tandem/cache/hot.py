@@ -94,13 +94,24 @@ class HotTier:
                 stream.wait_event(event)
         slots = self.sink_slots + new_blocks * self.block_size
         # each tensor and its slot dimension (keys, values: [B, Hkv, slots, D]; valid: [B, slots]; maw: [B, Hq, slots])
-        for name, dim in (("keys", 2), ("values", 2), ("valid", 1), ("maw", 2)):
+        grown = {}
+        try:  # every new tensor is had before any old one is replaced: a failure leaves the tier as it was
+            for name, dim in (("keys", 2), ("values", 2), ("valid", 1), ("maw", 2)):
+                old = getattr(self, name)
+                if old is not None:
+                    shape = list(old.shape)
+                    shape[dim] = slots
+                    grown[name] = (dim, old.new_zeros(shape))
+        except torch.OutOfMemoryError as err:
+            grown.clear()
+            old_bytes = sum(t.nbytes for t in (self.keys, self.values, self.valid, self.maw) if t is not None)
+            raise MemoryError(
+                f"the hot tier's ring could not grow from {self.allocated_blocks} to {new_blocks} blocks "
+                f"({old_bytes * (slots / self.keys.shape[2] - 1) / 2**20:.0f} MiB more for this layer on "
+                f"{self.keys.device}, which is full); a smaller TandemConfig.window_tokens keeps the ring smaller"
+            ) from err
+        for name, (dim, new) in grown.items():
             old = getattr(self, name)
-            if old is None:
-                continue
-            shape = list(old.shape)
-            shape[dim] = slots
-            new = old.new_zeros(shape)
             new.narrow(dim, 0, old.shape[dim]).copy_(old)
             setattr(self, name, new)
         self.free.extend(range(self.allocated_blocks, new_blocks))

@@ -41,9 +41,9 @@ class LayerKV:
         self.hot: HotTier | None = None
         self.host: HostTier | None = None
         self.seq_len = 0  # slots stored (padding included), as the model counts positions
-        self.failed: BaseException | None = (
-            None  # an error that interrupted an append: the tiers are inconsistent
-        )
+        # "Type: message" of an error that interrupted an append (the tiers are inconsistent), or None. The text
+        # only: the error's traceback would keep the failed step's activations alive as long as the cache
+        self.failed: str | None = None
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
@@ -190,12 +190,17 @@ class LayerKV:
                 "it holds: for another batch or prompt, build a new cache (TandemCache.for_model)"
             )
 
+    def mark_failed(self, err: BaseException) -> None:
+        """Refuse further use, naming `err` (the first failure is kept)."""
+        if self.failed is None:
+            self.failed = f"{type(err).__name__}: {err}"
+
     def check_usable(self) -> None:
         """Refuse to go on after an append that failed half way (out of memory, an interrupt, ...)."""
         if self.failed is not None:
             raise RuntimeError(
-                f"this TandemCache is unusable: a step failed while storing tokens ({type(self.failed).__name__}: "
-                f"{self.failed}); build a new cache (TandemCache.for_model) to start again"
+                f"this TandemCache is unusable: a step failed while storing tokens ({self.failed}); build a new "
+                "cache (TandemCache.for_model) to start again"
             )
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -207,7 +212,7 @@ class LayerKV:
         try:
             self._append(keys, values, valid)
         except BaseException as err:
-            self.failed = err
+            self.mark_failed(err)
             raise
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -260,7 +265,7 @@ class LayerKV:
         try:
             return self._reserve_decode_slot()
         except BaseException as err:
-            self.failed = err
+            self.mark_failed(err)
             raise
 
     def _reserve_decode_slot(self) -> int:

@@ -43,6 +43,37 @@ HANDOFFS = ("auto", "memops", "launches")
 FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every recording on `device` runs on. One per device, not one per recording: cuBLAS keeps a
+    workspace (32 MiB on Hopper) for each stream it has run on, for the life of the process, so a new stream per
+    recording (a runner per request, a re-recording when a tier grows) would hold one more each time, up to the
+    32 of torch's stream pool."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def device_memory_error(err: BaseException, device: torch.device, during: str, levers: str) -> MemoryError:
+    """A MemoryError for the allocator's out-of-memory on `device`: what ran out, how much is free, and what
+    needs less. The cache that was filling refuses further use (`TandemCache.mark_failed`)."""
+    free = ""
+    if device.type == "cuda":
+        with contextlib.suppress(RuntimeError):
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+            free = f" ({free_bytes / 2**30:.2f} of {total_bytes / 2**30:.1f} GiB free now)"
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return MemoryError(
+        f"{device} ran out of memory during {during}{free}: {first_line}. The cache is left unusable: build a new "
+        f"one. Needs less: {levers}"
+    )
+
+
 class DecodeStep:
     """What the fixed-address decode path shares across the layers of one cache.
 
@@ -128,7 +159,7 @@ class DecodeStep:
 
     def _capture(self, body) -> None:
         torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default one
+        stream = capture_stream(self.device)  # capture needs a stream other than the default one
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self.segments = []
         self.actions = []
@@ -137,12 +168,18 @@ class DecodeStep:
         self.capturing = True
         try:
             with torch.cuda.stream(stream):
-                self._begin()
-                body()
-                self._end(None)
+                try:
+                    self._begin()
+                    body()
+                    self._end(None)
+                except BaseException:
+                    # the capture ends on the stream it began on, or that stream stays capturing and every later
+                    # CUDA call in the process fails; a capture the failure invalidated raises here, ended anyway
+                    if self._graph is not None:
+                        with contextlib.suppress(RuntimeError):
+                            self._graph.capture_end()
+                    raise
         except BaseException:
-            if self._graph is not None:
-                self._graph.capture_end()
             self.segments = []
             raise
         finally:
@@ -324,6 +361,16 @@ class TandemRunner:
         try:
             with self.fused_layers or contextlib.nullcontext():
                 logits = self._prefill_chunks(input_ids, mask, positions, chunk_tokens)
+        except BaseException as err:
+            self.cache.mark_failed(err)  # some layers may hold a chunk the others lack
+            if isinstance(err, torch.OutOfMemoryError):
+                raise device_memory_error(
+                    err,
+                    self.device,
+                    f"prefill of {batch} x {total} tokens in chunks of {chunk_tokens}",
+                    "a smaller chunk_tokens (tandem's --prefill-chunk), batch or prompt",
+                ) from err
+            raise
         finally:
             for layer in self.layers:
                 layer.observe_appends = True
@@ -419,6 +466,14 @@ class TandemRunner:
             self._run_step(step, t)
         except BaseException as err:
             self.cache.mark_failed(err)  # part of the step may have run: the cache refuses further use
+            if isinstance(err, torch.OutOfMemoryError):
+                graphs = "recording or running its CUDA graph" if self.use_graphs else "running it"
+                raise device_memory_error(
+                    err,
+                    self.device,
+                    f"decode step {t} ({graphs}) at {self.layers[0].seq_len} tokens",
+                    "a smaller batch or window_tokens, gpu_cache=0 (quest), or use_graphs=False",
+                ) from err
             raise
 
     def _run_step(self, step: DecodeStep, t: int) -> None:

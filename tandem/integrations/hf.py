@@ -216,8 +216,7 @@ class TandemCache(Cache):
         """A step failed part way (some layers stored its tokens, others not): every layer now refuses further
         use with an error naming `err`, instead of decoding from an inconsistent state."""
         for kv in self.tandem_layers():
-            if kv.failed is None:
-                kv.failed = err
+            kv.mark_failed(err)
 
     def tandem_layers(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers]

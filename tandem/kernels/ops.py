@@ -161,6 +161,7 @@ def ranked_block_attention(
 ):  # fmt: skip
     """Attention over ranks [skip, count) of best-first block ids: (out, lse, lengths).
     See `reference.ranked_block_attention`; k_scale / v_scale as `sparse_attention_lse`."""
+    _check_scale(scale)
     _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
     _check_kv_scales(k_store, k_scale, v_scale)
     _check(

@@ -426,3 +426,36 @@ def test_hot_ring_grows_with_the_sequence_and_keeps_every_token():
     assert generations[-1] >= 2 and generations == sorted(generations)  # doubled, never shrank
     assert hot.nbytes() > first_bytes
     assert layer.host.rows > 0  # and the full ring then evicted to the host tier
+
+
+def test_a_ring_that_cannot_grow_raises_memory_error_and_stays_as_it_was(monkeypatch):
+    """Out of device memory while the ring doubles: a MemoryError naming window_tokens, before any of the
+    tier's tensors is replaced, so the tier still holds every token and grows once memory is back."""
+    cfg = TandemConfig(
+        policy="full", device="cpu", sink_tokens=4, window_tokens=64, block_size=BLOCK, cpu_threads=1
+    )
+    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    feeder = Feeder([0, 0])
+    layer.append(*feeder.next(8))
+    hot = layer.hot
+    while hot.free or hot.tail_fill < BLOCK:  # fill what is allocated
+        layer.append(*feeder.next(1))
+    before = [t.clone() for t in (hot.keys, hot.values, hot.valid)]
+    blocks, generation, calls = hot.allocated_blocks, hot.generation, {"n": 0}
+    real_new_zeros = torch.Tensor.new_zeros
+
+    def second_fails(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # keys granted, values refused
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_new_zeros(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", second_fails)
+    with pytest.raises(MemoryError, match=r"ring could not grow from \d+ to \d+ blocks .*window_tokens"):
+        hot._grow()
+    monkeypatch.undo()
+    assert (hot.allocated_blocks, hot.generation) == (blocks, generation)
+    assert all(torch.equal(a, b) for a, b in zip(before, (hot.keys, hot.values, hot.valid)))
+    layer.append(*feeder.next(1))  # memory is back: the ring grows and keeps every token
+    assert hot.allocated_blocks > blocks
+    check_layer(layer, feeder, cfg, 64, (-1, None))

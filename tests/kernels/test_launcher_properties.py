@@ -4,8 +4,8 @@
 (`gpu.host_block_attention`, `gpu.hot_decode_attention`, `gpu.block_scores`, `gpu.top_blocks`; on CPU tensors
 under Triton's interpreter, since `ops` sends CPU tensors to the reference). Over shapes, dtypes, strides and
 index values up to the int64 extremes, each case either raises a ValueError naming the bad argument or matches
-`tandem.kernels.reference` at the tolerance of tests/tolerances.py. The defects found are pinned by the
-strict xfails at the end."""
+`tandem.kernels.reference` at the tolerance of tests/tolerances.py. The defects they found are pinned by the
+regression tests at the end."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tandem.kernels import cpu, gpu, ops, reference
@@ -130,8 +130,7 @@ def test_ranked_block_attention_names_the_bad_argument_or_matches_the_reference(
 ):
     """Both paths of the launcher (the compiled kernels; the reference, taken without a compiler or on CUDA).
     Ranked ids outside [0, rows // block) are invalid picks, skipped (a partial last block included)."""
-    # a non-finite scale only on the native path: the reference path does not refuse it (xfail below)
-    scale = data.draw(SCALES if path == "native" else FINITE_SCALES, label="scale")
+    scale = data.draw(SCALES, label="scale")
     skip, count = data.draw(_skip_count(width), label="skip, count")
     q = _randn(batch, kv_heads * group, q_len, dim, dtype=dtype, seed=1)
     k = _store(batch, kv_heads, rows, dim, dtype, layout, seed=rows)
@@ -322,11 +321,16 @@ def test_prepared_attention_call_names_the_bad_argument_or_matches_the_reference
 # ---- the Triton launchers (interpreted on CPU tensors) -----------------------------------------------------
 
 
-def _no_overflow_ids(block: int, id_dtype: torch.dtype):
-    """Ids whose first row (id * block) fits the index type, extremes included: past those, see the xfail."""
+def _ids_of(block: int, id_dtype: torch.dtype):
+    """Ids the index type holds, its extremes and those whose first row (id * block) just overflows int64
+    included."""
     info = torch.iinfo(id_dtype)
     low, high = max(info.min, -(2**63) // block), min(info.max, (2**63 - 1) // block)
-    edges = [x for x in (*INT64_EXTREMES, info.max, info.min, low, high) if low <= x <= high]
+    edges = [
+        x
+        for x in (*INT64_EXTREMES, info.max, info.min, low, high, low - 1, high + 1)
+        if info.min <= x <= info.max
+    ]
     return st.one_of(st.integers(-2, 12), st.sampled_from(sorted(set(edges))))
 
 
@@ -370,7 +374,7 @@ def test_triton_host_block_attention_names_the_bad_argument_or_matches_the_refer
     keys = _store(batch, kv_heads, rows, dim, dtype, layout, seed=rows)
     values = _store(batch, kv_heads, rows, dim, dtype, layout, seed=rows + 1)
     n = batch * kv_heads
-    ids = data.draw(st.lists(_no_overflow_ids(block, id_dtype), min_size=n * width, max_size=n * width))
+    ids = data.draw(st.lists(_ids_of(block, id_dtype), min_size=n * width, max_size=n * width))
     block_ids = torch.tensor(ids, dtype=id_dtype).view(batch, kv_heads, width)
     lengths = data.draw(st.lists(st.integers(-2, width + 2), min_size=n, max_size=n), label="lengths")
     lengths = torch.tensor(lengths, dtype=id_dtype).view(batch, kv_heads)
@@ -491,14 +495,12 @@ def test_triton_top_blocks_match_the_reference_with_k_clamped(
     """Ties, -inf and the float32 extremes; scores not contiguous; every kernel (long-row ones with 64-block tiles).
     `k` lives on the device (a graph replays it), so the launcher cannot refuse it without a host sync: outside
     [0, width] it acts as clamped there, never writing past `out`."""
-    values = st.sampled_from([-math.inf, -1.0, 0.0, 0.5, 0.5, 2.0, 3.0e38])  # -0.0: see the xfail
+    values = st.sampled_from([-math.inf, -1.0, -0.0, 0.0, 0.5, 0.5, 2.0, 3.0e38])
     cells = math.prod(lead) * num_blocks
     scores = torch.tensor(data.draw(st.lists(values, min_size=cells, max_size=cells), label="scores"))
     scores = scores.view(*lead, num_blocks)
     if transposed:
         scores = scores.transpose(0, -1).contiguous().transpose(0, -1)
-    # the split kernel with k past the row's blocks: see the xfail below
-    assume(not (kernel == "split" and min(max(k, 0), width) > num_blocks))
     rows = math.prod(lead)
     buffer = torch.full((rows * width + 4,), -7, dtype=torch.long)  # guard entries past `out`
     out = buffer[: rows * width].view(*lead, width)
@@ -521,16 +523,10 @@ def test_triton_top_blocks_match_the_reference_with_k_clamped(
     assert torch.equal(ids, reference.top_blocks(scores, min(max(k, 0), width), width))
 
 
-# ---- defects the properties above found, pinned until fixed (kernel code unchanged here) ------------------
+# ---- defects the properties above found, pinned as regressions ----------------------------------------------
 
 
 @triton_only
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gpu.host_block_attention: block_id * block_size wraps around int64 in the kernel, so an id past the "
-    "store (2**62 + 1 at block_size 4, -2**63 at 2) lands on a real row and is attended instead of skipped",
-)
 @pytest.mark.parametrize(("block_id", "block_size"), [(2**62 + 1, 4), (-(2**63), 2)])
 def test_triton_host_block_attention_skips_ids_whose_rows_overflow_int64(block_id, block_size):
     q, keys = _randn(1, 2, 8), _randn(1, 1, 16, 8, seed=1)
@@ -539,30 +535,18 @@ def test_triton_host_block_attention_skips_ids_whose_rows_overflow_int64(block_i
     out, lse = gpu.host_block_attention(q, keys, keys, *args, valid, 0.3)
     ref_out, ref_lse = reference.host_block_attention(q, keys, keys, *args, valid, 0.3)
     assert torch.all(ref_lse == -math.inf)  # nothing selected: the id is past the store's 4 blocks
-    assert_close(lse, ref_lse, torch.float32, "lse")  # got the lse of block 1 (resp. 0)
+    assert_close(lse, ref_lse, torch.float32, "lse")  # was the lse of block 1 (resp. 0): the id wrapped
     assert_close(out, ref_out, torch.float32, "out")
 
 
 @triton_only
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gpu.top_blocks orders -0.0 below +0.0 (radix over the float bits), where reference.top_blocks and "
-    "cpu.topk_blocks treat them as a tie that goes to the lower id",
-)
 def test_triton_top_blocks_tie_minus_zero_with_zero():
     scores = torch.tensor([[-0.0, 0.0]])
     assert torch.equal(reference.top_blocks(scores, 1, 1), torch.tensor([[0]]))
-    assert torch.equal(gpu.top_blocks(scores, torch.tensor([1]), 1), torch.tensor([[0]]))  # got [[1]]
+    assert torch.equal(gpu.top_blocks(scores, torch.tensor([1]), 1), torch.tensor([[0]]))  # was [[1]]
 
 
 @triton_only
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gpu.top_blocks' split kernel (rows over REGISTER_TOP_BLOCKS) leaves entries of `out` unwritten when k "
-    "exceeds the row's blocks and some score -inf: scores [[-inf]], k=2, width=2 give [[<garbage>, 1]], not [[1, 1]]",
-)
 def test_triton_top_blocks_split_kernel_writes_every_entry_when_k_exceeds_the_blocks():
     scores = torch.tensor([[-math.inf]])
     out = torch.full((1, 2), -7, dtype=torch.long)  # what torch.empty may hold
@@ -572,15 +556,9 @@ def test_triton_top_blocks_split_kernel_writes_every_entry_when_k_exceeds_the_bl
     ):
         gpu.top_blocks(scores, torch.tensor([2]), 2, out=out)
     assert torch.equal(reference.top_blocks(scores, 2, 2), torch.tensor([[1, 1]]))
-    assert torch.equal(out, torch.tensor([[1, 1]]))  # got [[-7, 1]]
+    assert torch.equal(out, torch.tensor([[1, 1]]))  # was [[-7, 1]]: slot 0 left unwritten
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="ops.ranked_block_attention has no _check_scale: on the reference path (no compiler, or CUDA "
-    "tensors) a NaN scale gives NaN out / lse where the native path raises ValueError('scale: ...')",
-)
 def test_ranked_block_attention_refuses_a_non_finite_scale_on_every_path():
     q, k = _randn(1, 2, 1, 8), _randn(1, 1, 16, 8, seed=1)
     ranked = torch.tensor([[[0, 1]]])
@@ -590,23 +568,29 @@ def test_ranked_block_attention_refuses_a_non_finite_scale_on_every_path():
 
 
 @native_only
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="cpu.PreparedAttention clamps lengths to the row stride W of the index buffer, not to the view's width "
-    "S: lengths > S (documented as invalid, never refused) attend the buffer's entries past the view",
-)
-def test_prepared_attention_call_reads_no_entry_past_its_view():
+def test_prepared_attention_call_follows_lists_grown_in_place_up_to_the_buffer_and_no_further():
+    """The lists are the rows of the buffer under the view (hgca extends them in place): lengths past the
+    view's width S read the buffer's entries up to its row stride W, and lengths past W are capped at W."""
     q, k = _randn(1, 2, 8), _randn(1, 1, 16, 8, seed=1)
     buffer = torch.tensor([[[0, 1, 2, 3]]])
-    view, lengths = buffer[..., :2], torch.tensor([[4]])
+    view, lengths = buffer[..., :2], torch.tensor([[3]])
     out, lse = torch.empty(1, 2, 8), torch.empty(1, 2)
     call = ops.prepared_attention_call(q, k, k, view, lengths, 0.3, out, lse)
-    try:
+    for length, attended in ((3, 3), (4, 4), (9, 4)):
+        lengths.fill_(length)
         call()
-    except ValueError as err:  # a refusal naming the lengths would do too
-        _names(err, "lengths")
-        return
-    ref_out, ref_lse = reference.sparse_attention_lse(q[:, :, None], k, k, view, lengths, 0.3)
-    assert_close(lse, ref_lse[:, :, 0], torch.float32, "lse")  # got the lse over rows 0..3, not 0..1
-    assert_close(out, ref_out[:, :, 0], torch.float32, "out")
+        ref_out, ref_lse = reference.sparse_attention_lse(
+            q[:, :, None], k, k, buffer[..., :attended], lengths, 0.3
+        )
+        assert_close(lse, ref_lse[:, :, 0], torch.float32, "lse")
+        assert_close(out, ref_out[:, :, 0], torch.float32, "out")
+
+
+@native_only
+def test_prepared_attention_refuses_strides_that_reach_past_the_storage():
+    q, k = _randn(1, 2, 8), _randn(1, 1, 16, 8, seed=1)
+    short = torch.arange(4).as_strided((1, 1, 2), (64, 64, 1))  # claims rows of 64 entries over 4
+    args = (q, k, k, short, torch.tensor([[2]]), 0.3, torch.empty(1, 2, 8), torch.empty(1, 2))
+    with pytest.raises(ValueError, match="indices"):
+        cpu.PreparedAttention(*args)
+    assert ops.prepared_attention_call(*args) is None  # the general launcher runs instead

@@ -263,9 +263,11 @@ class PreparedAttention:
     q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
     k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
     k_scale:  8-bit stores only, v_scale the same: [B, Hkv, G] float32, as `sparse_attention_lse`
-    indices:  [B, Hkv, S] int64 row (or block) ids, stride 1 along S; a view of the first S columns of a wider
-              [B, Hkv, W] buffer is read in place (its row stride W is passed to the kernel)
-    lengths:  [B, Hkv] int64 contiguous, valid entries of each list (<= S), read at every call
+    indices:  [B, Hkv, S] int64 row (or block) ids, stride 1 along S: the first S columns of a [B, Hkv, W]
+              buffer (W >= S, the row stride), read in place. The lists are the buffer's rows: a policy that
+              extends them in place (hgca) raises `lengths` past S, up to W, without preparing again
+    lengths:  [B, Hkv] int64 contiguous, valid entries of each list, read at every call and capped at W, so
+              no entry past the buffer is read
     out:      [B, Hq, D] float32, lse [B, Hq] float32, both contiguous, written in place
     """
 
@@ -283,6 +285,12 @@ class PreparedAttention:
         if indices.shape[2] and (indices.stride(2) != 1 or indices.stride(0) != num_kv_heads * row):
             raise ValueError(
                 f"indices: need stride 1 along S and [B, Hkv] rows of a [B, Hkv, W] buffer, got {indices.stride()}"
+            )
+        if indices.shape[2] and (indices.storage_offset() + batch * num_kv_heads * row) * 8 > (
+            indices.untyped_storage().nbytes()
+        ):
+            raise ValueError(
+                f"indices: its storage ends before the [B, Hkv, W={row}] buffer its strides describe"
             )
         if key_mask is not None:
             _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))

@@ -205,8 +205,10 @@ def block_attention_kernel(
         in_range = n < num_selected_rows
         entry = first + n // BLOCK_SIZE
         block = tl.load(ids_base + entry * stride_is, mask=in_range, other=0).to(tl.int64)
-        row = block * BLOCK_SIZE + n % BLOCK_SIZE
-        live = in_range & (row >= 0) & (row < num_rows)
+        # the id is range-checked before it is scaled: id * BLOCK_SIZE of an id near the int64 extremes wraps
+        block_ok = (block >= 0) & (block < (num_rows + BLOCK_SIZE - 1) // BLOCK_SIZE)
+        row = tl.where(block_ok, block, 0) * BLOCK_SIZE + n % BLOCK_SIZE
+        live = in_range & block_ok & (row < num_rows)
         live = live & (tl.load(valid_base + row * stride_mt, mask=live, other=0) != 0)
         k = _load_rows(
             k_base, row, stride_kt, d, live, d_ok, k_scale_base, scale_group, q.dtype, QUANT, RNE_BF16

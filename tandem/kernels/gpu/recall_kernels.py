@@ -63,6 +63,8 @@ def recall_blocks_kernel(
     count = tl.load(counts_ptr + b * stride_cb + head * stride_ch)
     if w < count:
         block = tl.load(src_ids_ptr + b * stride_ib + head * stride_ih + w).to(tl.int64)
+        # checked before it is scaled (id * BLOCK_SIZE wraps near the int64 extremes); -1 reads nothing
+        block = tl.where((block >= 0) & (block < (num_rows + BLOCK_SIZE - 1) // BLOCK_SIZE), block, -1)
         slot = tl.load(dst_ids_ptr + b * stride_jb + head * stride_jh + w).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_live = d < HEAD_DIM
@@ -70,7 +72,7 @@ def recall_blocks_kernel(
             r = r0 + tl.arange(0, BLOCK_R)
             r_live = r < BLOCK_SIZE
             src_row = block * BLOCK_SIZE + r
-            readable = r_live & (src_row < num_rows)
+            readable = r_live & (src_row >= 0) & (src_row < num_rows)
             dst_row = (head * slots + slot) * BLOCK_SIZE + r
             put = r_live[:, None] & d_live[None, :]
             k = _load_rows(

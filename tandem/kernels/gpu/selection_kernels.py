@@ -68,8 +68,10 @@ def block_scores_kernel(
 
 @triton.jit
 def _order_keys(x):
-    """(signed, unsigned) int32 keys in the order of the fp32 scores x; the unsigned one's bytes are radix digits."""
+    """(signed, unsigned) int32 keys in the order of the fp32 scores x; the unsigned one's bytes are radix digits.
+    -0.0 gets +0.0's key: the two compare equal, and their tie goes to the lower id."""
     bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return key, key ^ -2147483648
 
@@ -250,8 +252,10 @@ def top_blocks_count_kernel(
     offs = tile * TILE + tl.arange(0, TILE)
     live = offs < num_blocks
     threshold, _ = _split_threshold(k_ptr, hist_ptr, row, width)
-    key, _ = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf")))
-    above = tl.sum((live & (key > threshold)).to(tl.int32), axis=0)
+    x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
+    key, _ = _order_keys(x)
+    # -inf is never kept, even above a threshold that k past the row's finite scores leaves at the lowest key
+    above = tl.sum((live & (key > threshold) & (x != float("-inf"))).to(tl.int32), axis=0)
     ties = tl.sum((live & (key == threshold)).to(tl.int32), axis=0)
     tl.store(counts_ptr + (row * num_tiles + tile) * 2, above)
     tl.store(counts_ptr + (row * num_tiles + tile) * 2 + 1, ties)
