@@ -39,7 +39,7 @@ from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.engine import handoff as handoff_module
-from tandem.engine import runner as runner_module
+from tandem.engine import step as step_module
 from tandem.kernels import ops
 from tandem.kernels.cpu import ops as cpu_ops
 from tandem.policies.quest import QuestPolicy
@@ -94,20 +94,20 @@ def instrument() -> None:
     def q_wait(bufs):
         return bufs.q_copied.synchronize()
 
-    original_cpu_part = decode._cpu_part
+    original_cpu_part = decode.cpu_part
 
-    def cpu_part(layer, bufs, scale, pool, step, wait_copy=True):
+    def cpu_part(layer, bufs, scale, pool, wait_copy=True, on_seconds=None):
         if wait_copy and bufs.q_copied is not None:
             start = time.perf_counter()
             bufs.q_copied.synchronize()
             TIMERS["q_wait"] += time.perf_counter() - start
         saved, bufs.q_copied = bufs.q_copied, None
         try:
-            original_cpu_part(layer, bufs, scale, pool, step)
+            original_cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
         finally:
             bufs.q_copied = saved
 
-    decode._cpu_part = cpu_part
+    decode.cpu_part = cpu_part
 
     def replay(self):
         if MARK_STEPS:
@@ -144,8 +144,8 @@ def instrument() -> None:
                 after()
                 TIMERS["after"] += time.perf_counter() - middle
 
-    runner_module.DecodeStep.replay = replay
-    prepare = runner_module.DecodeStep.prepare
+    step_module.DecodeStep.replay = replay
+    prepare = step_module.DecodeStep.prepare
 
     def timed_prepare(self, layers):
         self.compiled_host_side = COMPILED[0]
@@ -157,7 +157,7 @@ def instrument() -> None:
         finally:
             TIMERS["prepare"] += time.perf_counter() - start
 
-    runner_module.DecodeStep.prepare = timed_prepare
+    step_module.DecodeStep.prepare = timed_prepare
 
 
 KINDS = (

@@ -13,14 +13,15 @@ FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
 # host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
-# 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); benchmarks/results/bench_8b_h100_memops,
-# profile_8b_h200/7_*. (With two graphs per layer 0.5-0.7 had been fastest: bench_8b_h200_gpu_share.)
+# 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); in benchmarks/results/:
+# 2026-11-26_h100_bench_8b_memops, 2026-11-26_h200_profile_8b/7_*. (With two graphs per layer 0.5-0.7 had been
+# fastest: 2026-11-26_h200_bench_8b_gpu_share.)
 MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the model's own is refused per model
 DEFAULT_GPU_SHARE = 0.4
 # quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
 # batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
 # (474 against 355 tokens/s), 64K within noise (13.24-13.95 against 13.26-13.30); GPU memory +2.6 GB at 1 x 128K,
-# +10.7 GB at 16 x 32K (benchmarks/results/recall_cache/fused_plan_h200).
+# +10.7 GB at 16 x 32K (benchmarks/results/2026-11-26_h200_recall_cache/fused_plan_h200).
 DEFAULT_GPU_CACHE = 4.0
 
 

@@ -6,10 +6,11 @@ The CPU starts as soon as q's copy has landed (it waits on that copy, never on t
 host rows, the CPU kernel attends them, and (out, lse) return through pinned buffers to be merged on the GPU.
 Only q, the CPU output and its LSE cross PCIe, plus the device share's selected rows, read in place.
 
-The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back. With a
-`tandem.engine` step being captured, the same order is recorded in CUDA graphs: either one graph whose
-hand-offs to the host are flags in pinned memory, or a chain of graphs cut around the CPU part
-(`DecodeStep.q_ready` / `host_work`); a replay runs the GPU work from graphs and the CPU part in between.
+The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back
+(`decode_layer`, `overlapped`). The parts are plain functions: `prepare` (buffers, the device-side ranking and
+recall plan), `hot_part`, `device_part` and the CPU part (`cpu_part`, or `CpuPart` to run later). The engine
+(`tandem.engine.step`) records the same order in CUDA graphs and owns the hand-off between them; nothing here
+knows about graphs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DecodeBuffers:
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
-        self.recall_planned = False  # this step's from_device is a recall plan's CPU list (attention.decode)
+        self.recall_planned = False  # this step's from_device is a recall plan's CPU list
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
         self._all_blocks, self._all_key = None, None
@@ -107,77 +108,69 @@ class DecodeBuffers:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
 
 
-def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, step=None) -> torch.Tensor:
-    """Attention of one decode query per request over everything `layer` caches plus the new token.
+def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool) -> torch.Tensor:
+    """Attention of one decode query per request over everything `layer` caches plus the new token, run eagerly
+    (the engine's captured steps compose the same parts: `tandem.engine.step`).
 
     q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D]; valid_new: [B, 1] bool.
-    step: None for eager decoding (the layer's own bookkeeping places the token), or a `tandem.engine`
-          `DecodeStep` whose device tensor `slot` says where the token goes (the layer's bookkeeping for it
-          was done by `LayerKV.reserve_decode_slot` before the step; every new token counts as valid).
     Returns [B, Hq, 1, D] float32.
     """
-    if step is None:
-        layer.append(k_new, v_new, valid_new)
-    hot = layer.hot
-    if step is not None:
-        hot.keys.index_copy_(2, step.slot, k_new)
-        hot.values.index_copy_(2, step.slot, v_new)
-        hot.valid.index_fill_(1, step.slot, True)
-        if hot.maw is not None:
-            hot.maw.index_fill_(2, step.slot, 0.0)
+    layer.append(k_new, v_new, valid_new)
     q3 = q[:, :, 0]
+    bufs, ranked, plan = prepare(layer, q3)
+    return overlapped(layer, bufs, q3, ranked, plan, scale, pool)[:, :, None]
+
+
+def prepare(layer, q3: torch.Tensor):
+    """(bufs, ranked, plan) of one step of `layer` for q3 [B, Hq, D]: its fixed buffers (`DecodeBuffers`), the
+    policy's device-side ranking of host blocks (or None), the recall cache's plan (or None), with the ranking's
+    (or the plan's CPU list's) copy into host memory queued."""
     bufs = layer.decode_buffers
     if bufs is None or not bufs.matches(q3):
         bufs = layer.decode_buffers = DecodeBuffers(*q3.shape, q3.dtype, q3.device)
+    ranked = layer.policy.device_select(layer, q3)
+    plan = _recall_plan(layer, bufs, ranked)
+    bufs.stage(ranked if plan is None else plan.cpu_ids, q3.is_cuda)
+    return bufs, ranked, plan
+
+
+def hot_part(layer, q3: torch.Tensor, scale: float):
+    """(out [B, Hq, D], lse [B, Hq]) float32 of q3 over the hot tier (HGCA's moving average updated in place)."""
+    hot = layer.hot
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
-    ranked = layer.policy.device_select(layer, q3)
-    plan = _recall_plan(layer, bufs, ranked, step)
-    bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
-    if not q.is_cuda:
-        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
-        if _nothing_offloaded(layer):
+    return ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
+
+
+def overlapped(
+    layer, bufs, q3, ranked, plan, scale: float, pool, count=None, on_seconds=None
+) -> torch.Tensor:
+    """One step's attention [B, Hq, D] float32, run as it is queued: on CUDA, q's copy to the host first, then
+    the hot tier and the device share on the GPU while this thread runs the CPU part; then the merge.
+
+    count: the device share's block count as a device tensor set by the caller (a `tandem.engine` step), or None
+    (eager: set here from the policy). on_seconds: called with the CPU part's seconds.
+    """
+    if not q3.is_cuda:
+        out, lse = hot_part(layer, q3, scale)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
+        if nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
-            return out[:, :, None]
+            return out
         bufs.q_host.copy_(q3)
-        _cpu_part(layer, bufs, scale, pool, step)
-    elif step is not None and step.capturing and not layer.policy.attends_host:
-        # a policy that never attends the host tier (streaming) has no CPU part: no hand-off, no q copy, no merge;
-        # the host records the step's statistics after the replay
-        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        step.after_replay(partial(_record_no_host_part, layer))
-        return out[:, :, None]
-    elif step is not None and step.capturing and _device_only(layer, plan):
-        # the device attends the whole selection (gpu_share 1 with a recall cache): the CPU's list is always
-        # empty, so no hand-off, no q copy and no merge of a CPU part; the host counts the step after the replay
-        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
-        step.after_replay(partial(_record_device_only, layer))
-        return out[:, :, None]
-    elif step is not None and step.capturing:
-        # the step is being captured (one graph with hand-off flags, or graphs cut at each CPU part); at replay
-        # the calling thread runs what `host_work` is given, exactly where the eager branch below runs it
-        bufs.q_host.copy_(q3, non_blocking=True)
-        step.q_ready(bufs.q_copied.record)
-        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
-        # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
-        step.host_work(CpuPart(layer, bufs, scale, pool, step, step.flags is None))
-        bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
-        bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+        cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
     else:
         bufs.q_host.copy_(q3, non_blocking=True)
         bufs.q_copied.record()
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
-        out, lse = ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
-        device_part(layer, bufs, q3, ranked, out, lse, scale, step, plan)
-        _cpu_part(layer, bufs, scale, pool, step)
+        out, lse = hot_part(layer, q3, scale)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
+        cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
-    return out[:, :, None]
+    return out
 
 
 def _share_width(layer, ranked) -> int:
@@ -187,7 +180,7 @@ def _share_width(layer, ranked) -> int:
     return min(ranked.shape[-1], math.ceil(layer.gpu_share * ranked.shape[-1]))
 
 
-def _recall_plan(layer, bufs: DecodeBuffers, ranked, step):
+def _recall_plan(layer, bufs: DecodeBuffers, ranked):
     """With a recall cache (`gpu_cache`), split this step's selection between the cache, the device's reads
     from host memory (`gpu_share` of the blocks not cached) and the CPU (`tandem.cache.recall`); None without
     one."""
@@ -200,15 +193,15 @@ def _recall_plan(layer, bufs: DecodeBuffers, ranked, step):
     return recall.plan(ranked, k, layer.gpu_share)
 
 
-def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, step, plan=None) -> None:
+def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, count=None, plan=None) -> None:
     """The device's share of the host tier: attend the first `policy.device_share(layer)` selected blocks of each
     KV head on q's device, reading K/V from pinned host memory in place, and merge them into (out, lse).
 
     ranked: the policy's device_select result [B, Hkv, k_max] (this step's selection first), invalid picks >= the
     block count.
     The slice read has the fixed width ceil(gpu_share * k_max) (a captured graph keeps its shapes); how many
-    of it count this step is a device tensor: `step.device_blocks`, set by `DecodeStep.prepare`, or
-    `bufs.share_count`, set here when decoding eagerly. The CPU part skips the same ranks.
+    of it count this step is a device tensor: `count` (a `tandem.engine` step's, set before the step), or with
+    count None (eager) `bufs.share_count`, set here. The CPU part skips the same ranks.
     With a recall `plan` (`_recall_plan`) the device's blocks are the plan's instead: the share of the blocks not
     in the recall cache is first copied into it, then attended with the cache's hits, from device memory.
     """
@@ -216,9 +209,9 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, s
     if width == 0:
         return
     host = layer.host
-    if step is None and q.is_cuda and host.last_event is not None:
-        # rows evicted this step are still being copied into host memory on the side stream (with a step,
-        # DecodeStep.prepare made the stream wait for them)
+    if count is None and q.is_cuda and host.last_event is not None:
+        # rows evicted this step are still being copied into host memory on the side stream (an engine step
+        # made the stream wait for them before it began)
         torch.cuda.current_stream(q.device).wait_event(host.last_event)
     if plan is not None:
         recall = layer.recall
@@ -228,10 +221,8 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, s
             q, keys, values, plan.gpu_ids, recall.gpu_lengths, host.block_size, valid, scale
         )
     else:
-        if step is None:
+        if count is None:
             count = bufs.share_count.fill_(layer.policy.device_share(layer))
-        else:
-            count = step.device_blocks  # set by DecodeStep.prepare
         ids = ranked[..., :width]
         lengths = torch.minimum((ids < ranked_limit(host)).sum(dim=-1), count)
         o_dev, lse_dev = ops.host_block_attention(
@@ -261,26 +252,28 @@ class NativePart:
 class CpuPart:
     """One layer's CPU part in a captured decode step, run at replay by the engine's host side.
 
-    Calling it runs `_cpu_part` (Python). `native()` instead lays out this step's part as one compiled call for
+    Calling it runs `cpu_part` (Python). `native()` instead lays out this step's part as one compiled call for
     the engine's hand-off server (`NativePart`), where it is one: quest's ranked attention
     (`cpu.RankedAttention`), or nothing to attend (an empty host tier, or a policy that never attends it). The
     bookkeeping that precedes the call in `host_part` runs in `native()`, the statistics after it in `finish`.
     """
 
-    def __init__(self, layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: bool) -> None:
-        self.layer, self.bufs, self.scale, self.pool, self.step, self.wait_copy = (
-            layer, bufs, scale, pool, step, wait_copy
+    def __init__(
+        self, layer, bufs: DecodeBuffers, scale: float, pool, wait_copy: bool, on_seconds=None
+    ) -> None:
+        self.layer, self.bufs, self.scale, self.pool, self.wait_copy, self.on_seconds = (
+            layer, bufs, scale, pool, wait_copy, on_seconds
         )  # fmt: skip
         self._empty = None
 
     def __call__(self) -> None:
-        _cpu_part(self.layer, self.bufs, self.scale, self.pool, self.step, self.wait_copy)
+        cpu_part(self.layer, self.bufs, self.scale, self.pool, self.wait_copy, self.on_seconds)
 
     def native(self):
         """This step's `NativePart`, or None where the part must run in Python."""
         layer, bufs = self.layer, self.bufs
         host = layer.host
-        empty = _nothing_offloaded(layer)
+        empty = nothing_offloaded(layer)
         if empty or not layer.policy.attends_host:
             if self._empty is None:
                 self._empty = cpu_ops.empty_task(bufs.out_host, bufs.lse_host)
@@ -305,46 +298,46 @@ class CpuPart:
         self._timed(self._empty)
 
     def _timed(self, task) -> None:
-        if self.step is not None:
-            self.step.host_seconds += task.nanoseconds * 1e-9
+        if self.on_seconds is not None:
+            self.on_seconds(task.nanoseconds * 1e-9)
 
 
-def _cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, step, wait_copy: bool = True) -> None:
+def cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, wait_copy: bool = True, on_seconds=None) -> None:
     """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors, or when the
-    caller already has: `wait_copy` False), then run the CPU half, timed into `step`."""
+    caller already has: `wait_copy` False), then run the CPU half; `on_seconds` receives its time."""
     if wait_copy and bufs.q_copied is not None:
         bufs.q_copied.synchronize()
     start = time.perf_counter()
     host_part(layer, bufs, scale, pool, wait=True)
-    if step is not None:
-        step.host_seconds += time.perf_counter() - start
+    if on_seconds is not None:
+        on_seconds(time.perf_counter() - start)
 
 
-def _record_no_host_part(layer) -> None:
+def record_no_host_part(layer) -> None:
     """A replayed step's statistics for a layer whose policy attends no host row (what `host_part` records)."""
-    if _nothing_offloaded(layer):
+    if nothing_offloaded(layer):
         return
     layer.host.wait()  # the count reads the valid flags of rows evicted this step
     _record_selection(layer, NONE)
 
 
-def _device_only(layer, plan) -> bool:
+def device_only(layer, plan) -> bool:
     """The recall plan leaves the CPU nothing (a device share of 1): every selected block is a hit or copied in."""
     return plan is not None and layer.gpu_share >= 1.0
 
 
-def _record_device_only(layer) -> None:
+def record_device_only(layer) -> None:
     """A replayed step's statistics for a layer whose device attended the whole selection: what the CPU part over
     its empty list records (no rows, the available ones); the rows the device attended are the recall cache's
     device-side counts (`LayerKV.collect_statistics`)."""
-    if _nothing_offloaded(layer):
+    if nothing_offloaded(layer):
         return
     host = layer.host
     host.wait()  # the count reads the valid flags of rows evicted this step
     _record_counts(layer, 0, 0, int(host.valid_rows().sum()) * layer.num_kv_heads)
 
 
-def _nothing_offloaded(layer) -> bool:
+def nothing_offloaded(layer) -> bool:
     """No host row to attend: no host tier yet, or an empty one."""
     return layer.host is None or layer.host.rows == 0
 
@@ -368,7 +361,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     `wait`: first wait for the host tier's pending copies into host memory.
     """
     host = layer.host
-    if _nothing_offloaded(layer):
+    if nothing_offloaded(layer):
         bufs.out_host.zero_()
         bufs.lse_host.fill_(float("-inf"))
         return

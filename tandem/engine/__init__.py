@@ -1,5 +1,6 @@
 """Engine: chunked prefill and fixed-address decode steps (one CUDA graph per step) over a `TandemCache`."""
 
-from .runner import DecodeStep, TandemRunner
+from .runner import TandemRunner
+from .step import DecodeStep
 
 __all__ = ["DecodeStep", "TandemRunner"]

@@ -11,7 +11,8 @@ same arithmetic with:
   model afterwards needs `safe_serialization=False` or a fresh load.)
 - the residual add and the next RMSNorm as one kernel, RoPE on q and k as one, and silu(gate) * up as one
   (`kernels.gpu.layers`; the torch references elsewhere), each rounding as the model's ops round;
-- Tandem's hybrid attention (`attention.decode.decode_layer`) called directly with the step's q / k / v.
+- Tandem's hybrid attention (`DecodeStep.attend`, or `attention.decode.decode_layer` outside a step) called
+  directly with the step's q / k / v.
 
 Weights come from the loaded Hugging Face model: nothing is downloaded or converted. `unsupported_reason`
 says why a model cannot run here; the engine then keeps transformers' code and says so in one line.
@@ -237,7 +238,11 @@ class DecodeForward:
             v = v.view(batch, 1, kv_heads, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             kv = self.cache.layers[i].kv
-            attn = decode_layer(kv, q, k, v, self._valid, layer.scale, pool, step).to(hidden.dtype)
+            if step is not None:
+                attn = step.attend(kv, q, k, v, layer.scale, pool)
+            else:
+                attn = decode_layer(kv, q, k, v, self._valid, layer.scale, pool)
+            attn = attn.to(hidden.dtype)
             attn = layer.o_proj(attn.transpose(1, 2).reshape(batch, 1, heads * dim))
             residual, x = self.add_norm(attn, residual, *layer.norm2)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)

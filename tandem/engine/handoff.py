@@ -29,7 +29,7 @@ The launch is not instant, and not always short: the launch call submits the gra
 size while the GPU already runs the first ones, and the GPU soon stops at a `done` flag. A graph too large for the
 queue then blocks its launch call until the GPU drains it, which it never does if the thread in that call is the
 one that would set the flag: a 96-layer model's step (~3800 nodes) deadlocked that way on an H200 host, while 64
-layers (~2500 nodes) ran (`benchmarks/results/launch_deadlock/`). `Launcher` therefore runs the launch on a
+layers (~2500 nodes) ran (`benchmarks/results/2026-11-26_h200_launch_deadlock/`). `Launcher` therefore runs the launch on a
 second thread (the replay releases the GIL) and the calling thread serves the hand-offs meanwhile, whatever the
 graph's size. (For the ~1300 nodes of an 8B step the launch takes 0.4-1.4 ms and the thread changed no step time.)
 """

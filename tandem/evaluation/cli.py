@@ -4,7 +4,7 @@ The main CLI calls ``add_arguments(parser)`` and ``run(args)``; bad input raises
 
 Examples:
     tandem eval --policies full,streaming,hgca,quest --tasks niah,multikey,vt,cwe,ppl,error --lengths 1k,2k,4k \
-        --samples 4 --out benchmarks/results/eval_smollm2
+        --samples 4 --out benchmarks/results/2026-11-26_h100_eval_smollm2
     tandem eval --tasks niah --lengths 2k --set quest.budget=0.02,0.05 --set quest.block_size=16,32 --out sweep
     tandem eval --policies full,quest,fluxion --tasks niah,error --lengths 4k --set fluxion.tau=0.02,0.05,0.1,0.2 \
         --set fluxion.fluxion_mode=predictor,static --out fluxion_sweep

@@ -18,7 +18,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import TaskPool, attend
-from ..attention.decode import decode_layer
 from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..cache.recall import RecallBudget
@@ -88,7 +87,7 @@ class TandemLayer(CacheLayerMixin):
             )  # a wrong batch is refused before anything changes: the cache stays usable
         try:
             if step is not None and q_len == 1:
-                out = decode_layer(kv, query, key, value, valid, scale, owner.pool, step).to(query.dtype)
+                out = step.attend(kv, query, key, value, scale, owner.pool).to(query.dtype)
             else:
                 out = attend(kv, query, key, value, valid, scale, owner.pool)
         except BaseException as err:

@@ -6,7 +6,7 @@ standalone. Library code raises ValueError; ``run`` prints it on stderr and retu
 Examples:
     python -m tandem.simulator.cli --model llama-3.1-70b --context 512k --gpus 2 --pnm 8 --scheme pnkv
     python -m tandem.simulator.cli --model llama-3.1-8b --context 128k --gpus 1 --pnm 8 --compare
-    python -m tandem.simulator.cli --sweep --out benchmarks/results/simulate_sweep
+    python -m tandem.simulator.cli --sweep --out benchmarks/results/2026-11-26_cpu_simulate_sweep
     python -m tandem.simulator.cli --host --context 128k --batch 1 --host-bandwidth-gbs 65 --pcie-gbs 55
     python -m tandem.simulator.cli --from-bench bench.json
 """

@@ -30,7 +30,7 @@ from tandem.simulator.claims import (
 from tandem.simulator.model import SimResult
 from tandem.simulator.schemes import PHASES
 
-DEFAULT_OUT = Path("benchmarks/results/simulate_sweep")
+DEFAULT_OUT = Path("benchmarks/results/2026-11-26_cpu_simulate_sweep")
 
 
 def _row(figure: str, r: SimResult, base: SimResult | None) -> dict:

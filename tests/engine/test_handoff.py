@@ -338,7 +338,7 @@ def test_a_layers_compiled_cpu_part_matches_its_python_one(policy):
     runner.decode(logits.argmax(-1), 3)
     layer = cache.tandem_layers()[1]
     bufs = layer.decode_buffers
-    part = CpuPart(layer, bufs, 0.125, cache.pool, None, False)
+    part = CpuPart(layer, bufs, 0.125, cache.pool, False)
     counters = ("rows_attended", "rows_attended_device", "rows_available", "decode_steps")
 
     def run(served: bool):
@@ -426,7 +426,7 @@ def test_a_prepared_call_and_its_task_are_freed_without_the_garbage_collector():
 def test_the_garbage_collector_is_off_while_a_step_is_recorded():
     import gc
 
-    from tandem.engine.runner import DecodeStep
+    from tandem.engine.step import DecodeStep
 
     seen = []
     x = torch.zeros(4, device="cuda")

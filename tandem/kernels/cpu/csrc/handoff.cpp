@@ -6,7 +6,7 @@
 // on the step's critical path: the GPU waits for `done`. Here one call serves consecutive hand-offs whose CPU
 // parts are compiled calls laid out beforehand (`HandoffTask`), spinning on the flags in C++. The engine passes
 // one hand-off per call and lays out the next one while the GPU computes its query: laying out all of a step's
-// hand-offs first delayed the first one by that time (benchmarks/results/ab_host_side_h100/).
+// hand-offs first delayed the first one by that time (benchmarks/results/2026-11-26_h100_host_side_ab/).
 #include <chrono>
 #include <cmath>
 #include <cstdint>

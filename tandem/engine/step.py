@@ -1,0 +1,268 @@
+"""One decode step of the engine: the token's bookkeeping in every layer, and its record / replay as CUDA graphs.
+
+The step composes `tandem.attention.decode`'s parts for each layer (`DecodeStep.attend`) in the order the eager
+path runs them, and owns what happens between them when the step is recorded: the new token's slot is a device
+tensor (`slot`), so one recording serves every step, and the host meets the GPU twice per layer (take q, give
+back the CPU part's out / LSE), in one of two ways (`flags`):
+
+- "memops": the step is one graph; the hand-offs are flags in pinned memory that the graph writes and waits on
+  (CUDA stream memory operations, `handoff.py`). A second thread launches it, while the calling thread spins on
+  each layer's flag, runs the CPU part and sets the answer flag; the GPU never waits for a launch.
+- "launches": the recording is cut at each layer's CPU part into two graphs per layer; a replay launches them in
+  order and, between them, records q's copy event and runs the CPU part (2 launches per layer).
+
+A layer whose policy never attends the host tier, or whose device attends the whole selection, has no hand-off:
+its statistics are recorded on the host after the replay.
+
+(A single graph with each CPU part as a CUDA host node was tried first: every host node cost ~0.3 ms of
+driver-thread round trip, 10 ms per step on an 8B model, against tens of microseconds for the launches.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from functools import partial
+
+import torch
+
+from ..attention import decode
+from ..kernels import ops
+from . import handoff as handoff_module
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every recording on `device` runs on. One per device, not one per recording: cuBLAS keeps a
+    workspace (32 MiB on Hopper) for each stream it has run on, for the life of the process, so a new stream per
+    recording (a runner per request, a re-recording when a tier grows) would hold one more each time, up to the
+    32 of torch's stream pool."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+class DecodeStep:
+    """What the fixed-address decode path shares across the layers of one cache.
+
+    slot:       [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
+                layers store the same tokens with the same geometry)
+    device_blocks: [1] int64 on the model's device: how many ranked host blocks per KV head the device attends
+                itself this step (a quest `gpu_share`; the same in every layer, whose host tiers grow together)
+    capturing:  True while `capture` records a step; the layers then mark their hand-offs (`q_ready`,
+                `host_work`)
+    flags:      the hand-off flags (`handoff="memops"`), or None: the recording is cut at each CPU part
+    launcher:   with flags, the thread that launches the graph (`handoff.Launcher`), or None; `close()` ends it.
+                Hand-offs must be served while the launch call is still submitting: a large graph's launch blocks
+                until the GPU has drained part of it, and the GPU waits for the hand-offs (launched from the
+                calling thread, a 96-layer step deadlocked)
+    segments:   the recorded CUDA graphs, each followed by a host-side action (or None) at replay; with flags
+                one graph, and `actions` holds the CPU parts in hand-off order
+    compiled_host_side: with flags, serve the hand-offs whose CPU part is one compiled call from the CPU library
+                (`handoff.run_host_side`); False serves every hand-off from Python (for comparisons)
+    """
+
+    def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
+        self.device = device
+        self.flags = flags
+        self.launcher = handoff_module.Launcher() if flags is not None else None
+        self.compiled_host_side = True
+        self.actions: list = []
+        self.after: list = []  # host work after each replay that needs no hand-off (statistics)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
+        self._device_blocks_value = 0
+        self.capturing = False
+        self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
+        self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
+        self.generations: list[int] = []  # host tier buffer generations the segments were recorded with
+        self._graph = None
+        self._pool = None
+
+    def prepare(self, layers) -> int:
+        """Bookkeeping of one step in every layer (slot, evictions, device share); the device tensors are
+        updated in stream order."""
+        events = [layer.host.last_event if layer.host is not None else None for layer in layers]
+        slots = {layer.reserve_decode_slot() for layer in layers}
+        if len(slots) != 1:
+            raise RuntimeError(
+                f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent"
+            )
+        slot = slots.pop()
+        self.slot.fill_(slot)
+        for layer in layers:
+            layer.policy.prepare_step(layer)
+        shares = {layer.policy.device_share(layer) for layer in layers}
+        if len(shares) != 1:
+            raise RuntimeError(
+                f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent"
+            )
+        share = shares.pop()
+        if share != self._device_blocks_value:
+            self.device_blocks.fill_(share)
+            self._device_blocks_value = share
+        if share and self.device.type == "cuda":
+            # the device reads host rows in place: rows evicted just now must have landed in host memory first
+            stream = torch.cuda.current_stream(self.device)
+            for layer, before in zip(layers, events, strict=True):
+                if layer.host.last_event is not before:
+                    stream.wait_event(layer.host.last_event)
+        return slot
+
+    # ---- one layer's attention -----------------------------------------------------------------------------
+    def attend(self, layer, q, k_new, v_new, scale: float, pool) -> torch.Tensor:
+        """Attention of one decode query per request over `layer`'s cache plus the new token, whose slot
+        `prepare` reserved (every new token counts as valid). q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D].
+        Returns [B, Hq, 1, D] float32. While the step is recorded, the layer's hand-offs are marked here."""
+        hot = layer.hot
+        hot.keys.index_copy_(2, self.slot, k_new)
+        hot.values.index_copy_(2, self.slot, v_new)
+        hot.valid.index_fill_(1, self.slot, True)
+        if hot.maw is not None:
+            hot.maw.index_fill_(2, self.slot, 0.0)
+        q3 = q[:, :, 0]
+        bufs, ranked, plan = decode.prepare(layer, q3)
+        if not (self.capturing and q.is_cuda):
+            out = decode.overlapped(
+                layer, bufs, q3, ranked, plan, scale, pool, self.device_blocks, self.add_host_seconds
+            )
+            return out[:, :, None]
+        if not layer.policy.attends_host:
+            # a policy that never attends the host tier (streaming) has no CPU part: no hand-off, no q copy, no
+            # merge; the host records the step's statistics after the replay
+            out, _ = decode.hot_part(layer, q3, scale)
+            self.after_replay(partial(decode.record_no_host_part, layer))
+            return out[:, :, None]
+        if decode.device_only(layer, plan):
+            # the device attends the whole selection (gpu_share 1 with a recall cache): the CPU's list is always
+            # empty, so no hand-off, no q copy and no merge of a CPU part; the host counts the step after the replay
+            out, lse = decode.hot_part(layer, q3, scale)
+            decode.device_part(layer, bufs, q3, ranked, out, lse, scale, self.device_blocks, plan)
+            self.after_replay(partial(decode.record_device_only, layer))
+            return out[:, :, None]
+        # at replay the calling thread runs what `host_work` is given, where the eager path runs the CPU part
+        bufs.q_host.copy_(q3, non_blocking=True)
+        self.q_ready(bufs.q_copied.record)
+        out, lse = decode.hot_part(layer, q3, scale)
+        decode.device_part(layer, bufs, q3, ranked, out, lse, scale, self.device_blocks, plan)
+        # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
+        self.host_work(decode.CpuPart(layer, bufs, scale, pool, self.flags is None, self.add_host_seconds))
+        bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+        bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+        ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+        return out[:, :, None]
+
+    def add_host_seconds(self, seconds: float) -> None:
+        self.host_seconds += seconds
+
+    # ---- capture -------------------------------------------------------------------------------------------
+    def capture(self, body) -> None:
+        """Record `body()` (one decode step) as CUDA graphs sharing one memory pool: one graph with hand-off
+        flags, or without them graphs cut where a layer calls `split`. Nothing runs on the GPU while
+        recording; `replay` then runs the step."""
+        # garbage collected during the capture could free pinned host memory, which a capture does not allow
+        # (the capture fails); torch.cuda.graph collects first as well
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture(body)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    def _capture(self, body) -> None:
+        torch.cuda.synchronize(self.device)
+        stream = capture_stream(self.device)  # capture needs a stream other than the default one
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.segments = []
+        self.actions = []
+        self.after = []
+        self._pool = torch.cuda.graph_pool_handle()  # one pool for all segments, replayed in capture order
+        self.capturing = True
+        try:
+            with torch.cuda.stream(stream):
+                try:
+                    self._begin()
+                    body()
+                    self._end(None)
+                except BaseException:
+                    # the capture ends on the stream it began on, or that stream stays capturing and every later
+                    # CUDA call in the process fails; a capture the failure invalidated raises here, ended anyway
+                    if self._graph is not None:
+                        with contextlib.suppress(RuntimeError):
+                            self._graph.capture_end()
+                    raise
+        except BaseException:
+            self.segments = []
+            raise
+        finally:
+            self.capturing = False
+            self._graph = None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def split(self, after) -> None:
+        """End the graph being recorded; at replay, `after()` runs on the host once it has been launched."""
+        self._end(after)
+        self._begin()
+
+    def q_ready(self, record_event) -> None:
+        """A layer has queued its q (and selection) copies into pinned memory: the host may start its CPU part
+        once they land. `record_event` records the copy's event (the launches hand-off)."""
+        if self.flags is None:
+            self.split(record_event)
+        else:
+            self.flags.signal_ready(len(self.actions))
+
+    def host_work(self, action) -> None:
+        """At replay `action()` (the layer's CPU part) runs on the host after its `q_ready`; what the layer
+        queues after this call runs on the GPU once it has returned."""
+        if self.flags is None:
+            self.split(action)
+        else:
+            self.flags.wait_done(len(self.actions))
+            self.actions.append(action)
+
+    def after_replay(self, action) -> None:
+        """At replay `action()` runs on the host once the step's graphs have been launched and its hand-offs
+        served (no GPU work waits for it): bookkeeping of layers with no CPU part."""
+        self.after.append(action)
+
+    def replay(self) -> None:
+        if self.flags is not None:
+            self.flags.reset()
+            graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
+            self.launcher.start(lambda: _replay_on(graph, stream))
+            handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
+        else:
+            for graph, after in self.segments:
+                graph.replay()
+                if after is not None:
+                    after()
+        for action in self.after:
+            action()
+
+    def close(self) -> None:
+        """End the launcher thread, if any."""
+        if self.launcher is not None:
+            self.launcher.close()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        self._graph = graph
+
+    def _end(self, after) -> None:
+        self._graph.capture_end()
+        self.segments.append((self._graph, after))
+        self._graph = None
+
+
+def _replay_on(graph, stream) -> None:
+    """Replay `graph` on `stream` (from a thread whose current stream would be the default one)."""
+    with torch.cuda.stream(stream):
+        graph.replay()
