@@ -7,7 +7,7 @@
   with a no-op.
 
 Weight bytes / measured HBM read bandwidth is the bound all of these are compared with. Prints JSON; a result:
-benchmarks/results/profile_8b_h100/floor_h100.json.
+benchmarks/results/2026-11-26_h100_profile_8b/floor_h100.json.
 
     python benchmarks/bench_decode_floor.py
 """

@@ -5,7 +5,7 @@ that depth? Hidden size 1024, 8 heads of 128, quest at its defaults, greedy step
 
 CUDA only. The process prints its stack and exits after TIMEOUT_S (default 90) instead of hanging: before the
 launcher thread (`tandem.engine.handoff.Launcher`) 96 and 128 layers hung in the graph's launch
-(`benchmarks/results/launch_deadlock/`).
+(`benchmarks/results/2026-11-26_h200_launch_deadlock/`).
 """
 
 from __future__ import annotations

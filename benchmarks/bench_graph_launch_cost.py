@@ -1,7 +1,7 @@
 """Host cost of launching a CUDA graph, by node kind: 32 "layers" of 36 small kernels each, with 4 copies to or
 from pinned memory per layer and / or a flag hand-off (2 stream memory operations, `tandem.engine.handoff`), as a
 decode step records them. Prints the median host time of `CUDAGraph.replay()` as JSON; a result:
-benchmarks/results/profile_8b_h100/graph_launch_cost_h100.json.
+benchmarks/results/2026-11-26_h100_profile_8b/graph_launch_cost_h100.json.
 
     python benchmarks/bench_graph_launch_cost.py
 """

@@ -11,7 +11,7 @@ replays) and prints and saves (JSON + markdown) microseconds per layer:
   blocks), the row read in tiles by one program, and the row split over one program per tile (1024, 2048 or
   4096 blocks), checking each equals `reference.top_blocks`. Shapes: batch 1 x 64K / 128K / 1M, batch 16 x 32K.
 
-    python benchmarks/bench_quest_selection.py --out benchmarks/results/quest_selection_h200
+    python benchmarks/bench_quest_selection.py --out benchmarks/results/2026-11-26_h200_quest_selection
 """
 
 from __future__ import annotations
