@@ -1,7 +1,10 @@
 """Kernel launchers: validate inputs (naming the bad argument), then pick the implementation.
 
 Orchestration code calls these, never a raw kernel. CPU work goes to the compiled kernels of
-`tandem.kernels.cpu` when they are available, otherwise to the plain-torch `reference`.
+`tandem.kernels.cpu` when they are available, otherwise to the plain-torch `reference`. Every argument is
+checked here, once, whichever implementation runs: the compiled bindings check only the layout they read in
+place through raw pointers (rows of a store contiguous along head_dim, buffers of the prepared calls contiguous)
+and report the ids their kernels refuse.
 """
 
 from __future__ import annotations
@@ -26,6 +29,43 @@ def native_cpu_available() -> bool:
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+def _check_tensor(name: str, t, shape: tuple, layout: str, dtype: torch.dtype = torch.long) -> None:
+    """`t` a tensor of `dtype` and of `shape` (a str entry: any size there), which the message calls `layout`."""
+    _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(
+        t.dim() == len(shape)
+        and all(isinstance(want, str) or got == want for got, want in zip(t.shape, shape)),
+        f"{name} must be {layout} = [{', '.join(map(str, shape))}], got {tuple(t.shape)}",
+    )
+    _check(t.dtype == dtype, f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+
+
+def _check_devices(anchor: str, device: torch.device, **tensors) -> None:
+    """Each tensor given (None: not given) on `device`, the device of the argument named `anchor`."""
+    for name, t in tensors.items():
+        if t is not None:
+            _check(t.device == device, f"{name} is on {t.device} but {anchor} is on {device}")
+
+
+def _check_threads(num_threads) -> None:
+    _check(
+        num_threads is None or (isinstance(num_threads, int) and num_threads >= 1),
+        f"num_threads must be a positive int or None (the default), got {num_threads!r}",
+    )
+
+
+def _check_block_size(block_size, optional: bool = False) -> None:
+    _check(
+        (optional and block_size is None) or (isinstance(block_size, int) and block_size >= 1),
+        f"block_size must be a positive int{' or None' if optional else ''}, got {block_size!r}",
+    )
+
+
+def _on_host(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels can run on these tensors (they read CPU memory through raw pointers)."""
+    return native_cpu_available() and all(t.device.type == "cpu" for t in tensors)
 
 
 def _check_scale(scale) -> None:
@@ -73,6 +113,32 @@ def _check_kv_scales(k_store: torch.Tensor, k_scale, v_scale, names=("k_scale", 
             )
 
 
+def _check_store_call(q, k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids) -> None:
+    """The checks of a launcher over a host KV store: scale, q [B, Hq, Lq, D], the store (and an 8-bit one's
+    scales), `ids`: (name, tensor, W) of int64 index tensors [B, Hkv, W] (any W) or, where W is None, [B, Hkv],
+    key_mask [B, cap] bool or None, num_threads; every tensor on the store's device."""
+    _check_scale(scale)
+    _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
+    _check_kv_scales(k_store, k_scale, v_scale)
+    batch, num_kv_heads, cap = k_store.shape[:3]
+    for name, t, width in ids:
+        if width is None:
+            _check_tensor(name, t, (batch, num_kv_heads), "[B, Hkv]")
+        else:
+            _check_tensor(name, t, (batch, num_kv_heads, width), f"[B, Hkv, {width}]")
+    if key_mask is not None:
+        _check_tensor("key_mask", key_mask, (batch, cap), "[B, cap]", torch.bool)
+    _check_threads(num_threads)
+    _check_devices("k_store", k_store.device, q=q, key_mask=key_mask, **{name: t for name, t, _ in ids})
+
+
+def _check_outputs(q: torch.Tensor, out, lse) -> None:
+    """out / lse of a prepared call: float32 of q's shape (lse without head_dim), on q's device."""
+    _check_tensor("out", out, tuple(q.shape), "q's shape", torch.float32)
+    _check_tensor("lse", lse, tuple(q.shape[:-1]), "q's shape without head_dim", torch.float32)
+    _check_devices("q", q.device, out=out, lse=lse)
+
+
 def attention_lse(q, k, v, scale: float, key_mask=None, return_weights: bool = False):
     """Dense attention with LSE on the tensors' device. See `reference.attention_lse`."""
     _check_scale(scale)
@@ -102,33 +168,16 @@ def sparse_attention_lse(
 ):  # fmt: skip
     """Attention over selected rows (or blocks) of a host KV store. See `reference.sparse_attention_lse`;
     an 8-bit store (int8 / float8_e4m3fn codes) needs k_scale / v_scale [B, Hkv, S] float32."""
-    _check_scale(scale)
-    _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
-    _check_kv_scales(k_store, k_scale, v_scale)
-    batch, num_kv_heads = k_store.shape[:2]
-    _check(
-        indices.dim() == 3 and tuple(indices.shape[:2]) == (batch, num_kv_heads),
-        f"indices must be [B, Hkv, S] = [{batch}, {num_kv_heads}, S], got {tuple(indices.shape)}",
-    )
-    _check(indices.dtype == torch.long, f"indices must be int64, got {indices.dtype}")
-    _check(
-        tuple(lengths.shape) == (batch, num_kv_heads), f"lengths must be [B, Hkv], got {tuple(lengths.shape)}"
-    )
-    _check(lengths.dtype == torch.long, f"lengths must be int64, got {lengths.dtype}")
-    if key_mask is not None:
-        _check(
-            tuple(key_mask.shape) == (batch, k_store.shape[2]) and key_mask.dtype == torch.bool,
-            f"key_mask must be bool [B, cap] = {(batch, k_store.shape[2])}, got {tuple(key_mask.shape)}",
-        )
-    if block_size is not None:
-        _check(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+    ids = (("indices", indices, "S"), ("lengths", lengths, None))
+    _check_store_call(q, k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids)
+    _check_block_size(block_size, optional=True)
     if lengths.numel():
         low, high = (int(x) for x in torch.aminmax(lengths))
         _check(
             low >= 0 and high <= indices.shape[2],
             f"lengths must lie in [0, {indices.shape[2]}] (the width of indices), got [{low}, {high}]",
         )
-    native = native_cpu_available() and not q.is_cuda and not k_store.is_cuda
+    native = _on_host(k_store)
     rows = k_store.shape[2] // (block_size or 1)
     if indices.numel() and not native:  # the compiled kernel checks the ids it reads and names them itself
         low, high = (int(x) for x in torch.aminmax(indices))
@@ -138,20 +187,17 @@ def sparse_attention_lse(
         )
     if native:
         return _native.sparse_attention_lse(
-            q,
-            k_store,
-            v_store,
-            indices,
-            lengths,
-            scale,
-            key_mask=key_mask,
-            block_size=block_size,
-            num_threads=num_threads,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            q, k_store, v_store, indices, lengths, scale, key_mask, block_size, num_threads, k_scale, v_scale
         )
     return reference.sparse_attention_lse(
         q, k_store, v_store, indices, lengths, scale, key_mask, block_size, k_scale, v_scale
+    )
+
+
+def _check_ranks(ranked: torch.Tensor, skip, count) -> None:
+    _check(
+        isinstance(skip, int) and isinstance(count, int) and 0 <= skip <= count <= ranked.shape[2],
+        f"skip / count must satisfy 0 <= skip <= count <= {ranked.shape[2]} (ranked's width), got {skip!r} / {count!r}",
     )
 
 
@@ -161,20 +207,11 @@ def ranked_block_attention(
 ):  # fmt: skip
     """Attention over ranks [skip, count) of best-first block ids: (out, lse, lengths).
     See `reference.ranked_block_attention`; k_scale / v_scale as `sparse_attention_lse`."""
-    _check_scale(scale)
-    _check_qkv(q, k_store, v_store, "k_store", "v_store", quantized_ok=True)
-    _check_kv_scales(k_store, k_scale, v_scale)
-    _check(
-        ranked.dim() == 3 and tuple(ranked.shape[:2]) == tuple(k_store.shape[:2]),
-        f"ranked must be [B, Hkv, W] = [{k_store.shape[0]}, {k_store.shape[1]}, W], got {tuple(ranked.shape)}",
-    )
-    _check(ranked.dtype == torch.long, f"ranked must be int64, got {ranked.dtype}")
-    _check(
-        0 <= skip <= count <= ranked.shape[2],
-        f"skip / count must satisfy 0 <= skip <= count <= {ranked.shape[2]} (ranked's width), got {skip} / {count}",
-    )
-    _check(isinstance(block_size, int) and block_size >= 1, f"block_size must be >= 1, got {block_size}")
-    if native_cpu_available() and not q.is_cuda and not k_store.is_cuda:
+    ids = (("ranked", ranked, "W"),)
+    _check_store_call(q, k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids)
+    _check_ranks(ranked, skip, count)
+    _check_block_size(block_size)
+    if _on_host(k_store):
         return _native.ranked_block_attention(
             q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, num_threads, k_scale, v_scale,
         )  # fmt: skip
@@ -186,10 +223,17 @@ def ranked_block_attention(
 def ranked_attention_call(q, k_store, v_store, ranked, scale: float, block_size: int, out, lse, key_mask=None,
                           num_threads=None, k_scale=None, v_scale=None):  # fmt: skip
     """`ranked_block_attention` prepared for fixed buffers (`cpu.RankedAttention`: out / lse written in place,
-    a call costs microseconds), or None where the compiled kernels are unavailable."""
-    _check_scale(scale)
+    a call costs microseconds), or None where the compiled kernels are unavailable. q: [B, Hq, D] or
+    [B, Hq, Lq, D]; out / lse float32 of q's shape (lse without head_dim); all on the CPU."""
+    _check(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
+    ids = (("ranked", ranked, "W"),)
+    q4 = q[:, :, None] if q.dim() == 3 else q
+    _check_store_call(q4, k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids)
+    _check_block_size(block_size)
+    _check_outputs(q, out, lse)
     if not native_cpu_available():
         return None
+    _check_in_host_memory(k_store)
     return _native.RankedAttention(
         q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask, num_threads, k_scale, v_scale
     )
@@ -199,11 +243,18 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
                             block_size=None, num_threads=None, k_scale=None, v_scale=None):  # fmt: skip
     """`sparse_attention_lse` prepared for fixed buffers (`cpu.PreparedAttention`: out / lse written in place, a
     call costs microseconds), or None where the compiled kernels are unavailable or the index lists are not laid
-    out as it needs (then the general launcher runs)."""
-    _check_scale(scale)
+    out as it needs (then the general launcher runs). q: [B, Hq, D]; out / lse float32 of q's shape (lse
+    without head_dim); all on the CPU. The ids and lengths are read at each call, so the kernel checks them."""
+    _check(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
+    _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
+    ids = (("indices", indices, "S"), ("lengths", lengths, None))
+    _check_store_call(q[:, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids)
+    _check_block_size(block_size, optional=True)
+    _check_outputs(q, out, lse)
     if not native_cpu_available():
         return None
-    try:
+    _check_in_host_memory(k_store)
+    try:  # refuses only a layout it cannot read in place: strides of the store or the lists, buffers not contiguous
         return _native.PreparedAttention(
             q, k_store, v_store, indices, lengths, scale, out, lse, key_mask, block_size, num_threads,
             k_scale, v_scale,
@@ -212,12 +263,30 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
         return None
 
 
-def block_scores(q, key_min, key_max, num_threads=None):
-    """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
+def _check_in_host_memory(k_store: torch.Tensor) -> None:
+    # the prepared calls run only the compiled CPU kernels; every other tensor is on the store's device (checked)
+    _check(
+        k_store.device.type == "cpu",
+        f"k_store must be on the CPU for a prepared call (the compiled kernels read it), got {k_store.device}",
+    )
+
+
+def _check_digests(q, key_min, key_max, num_threads) -> None:
+    """Quest's digests key_min / key_max [B, Hkv, nblk, D] (float, one dtype) for q [B, Hq, Lq, D]."""
+    for name, t in (("key_min", key_min), ("key_max", key_max), ("q", q)):
+        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check(key_min.dim() == 4, f"key_min must be [B, Hkv, nblk, D], got {tuple(key_min.shape)}")
     _check(
         key_max.shape == key_min.shape,
         f"key_max must have key_min's shape {tuple(key_min.shape)}, got {tuple(key_max.shape)}",
+    )
+    _check(
+        key_min.dtype in FLOAT_DTYPES,
+        f"key_min.dtype must be float32, float16 or bfloat16 (digests are never 8-bit codes), got {key_min.dtype}",
+    )
+    _check(
+        key_max.dtype == key_min.dtype,
+        f"key_min and key_max must have the same dtype, got {key_min.dtype} and {key_max.dtype}",
     )
     _check(q.dim() == 4, f"q must be 4-D [B, Hq, Lq, D], got shape {tuple(q.shape)}")
     _check(q.dtype in FLOAT_DTYPES, f"q.dtype must be float32, float16 or bfloat16, got {q.dtype}")
@@ -229,43 +298,85 @@ def block_scores(q, key_min, key_max, num_threads=None):
         f"head_dim of q ({q.shape[3]}) and key_min ({key_min.shape[3]}) differ",
     )
     _check(
-        q.shape[1] % key_min.shape[1] == 0,
+        key_min.shape[1] > 0 and q.shape[1] % key_min.shape[1] == 0,
         f"q heads ({q.shape[1]}) must be a multiple of key_min heads ({key_min.shape[1]})",
     )
-    if native_cpu_available() and not q.is_cuda and not key_min.is_cuda:
+    _check_threads(num_threads)
+    _check_devices("key_min", key_min.device, key_max=key_max, q=q)
+
+
+def _check_k(k) -> None:
+    _check(isinstance(k, int) and k >= 0, f"k must be an int >= 0, got {k!r}")
+
+
+def block_scores(q, key_min, key_max, num_threads=None):
+    """Quest block upper bounds [B, Hkv, nblk]. See `reference.block_scores`."""
+    _check_digests(q, key_min, key_max, num_threads)
+    if _on_host(key_min):
         return _native.block_scores(q, key_min, key_max, num_threads=num_threads)
     return reference.block_scores(q, key_min, key_max)
 
 
+def score_topk(q, key_min, key_max, k: int, factor: int = 1, num_threads=None):
+    """Fused Quest scoring + top-k at logical blocks of `factor` physical ones: (ids [B, Hkv, min(k, nlogical)]
+    int64 ascending, unselectable picks last; lengths [B, Hkv] int64). See `cpu.score_topk`."""
+    _check_digests(q, key_min, key_max, num_threads)
+    _check_k(k)
+    _check(
+        isinstance(factor, int) and factor >= 1,
+        f"factor must be a positive int (logical / physical block size), got {factor!r}",
+    )
+    if _on_host(key_min):
+        return _native.score_topk(q, key_min, key_max, k, factor, num_threads=num_threads)
+    return reference.topk_blocks(
+        reference.block_scores(q, *reference.coarsen_digest(key_min, key_max, factor)), k
+    )
+
+
 def topk_blocks(scores, k: int, num_threads=None):
     """Top-k block ids per (request, KV head), ascending. See `reference.topk_blocks`."""
-    _check(k >= 0, f"k must be >= 0, got {k}")
+    _check_k(k)
+    _check(isinstance(scores, torch.Tensor), f"scores must be a torch.Tensor, got {type(scores).__name__}")
     _check(scores.dim() == 3, f"scores must be [B, Hkv, nblk], got shape {tuple(scores.shape)}")
-    _check(scores.dtype in FLOAT_DTYPES, f"scores must be a float tensor, got {scores.dtype}")
-    if native_cpu_available() and not scores.is_cuda:
+    _check(scores.dtype in FLOAT_DTYPES, f"scores must be float32, float16 or bfloat16, got {scores.dtype}")
+    _check_threads(num_threads)
+    if _on_host(scores):
         return _native.topk_blocks(scores, k, num_threads=num_threads)
     return reference.topk_blocks(scores, k)
 
 
 def threshold_select(maw, threshold, num_kv_heads: int, num_rows: int, num_threads=None):
     """HGCA salient rows per KV head. See `reference.threshold_select`."""
+    _check(isinstance(maw, torch.Tensor), f"maw must be a torch.Tensor, got {type(maw).__name__}")
     _check(maw.dim() == 3, f"maw must be [B, Hq, N], got {tuple(maw.shape)}")
-    _check(maw.dtype in FLOAT_DTYPES, f"maw must be a float tensor, got {maw.dtype}")
-    _check(num_kv_heads >= 1, f"num_kv_heads must be >= 1, got {num_kv_heads}")
+    _check(maw.dtype in FLOAT_DTYPES, f"maw must be float32, float16 or bfloat16, got {maw.dtype}")
+    _check(
+        isinstance(num_kv_heads, int) and num_kv_heads >= 1,
+        f"num_kv_heads must be a positive int, got {num_kv_heads!r}",
+    )
     _check(
         maw.shape[1] % num_kv_heads == 0,
         f"maw heads ({maw.shape[1]}) must be a multiple of num_kv_heads={num_kv_heads}",
     )
     _check(
-        0 <= num_rows <= maw.shape[2],
-        f"num_rows must lie in [0, {maw.shape[2]}] (rows of maw), got {num_rows}",
+        isinstance(num_rows, int) and 0 <= num_rows <= maw.shape[2],
+        f"num_rows must be an int in [0, {maw.shape[2]}] (rows of maw), got {num_rows!r}",
     )
-    if isinstance(threshold, torch.Tensor) and threshold.dim() > 0:
+    batch, num_q_heads = maw.shape[:2]
+    if isinstance(threshold, torch.Tensor):
         _check(
-            tuple(threshold.shape[:2]) == tuple(maw.shape[:2]) and threshold.dim() in (2, 3),
-            f"threshold must be a scalar or [B, Hq] = {tuple(maw.shape[:2])}, got {tuple(threshold.shape)}",
+            tuple(threshold.shape) in ((), (batch, num_q_heads), (batch, num_q_heads, 1)),
+            f"threshold must be a number or a tensor of shape [], [B, Hq] or [B, Hq, 1] with [B, Hq] = "
+            f"[{batch}, {num_q_heads}], got {tuple(threshold.shape)}",
         )
-    if native_cpu_available() and not maw.is_cuda:
+        _check_devices("maw", maw.device, threshold=threshold)
+    else:
+        _check(
+            isinstance(threshold, numbers.Real) and not isinstance(threshold, bool),
+            f"threshold must be a number or a tensor of shape [], [B, Hq] or [B, Hq, 1], got {threshold!r}",
+        )
+    _check_threads(num_threads)
+    if _on_host(maw):
         return _native.threshold_select(maw, threshold, num_kv_heads, num_rows, num_threads=num_threads)
     return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)
 

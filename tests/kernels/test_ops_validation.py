@@ -57,7 +57,12 @@ def test_valid_input_passes(path):
     ops.sparse_attention_lse(**sparse_args(key_mask=torch.ones(B, T, dtype=torch.bool)))
     ops.sparse_attention_lse(**sparse_args(block_size=4, lengths=torch.ones(B, HKV, dtype=torch.long)))
     ops.topk_blocks(ops.block_scores(**score_args()), 3)
+    ops.score_topk(**score_args(), k=3, factor=2)
     ops.threshold_select(torch.rand(B, HQ, T), 0.5, HKV, T)
+    # half-precision scores and weights: the launcher converts what the compiled kernels read (float32)
+    ops.topk_blocks(f32(B, HKV, 7).bfloat16(), 3, num_threads=1)
+    for threshold in (torch.tensor(0.5), torch.rand(B, HQ), torch.rand(B, HQ, 1)):
+        ops.threshold_select(torch.rand(B, HQ, T).half(), threshold, HKV, T)
 
 
 # ---- launchers without a native path ----------------------------------------------------------------------
@@ -169,6 +174,27 @@ PATH_CASES = {
         r"key_mask",
     ),
     "block_size_0": ("sparse_attention_lse", lambda: sparse_args(block_size=0), r"block_size"),
+    # checked only by the compiled binding before checks were done once, here (tandem.kernels.ops)
+    "block_size_float": (
+        "sparse_attention_lse",
+        lambda: sparse_args(block_size=2.5),
+        r"block_size must be a positive int or None, got 2.5",
+    ),
+    "sparse_num_threads_0": (
+        "sparse_attention_lse",
+        lambda: sparse_args(num_threads=0),
+        r"num_threads must be a positive int or None",
+    ),
+    "indices_on_another_device": (
+        "sparse_attention_lse",
+        lambda: sparse_args(indices=torch.zeros(B, HKV, 5, dtype=torch.long, device="meta")),
+        r"indices is on meta but k_store is on cpu",
+    ),
+    "q_on_another_device": (
+        "sparse_attention_lse",
+        lambda: sparse_args(q=torch.zeros(B, HQ, 1, D, device="meta")),
+        r"q is on meta but k_store is on cpu",
+    ),
     "lengths_float": (
         "sparse_attention_lse",
         lambda: sparse_args(lengths=torch.full((B, HKV), 5.0)),
@@ -206,8 +232,47 @@ PATH_CASES = {
         lambda: score_args(key_min=f32(B, 7, D), key_max=f32(B, 7, D)),
         r"key_min",
     ),
+    "key_min_int8": (
+        "block_scores",
+        lambda: score_args(key_min=torch.ones(B, HKV, 7, D, dtype=torch.int8)),
+        r"key_min\.dtype must be float32, float16 or bfloat16",
+    ),
+    "key_max_dtype": (
+        "block_scores",
+        lambda: score_args(key_max=f32(B, HKV, 7, D).half()),
+        r"key_min and key_max must have the same dtype",
+    ),
+    "key_min_no_heads": (
+        "block_scores",
+        lambda: score_args(key_min=f32(B, 0, 7, D), key_max=f32(B, 0, 7, D)),
+        r"q heads .* key_min heads \(0\)",
+    ),
+    "scores_num_threads": ("block_scores", lambda: score_args(num_threads=-1), r"num_threads"),
+    "key_max_on_another_device": (
+        "block_scores",
+        lambda: score_args(key_max=torch.zeros(B, HKV, 7, D, device="meta")),
+        r"key_max is on meta but key_min is on cpu",
+    ),
+    # score_topk
+    "score_topk_k_negative": ("score_topk", lambda: score_args(k=-1), r"k must be an int >= 0, got -1"),
+    "score_topk_factor_0": (
+        "score_topk",
+        lambda: score_args(k=2, factor=0),
+        r"factor must be a positive int \(logical / physical block size\), got 0",
+    ),
+    "score_topk_q_int": (
+        "score_topk",
+        lambda: score_args(q=torch.ones(B, HQ, 1, D, dtype=torch.int64), k=2),
+        r"\bq\.dtype",
+    ),
     # topk_blocks
     "topk_k_negative": ("topk_blocks", lambda: dict(scores=f32(B, HKV, 7), k=-1), r"\bk\b"),
+    "topk_k_float": ("topk_blocks", lambda: dict(scores=f32(B, HKV, 7), k=2.5), r"k must be an int >= 0"),
+    "topk_num_threads": (
+        "topk_blocks",
+        lambda: dict(scores=f32(B, HKV, 7), k=2, num_threads=0),
+        r"num_threads",
+    ),
     "topk_scores_2d": (
         "topk_blocks",
         lambda: dict(scores=f32(B, 7), k=2),
@@ -244,6 +309,33 @@ PATH_CASES = {
         lambda: dict(maw=f32(B, HQ, T), threshold=f32(B, HQ + 1), num_kv_heads=HKV, num_rows=T),
         r"threshold",
     ),
+    "threshold_last_dim": (
+        "threshold_select",
+        lambda: dict(maw=f32(B, HQ, T), threshold=f32(B, HQ, 2), num_kv_heads=HKV, num_rows=T),
+        r"threshold must be a number or a tensor of shape \[\], \[B, Hq\] or \[B, Hq, 1\]",
+    ),
+    "threshold_not_a_number": (
+        "threshold_select",
+        lambda: dict(maw=f32(B, HQ, T), threshold="0.5", num_kv_heads=HKV, num_rows=T),
+        r"threshold must be a number",
+    ),
+    "threshold_on_another_device": (
+        "threshold_select",
+        lambda: dict(
+            maw=f32(B, HQ, T), threshold=torch.zeros(B, HQ, device="meta"), num_kv_heads=HKV, num_rows=T
+        ),
+        r"threshold is on meta but maw is on cpu",
+    ),
+    "num_kv_heads_float": (
+        "threshold_select",
+        lambda: dict(maw=f32(B, HQ, T), threshold=0.5, num_kv_heads=2.0, num_rows=T),
+        r"num_kv_heads must be a positive int",
+    ),
+    "num_rows_float": (
+        "threshold_select",
+        lambda: dict(maw=f32(B, HQ, T), threshold=0.5, num_kv_heads=HKV, num_rows=3.0),
+        r"num_rows must be an int",
+    ),
     "maw_int": (
         "threshold_select",
         lambda: dict(
@@ -279,6 +371,13 @@ def test_dispatching_launcher_names_the_bad_argument(case, path):
         ({"count": 5}, r"skip / count must satisfy 0 <= skip <= count <= 4"),
         ({"block_size": 0}, "block_size"),
         ({"v_store": f32(B, HKV, T + 1, D)}, "v_store"),
+        # checked only by the compiled binding before checks were done once, here
+        ({"key_mask": torch.ones(B, 31, dtype=torch.bool)}, r"key_mask must be \[B, cap\] = \[2, 32\]"),
+        ({"key_mask": torch.ones(B, 32)}, "key_mask must be bool"),
+        ({"skip": 1.0}, "skip / count must satisfy"),
+        ({"block_size": 4.0}, "block_size must be a positive int"),
+        ({"num_threads": 0}, "num_threads must be a positive int or None"),
+        ({"ranked": torch.zeros(B, HKV, 4, dtype=torch.long, device="meta")}, "ranked is on meta"),
     ],
 )
 def test_ranked_block_attention_refuses(path, changes, match):
@@ -289,3 +388,76 @@ def test_ranked_block_attention_refuses(path, changes, match):
     args.update(changes)
     with pytest.raises(ValueError, match=match):
         ops.ranked_block_attention(**args)
+
+
+# ---- the prepared calls (compiled kernels only: None without them, after the same checks) ------------------
+
+
+def prepared_args(of_ranks: bool, **changes):
+    q = f32(B, HQ, D)
+    args = dict(q=q, k_store=f32(B, HKV, 32, D), v_store=f32(B, HKV, 32, D), scale=0.3,
+                out=torch.empty(B, HQ, D), lse=torch.empty(B, HQ))  # fmt: skip
+    if of_ranks:
+        args.update(ranked=torch.tensor([0, 3, 9, 1]).repeat(B, HKV, 1), block_size=4)
+    else:
+        args.update(indices=torch.arange(5).expand(B, HKV, 5).contiguous(), lengths=torch.full((B, HKV), 5))
+    args.update(changes)
+    return args
+
+
+PREPARED_CASES = {
+    "q_int": (dict(q=torch.ones(B, HQ, D, dtype=torch.int32)), r"\bq\.dtype"),
+    "q_heads": (dict(q=f32(B, 3, D), out=torch.empty(B, 3, D), lse=torch.empty(B, 3)), r"q heads \(3\)"),
+    "k_store_head_dim": (
+        dict(k_store=f32(B, HKV, 32, D + 1), v_store=f32(B, HKV, 32, D + 1)),
+        r"head_dim of q \(8\) and k_store \(9\) differ",
+    ),
+    "v_store_shape": (dict(v_store=f32(B, HKV, 31, D)), r"k_store and v_store must have the same shape"),
+    "out_shape": (dict(out=torch.empty(B, HQ, D + 1)), r"out must be q's shape = \[2, 4, 8\]"),
+    "out_dtype": (dict(out=torch.empty(B, HQ, D, dtype=torch.float16)), r"out must be float32"),
+    "lse_shape": (dict(lse=torch.empty(B, HQ, 1)), r"lse must be q's shape without head_dim = \[2, 4\]"),
+    "key_mask_shape": (dict(key_mask=torch.ones(B, 31, dtype=torch.bool)), r"key_mask must be \[B, cap\]"),
+    "scale": (dict(scale=float("nan")), r"scale must be a finite number"),
+    "num_threads": (dict(num_threads=0), r"num_threads must be a positive int or None"),
+    "out_on_another_device": (
+        dict(out=torch.empty(B, HQ, D, device="meta")),
+        r"out is on meta but q is on cpu",
+    ),
+}
+RANKED_ONLY = {
+    "ranked_shape": (
+        dict(ranked=torch.zeros(B, HKV + 1, 4, dtype=torch.long)),
+        r"ranked must be \[B, Hkv, W\]",
+    ),
+    "ranked_dtype": (dict(ranked=torch.zeros(B, HKV, 4, dtype=torch.int32)), r"ranked must be int64"),
+    "block_size_none": (dict(block_size=None), r"block_size must be a positive int, got None"),
+}
+SPARSE_ONLY = {
+    "q_4d": (dict(q=f32(B, HQ, 1, D)), r"q must be \[B, Hq, D\]"),
+    "indices_dtype": (dict(indices=torch.zeros(B, HKV, 5, dtype=torch.int32)), r"indices must be int64"),
+    "lengths_shape": (dict(lengths=torch.full((B,), 5)), r"lengths must be \[B, Hkv\] = \[2, 2\]"),
+    "block_size_0": (dict(block_size=0), r"block_size must be a positive int or None"),
+}
+
+
+def _prepared_params():
+    cases = [("ranked_attention_call", name) for name in (*PREPARED_CASES, *RANKED_ONLY)]
+    cases += [("prepared_attention_call", name) for name in (*PREPARED_CASES, *SPARSE_ONLY)]
+    return [pytest.param(launcher, name, path, id=f"{launcher}-{name}-{path}")
+            for launcher, name in cases for path in ("native", "reference")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("launcher", "case", "path"), _prepared_params(), indirect=["path"])
+def test_prepared_calls_name_the_bad_argument(launcher, case, path):
+    """Checked here, once: `cpu.RankedAttention` / `cpu.PreparedAttention` check only the layout they read in
+    place (the tests of tests/kernels/test_cpu_kernels.py)."""
+    changes, pattern = {**PREPARED_CASES, **RANKED_ONLY, **SPARSE_ONLY}[case]
+    with pytest.raises(ValueError, match=pattern):
+        getattr(ops, launcher)(**prepared_args(launcher == "ranked_attention_call", **changes))
+
+
+@pytest.mark.parametrize("path", ["native", "reference"], indirect=True)
+def test_prepared_calls_accept_valid_input(path):
+    for launcher in ("ranked_attention_call", "prepared_attention_call"):
+        call = getattr(ops, launcher)(**prepared_args(launcher == "ranked_attention_call"))
+        assert (call is None) == (path == "reference")

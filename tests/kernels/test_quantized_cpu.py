@@ -171,7 +171,8 @@ def test_out_of_range_ids_are_refused(kind):
 
 
 def _launchers():
-    """Each public entry point taking a store and its scales, over one small case (B=1, Hkv=2, cap=64, D=64)."""
+    """Each launcher taking a store and its scales, over one small case (B=1, Hkv=2, cap=64, D=64). The scales are
+    checked there, once (`scales.scale_rows`), before the compiled bindings (`cpu.*`) lay out their pointers."""
     q = torch.randn(1, 4, 1, 64)
     q3 = q[:, :, 0].contiguous()
     indices, lengths = torch.arange(8).expand(1, 2, 8).contiguous(), torch.full((1, 2), 8)
@@ -181,22 +182,16 @@ def _launchers():
         return torch.empty(query.shape), torch.empty(query.shape[:-1])
 
     return {
-        "cpu.sparse_attention_lse": lambda k, v, ks, vs: cpu.sparse_attention_lse(
-            q, k, v, indices, lengths, 0.125, k_scale=ks, v_scale=vs
-        ),
         "ops.sparse_attention_lse": lambda k, v, ks, vs: ops.sparse_attention_lse(
             q, k, v, indices, lengths, 0.125, k_scale=ks, v_scale=vs
-        ),
-        "cpu.ranked_block_attention": lambda k, v, ks, vs: cpu.ranked_block_attention(
-            q, k, v, ranked, 0, 4, 0.125, 16, k_scale=ks, v_scale=vs
         ),
         "ops.ranked_block_attention": lambda k, v, ks, vs: ops.ranked_block_attention(
             q, k, v, ranked, 0, 4, 0.125, 16, k_scale=ks, v_scale=vs
         ),
-        "cpu.RankedAttention": lambda k, v, ks, vs: cpu.RankedAttention(
+        "ops.ranked_attention_call": lambda k, v, ks, vs: ops.ranked_attention_call(
             q3, k, v, ranked, 0.125, 16, *buffers(q3), k_scale=ks, v_scale=vs
         ),
-        "cpu.PreparedAttention": lambda k, v, ks, vs: cpu.PreparedAttention(
+        "ops.prepared_attention_call": lambda k, v, ks, vs: ops.prepared_attention_call(
             q3, k, v, indices, lengths, 0.125, *buffers(q3), k_scale=ks, v_scale=vs
         ),
     }
@@ -228,8 +223,13 @@ def _bad_scales():
 
 
 @needs_native
+@pytest.mark.parametrize("path", ["native", "reference"])
 @pytest.mark.parametrize("launcher", list(_launchers()))
-def test_bad_scales_name_the_argument(launcher):
+def test_bad_scales_name_the_argument(launcher, path, monkeypatch):
+    if (
+        path == "reference"
+    ):  # the same refusals without the compiled kernels (the prepared calls: before None)
+        monkeypatch.setattr(ops, "native_cpu_available", lambda: False)
     call = _launchers()[launcher]
     for what, args, name in _bad_scales():
         with pytest.raises(ValueError, match=rf"\b{name}\b") as err:
@@ -243,13 +243,13 @@ def test_codes_only_for_kv_stores():
     (k, v, ks, vs), _ = make_store("int8", 1, 2, 64, 64, torch.ones(1, 64, dtype=torch.bool), gen)
     indices, lengths = torch.arange(8).expand(1, 2, 8).contiguous(), torch.full((1, 2), 8)
     q8 = torch.ones(1, 4, 1, 64, dtype=torch.int8)
-    with pytest.raises(ValueError, match="q: dtype"):
-        cpu.sparse_attention_lse(q8, k, v, indices, lengths, 0.125, k_scale=ks, v_scale=vs)
     with pytest.raises(ValueError, match=r"q\.dtype"):
         ops.sparse_attention_lse(q8, k, v, indices, lengths, 0.125, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match=r"q\.dtype"):
+        ops.ranked_block_attention(q8, k, v, indices, 0, 4, 0.125, 16, k_scale=ks, v_scale=vs)
     with pytest.raises(ValueError, match=r"k\.dtype must be float32, float16 or bfloat16"):
         ops.attention_lse(torch.randn(1, 4, 1, 64), k, v, 0.125)  # dense attention reads no scales
-    with pytest.raises(ValueError, match="key_min: dtype"):
+    with pytest.raises(ValueError, match=r"key_min\.dtype must be float32, float16 or bfloat16"):
         ops.block_scores(torch.randn(1, 4, 1, 64), k, v)  # digests stay in the model's dtype
 
 

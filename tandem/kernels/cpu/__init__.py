@@ -4,6 +4,7 @@ blocks), block scoring + top-k, HGCA threshold selection.
 Plain C++ with OpenMP, built with the system compiler on first use and cached (see `_library`), with
 run-time SIMD dispatch (AVX-512-BF16 -> AVX-512F -> AVX2/FMA -> portable). Every function matches its
 namesake in `tandem.kernels.reference` and falls back to it, with one warning, if no compiler is found.
+These are thin bindings: the launchers of `tandem.kernels.ops` validate the arguments and call them.
 
 >>> from tandem.kernels import cpu
 >>> cpu.is_available(), cpu.isa()  # e.g. (True, 'avx512bf16')

@@ -1,33 +1,22 @@
-"""Launchers of the compiled CPU attention kernels: validate inputs, pick the implementation, call it.
+"""Bindings of the compiled CPU attention kernels: lay out raw pointers and call the library.
 
 Each function has the signature and semantics of its namesake in `tandem.kernels.reference` plus a
 `num_threads` keyword (default: `default_num_threads()`, i.e. OMP_NUM_THREADS or all cores but one).
 When the compiled library is unavailable the reference runs instead, after one warning per process.
-Bad input raises ValueError naming the argument and what is allowed, whichever implementation runs.
-Quest's scoring and top-k and HGCA's threshold selection are in `selection`.
+Arguments are validated by the launchers of `tandem.kernels.ops`, which call these; the bindings check only the
+layout they read in place (`_checks`) and report the ids the kernels refuse. Quest's scoring and top-k and HGCA's
+threshold selection are in `selection`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
 from tandem.kernels import reference
 from tandem.kernels.cpu import _library
-from tandem.kernels.cpu._checks import (
-    _FLOAT_DTYPES,
-    _INT_DTYPES,
-    LOG2E,
-    _as,
-    _check_scales,
-    _check_store,
-    _check_tensor,
-    _native,
-    _ptr,
-    _threads,
-)
+from tandem.kernels.cpu._checks import LOG2E, _as, _native, _ptr, _rows_contiguous, _scale_fields, _threads
 from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs
 
 
@@ -61,25 +50,16 @@ def sparse_attention_lse(
     >>> q = torch.randn(1, 4, 1, 64); k = torch.randn(1, 1, 100, 64, dtype=torch.bfloat16)
     >>> out, lse = sparse_attention_lse(q, k, k, torch.tensor([[[3, 50, 99]]]), torch.tensor([[3]]), 0.125)
     """
-    _check_tensor("q", q, 4, _FLOAT_DTYPES)
-    batch, num_q_heads, q_len, head_dim = q.shape
-    num_kv_heads, cap = _check_store(q, k_store, v_store)
-    _check_tensor("indices", indices, 3, _INT_DTYPES, (batch, num_kv_heads, None))
-    _check_tensor("lengths", lengths, 2, _INT_DTYPES, (batch, num_kv_heads))
-    if key_mask is not None:
-        _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size: must be a positive int or None, got {block_size!r}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
-    scale_fields = _check_scales(k_store, k_scale, v_scale)
-    threads = _threads(num_threads)
     lib = _native()
     if lib is None:
         return reference.sparse_attention_lse(
             q, k_store, v_store, indices.long(), lengths.long(), scale, key_mask, block_size, k_scale, v_scale
         )
-
+    batch, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+    _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+    scale_fields = _scale_fields(k_store, k_scale, v_scale)
+    threads = _threads(num_threads)
     q, indices, lengths = _as(q, torch.float32), _as(indices, torch.int64), _as(lengths, torch.int64)
     key_mask = None if key_mask is None else key_mask.contiguous()
     out = torch.empty(batch, num_q_heads, q_len, head_dim, dtype=torch.float32)
@@ -98,21 +78,25 @@ def sparse_attention_lse(
     if bad < 0:
         raise RuntimeError(f"CPU kernel rejected isa={_library.isa_code()} dtype={k_store.dtype}")
     if bad:
-        unit = f"block ids (block_size={block_size})" if block_size else "row ids"
-        raise ValueError(f"indices: {bad} selected rows fall outside [0, {cap}); check the {unit}")
+        raise _out_of_range(bad, cap, block_size)
     return out, lse
 
 
-def _prepare_in_place(q, out, lse, scale, in_place, num_threads):
-    """Checks shared by the prepared calls: a finite scale, out / lse of q's shape (without D for lse) in
-    float32, the named tensors contiguous (read or written in place). Returns (threads, library)."""
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
-    _check_tensor("out", out, q.dim(), (torch.float32,), tuple(q.shape))
-    _check_tensor("lse", lse, q.dim() - 1, (torch.float32,), tuple(q.shape[:-1]))
+def _out_of_range(bad: int, cap: int, block_size: int | None) -> ValueError:
+    """The error of a call whose index lists name `bad` rows outside the store (the kernel checks every id it
+    reads; the reference path's launcher checks them up front, in these words)."""
+    units = f"{cap // block_size}) (blocks of k_store" if block_size else f"{cap}) (rows of k_store"
+    return ValueError(f"indices must lie in [0, {units}); {bad} selected rows fall outside [0, {cap})")
+
+
+def _prepare_in_place(in_place, num_threads):
+    """Layout shared by the prepared calls: the named tensors contiguous (read or written in place by the kernel,
+    whose pointers outlive this call). Returns (threads, library)."""
     for name, t in in_place:
         if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous (read or written in place), got {t.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous (read or written in place), got strides {t.stride()}"
+            )
     threads = _threads(num_threads)
     lib = _native()
     if lib is None:
@@ -133,24 +117,20 @@ class RankedAttention:
     out:      float32 q's shape, lse float32 q's shape without D; both contiguous, written in place
     Calling returns (attended, device, available): rows of all `count` ranks' valid ids, clamped per
     (request, KV head) to `available[b]`; rows of the first `skip` ranks' valid ids; sum of `available[b]`
-    over (request, KV head).
+    over (request, KV head). Built by `ops.ranked_attention_call`, which validates the arguments; this class checks
+    the layout it reads and writes in place, and `available` at each call.
     """
 
     def __init__(
         self, q, k_store, v_store, ranked, scale, block_size, out, lse, key_mask=None, num_threads=None,
         k_scale=None, v_scale=None,
     ) -> None:  # fmt: skip
-        _check_tensor("q", q, q.dim() if q.dim() in (3, 4) else 4, _FLOAT_DTYPES)
         batch, num_q_heads, head_dim = q.shape[0], q.shape[1], q.shape[-1]
-        num_kv_heads, cap = _check_store(q, k_store, v_store)
-        scale_fields = _check_scales(k_store, k_scale, v_scale)
-        _check_tensor("ranked", ranked, 3, (torch.int64,), (batch, num_kv_heads, None))
-        if key_mask is not None:
-            _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+        _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+        scale_fields = _scale_fields(k_store, k_scale, v_scale)
         in_place = (("q", q), ("ranked", ranked), ("out", out), ("lse", lse), ("key_mask", key_mask))
-        self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
+        self.threads, self.lib = _prepare_in_place(in_place, num_threads)
         q_len = q.shape[2] if q.dim() == 4 else 1
         # keeps the addresses alive
         self.tensors = (q, k_store, v_store, ranked, out, lse, key_mask, k_scale, v_scale)
@@ -203,31 +183,37 @@ class RankedAttention:
 
     def result(self, bad: int, skip: int, count: int) -> tuple[int, int, int]:
         """(attended, device, available) of a call that returned `bad`, or the error it means."""
+        # the kernel checks the ranks of every call (no launcher sees them); in ops.ranked_block_attention's words
         if bad == -2:
-            raise ValueError(f"skip / count: need 0 <= skip <= count <= {self.width}, got {skip} / {count}")
+            raise ValueError(
+                f"skip / count must satisfy 0 <= skip <= count <= {self.width} (ranked's width), got {skip} / {count}"
+            )
         if bad < 0:
             raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
         if bad:
-            raise ValueError(f"ranked: {bad} selected rows fall outside the store; check the block ids")
+            raise ValueError(f"ranked must name blocks of k_store: {bad} selected rows fall outside it")
         return self.stats[0], self.stats[1], self.stats[2]
 
     def _check_available(self, available: torch.Tensor | None) -> None:
+        # read in place as [B] int64 at each call, which no launcher sees: checked here
         if available is not None and (
             available.dtype != torch.int64
             or available.shape != (self.batch,)
             or not available.is_contiguous()
         ):
             raise ValueError(
-                f"available: expected [{self.batch}] int64 contiguous, got {tuple(available.shape)} {available.dtype}"
+                f"available must be [B] = [{self.batch}] int64, contiguous, got {tuple(available.shape)} "
+                f"{available.dtype}"
             )
 
 
 def empty_task(out: torch.Tensor, lse: torch.Tensor) -> _library.HandoffTask:
     """A hand-off task with nothing to attend: `serve_handoffs` writes zeros into `out` and -inf into `lse`
-    (float32, contiguous; the task keeps them alive)."""
+    (float32, contiguous; the task keeps them alive). No launcher stands before it (the decode path calls it on its
+    own buffers), so it checks what the writes need."""
     for name, t in (("out", out), ("lse", lse)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
     task = _library.HandoffTask(
         kind=_library.EMPTY_TASK, out=_ptr(out), lse=_ptr(lse), out_numel=out.numel(), lse_numel=lse.numel()
     )
@@ -269,35 +255,33 @@ class PreparedAttention:
     lengths:  [B, Hkv] int64 contiguous, valid entries of each list, read at every call and capped at W, so
               no entry past the buffer is read
     out:      [B, Hq, D] float32, lse [B, Hq] float32, both contiguous, written in place
+    Built by `ops.prepared_attention_call`, which validates the arguments; this class checks the layout it reads
+    and writes in place (the lists' strides and storage included).
     """
 
     def __init__(
         self, q, k_store, v_store, indices, lengths, scale, out, lse, key_mask=None, block_size=None,
         num_threads=None, k_scale=None, v_scale=None,
     ) -> None:  # fmt: skip
-        _check_tensor("q", q, 3, _FLOAT_DTYPES)
         batch, num_q_heads, head_dim = q.shape
-        num_kv_heads, cap = _check_store(q, k_store, v_store)
-        scale_fields = _check_scales(k_store, k_scale, v_scale)
-        _check_tensor("indices", indices, 3, (torch.int64,), (batch, num_kv_heads, None))
-        _check_tensor("lengths", lengths, 2, (torch.int64,), (batch, num_kv_heads))
+        num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+        _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+        scale_fields = _scale_fields(k_store, k_scale, v_scale)
+        # the lists are read in place through these strides, up to W = the row stride (lengths are capped there)
         row = indices.stride(1)
         if indices.shape[2] and (indices.stride(2) != 1 or indices.stride(0) != num_kv_heads * row):
             raise ValueError(
-                f"indices: need stride 1 along S and [B, Hkv] rows of a [B, Hkv, W] buffer, got {indices.stride()}"
+                f"indices must have stride 1 along S and be [B, Hkv] rows of a [B, Hkv, W] buffer, got strides "
+                f"{indices.stride()}"
             )
         if indices.shape[2] and (indices.storage_offset() + batch * num_kv_heads * row) * 8 > (
             indices.untyped_storage().nbytes()
         ):
             raise ValueError(
-                f"indices: its storage ends before the [B, Hkv, W={row}] buffer its strides describe"
+                f"indices must lie within its storage, which ends before the [B, Hkv, W={row}] buffer its strides describe"
             )
-        if key_mask is not None:
-            _check_tensor("key_mask", key_mask, 2, (torch.bool,), (batch, cap))
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-            raise ValueError(f"block_size: must be a positive int or None, got {block_size!r}")
         in_place = (("q", q), ("lengths", lengths), ("out", out), ("lse", lse), ("key_mask", key_mask))
-        self.threads, self.lib = _prepare_in_place(q, out, lse, scale, in_place, num_threads)
+        self.threads, self.lib = _prepare_in_place(in_place, num_threads)
         self.q = q
         self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
         # keeps the addresses alive
@@ -322,8 +306,7 @@ class PreparedAttention:
         if bad < 0:
             raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
         if bad:
-            unit = f"block ids (block_size={self.block_size})" if self.block_size else "row ids"
-            raise ValueError(f"indices: {bad} selected rows fall outside [0, {self.cap}); check the {unit}")
+            raise _out_of_range(bad, self.cap, self.block_size)
 
 
 def ranked_block_attention(
@@ -346,7 +329,6 @@ def ranked_block_attention(
         return reference.ranked_block_attention(
             q, k_store, v_store, ranked, skip, count, scale, block_size, key_mask, k_scale, v_scale
         )
-    _check_tensor("q", q, 4, _FLOAT_DTYPES)
     out = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32)
     call = RankedAttention(

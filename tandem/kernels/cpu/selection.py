@@ -1,6 +1,7 @@
-"""Launchers of the compiled CPU selection kernels: Quest's block scoring and top-k, HGCA's threshold selection,
+"""Bindings of the compiled CPU selection kernels: Quest's block scoring and top-k, HGCA's threshold selection,
 and the read-bandwidth probe. As `ops`: the reference's semantics plus `num_threads`, the reference where the
-library is unavailable, ValueError naming a bad argument."""
+library is unavailable, arguments validated by the launchers of `tandem.kernels.ops` (this module converts what
+the kernels read to the dtype and layout they read it in, and checks the digests' rows, read in place)."""
 
 from __future__ import annotations
 
@@ -10,35 +11,19 @@ import torch
 
 from tandem.kernels import reference
 from tandem.kernels.cpu import _library
-from tandem.kernels.cpu._checks import (
-    _FLOAT_DTYPES,
-    _check_tensor,
-    _native,
-    _ptr,
-    _rows_contiguous,
-    _threads,
-)
+from tandem.kernels.cpu._checks import _as, _native, _ptr, _rows_contiguous, _threads
 from tandem.kernels.cpu._library import DTYPE_CODES, ScoreArgs
 
 
 def _score(q, key_min, key_max, factor, k, num_threads):
-    _check_tensor("q", q, 4, _FLOAT_DTYPES)
-    batch, num_q_heads, _, head_dim = q.shape
-    _check_tensor("key_min", key_min, 4, _FLOAT_DTYPES, (batch, None, None, head_dim))  # no 8-bit digests
-    _check_tensor("key_max", key_max, 4, (key_min.dtype,), tuple(key_min.shape))
-    num_kv_heads, num_blocks = key_min.shape[1], key_min.shape[2]
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if not isinstance(factor, int) or factor < 1:
-        raise ValueError(f"factor: must be a positive int (logical / physical block size), got {factor!r}")
-    _rows_contiguous("key_min", key_min)
-    _rows_contiguous("key_max", key_max)
-    threads = _threads(num_threads)
     lib = _native()
     if lib is None:
         scores = reference.block_scores(q, *reference.coarsen_digest(key_min, key_max, factor))
         return scores if k is None else reference.topk_blocks(scores, k)
-
+    batch, _, _, head_dim = q.shape
+    num_kv_heads, num_blocks = key_min.shape[1], key_min.shape[2]
+    _rows_contiguous(("key_min", key_min), ("key_max", key_max))
+    threads = _threads(num_threads)
     num_logical = -(-num_blocks // factor)
     qf = q.to(torch.float32).contiguous()
     # with k, the scores stay in the library's scratch (a fresh tensor here was page-faulted in every call)
@@ -94,8 +79,6 @@ def score_topk(
     ascending, unselectable picks last; lengths [B, Hkv] int64). Ids are logical blocks: pass them to
     `sparse_attention_lse` with `block_size = factor * physical block size`.
     """
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: must be a non-negative int, got {k!r}")
     return _score(q, key_min, key_max, factor, k, num_threads)
 
 
@@ -104,22 +87,19 @@ def topk_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`k` blocks per (request, KV head), ascending block order; see `reference.topk_blocks`.
 
-    scores: [B, Hkv, nblk] float32 (-inf = not selectable). Returns (ids [B, Hkv, min(k, nblk)] int64,
+    scores: [B, Hkv, nblk] float32 / bfloat16 / float16 (-inf = not selectable). Returns (ids [B, Hkv, min(k, nblk)] int64,
     lengths [B, Hkv] int64); picks with a non-finite score sit past `lengths`.
     """
-    _check_tensor("scores", scores, 3, (torch.float32,))
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: must be a non-negative int, got {k!r}")
-    threads = _threads(num_threads)
     lib = _native()
     if lib is None:
         return reference.topk_blocks(scores, k)
+    threads = _threads(num_threads)
     batch, heads, num_blocks = scores.shape
     k = min(k, num_blocks)
     top_ids = torch.empty(batch, heads, k, dtype=torch.int64)
     top_len = torch.zeros(batch, heads, dtype=torch.int64)
     if k:
-        scores = scores.contiguous()
+        scores = _as(scores, torch.float32)  # the kernel reads float32 rows back to back
         lib.tandem_topk(_ptr(scores), batch * heads, num_blocks, k, _ptr(top_ids), _ptr(top_len), threads)
     return top_ids, top_len
 
@@ -137,30 +117,17 @@ def threshold_select(
     threshold: scalar, or per head [B, Hq] / [B, Hq, 1].
     Returns (row ids [B, Hkv, S] int64 ascending, padded with 0; lengths [B, Hkv] int64), S = max length.
     """
-    _check_tensor("maw", maw, 3, (torch.float32,))
-    batch, num_q_heads, capacity = maw.shape
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads: must divide the {num_q_heads} query heads of maw, got {num_kv_heads!r}"
-        )
-    if not isinstance(num_rows, int) or not 0 <= num_rows <= capacity:
-        raise ValueError(f"num_rows: must be an int in [0, {capacity}], got {num_rows!r}")
-    thr = torch.as_tensor(threshold, dtype=torch.float32)
-    if thr.dim() == 2:
-        thr = thr[..., None]
-    try:
-        thr = thr.broadcast_to(batch, num_q_heads, 1).reshape(batch, num_q_heads).contiguous()
-    except RuntimeError as err:
-        raise ValueError(
-            f"threshold: expected a scalar or shape [B, Hq] / [B, Hq, 1] = [{batch}, {num_q_heads}], "
-            f"got {tuple(thr.shape)}"
-        ) from err
-    threads = _threads(num_threads)
     lib = _native()
     if lib is None:
         return reference.threshold_select(maw, threshold, num_kv_heads, num_rows)
-    if maw.stride(-1) != 1:
-        maw = maw.contiguous()
+    threads = _threads(num_threads)
+    batch, num_q_heads, _ = maw.shape
+    # the kernel reads one float32 threshold per (request, query head) and float32 rows of maw (stride 1)
+    thr = torch.as_tensor(threshold, dtype=torch.float32)
+    thr = thr.reshape(thr.shape[:2]) if thr.dim() == 3 else thr
+    thr = thr.broadcast_to(batch, num_q_heads).contiguous()
+    if maw.dtype != torch.float32 or maw.stride(-1) != 1:
+        maw = maw.float().contiguous()
     out = torch.empty(batch * num_kv_heads * num_rows, dtype=torch.int64)
     lengths = torch.empty(batch, num_kv_heads, dtype=torch.int64)
     width = lib.tandem_threshold_select(
@@ -171,10 +138,13 @@ def threshold_select(
 
 
 def read_sum(data: torch.Tensor, num_threads: int | None = None) -> float:
-    """Sum of a contiguous float32 tensor read with the kernels' ISA and threads: a bandwidth probe."""
-    _check_tensor("data", data, data.dim(), (torch.float32,))
-    if not data.is_contiguous():
-        raise ValueError("data: must be contiguous")
+    """Sum of a contiguous float32 tensor read with the kernels' ISA and threads: a bandwidth probe. No launcher
+    stands before it (the bandwidth probe calls it on its own buffer), so it checks what the read needs."""
+    if not isinstance(data, torch.Tensor):
+        raise ValueError(f"data must be a contiguous float32 CPU tensor, got {type(data).__name__}")
+    if not (data.is_cpu and data.dtype == torch.float32 and data.is_contiguous()):
+        got = f"{data.dtype} on {data.device}, strides {data.stride()}"
+        raise ValueError(f"data must be a contiguous float32 CPU tensor, got {got}")
     threads = _threads(num_threads)
     lib = _native()
     if lib is None:
