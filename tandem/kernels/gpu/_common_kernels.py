@@ -1,5 +1,6 @@
 """Triton helpers shared by the kernel files (`attention_kernels`, `selection_kernels`, `recall_kernels`): the
-fp32-accumulating dot, one online-softmax step and its normalisation, and the decode of 8-bit KV rows.
+fp32-accumulating dot, the online softmax (its empty state, one step, the normalisation), and the decode of
+8-bit KV rows.
 
 Only `@triton.jit` functions live here; a kernel that calls one imports it by name (Triton resolves a helper
 through the calling kernel's module globals).
@@ -17,6 +18,15 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _empty_state(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax before any key: m_i = -inf, l_i = 0 ([ROWS] fp32), acc = 0 ([ROWS, BLOCK_D] fp32)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    return m_i, l_i, acc
 
 
 @triton.jit

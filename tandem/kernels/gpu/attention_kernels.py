@@ -11,7 +11,66 @@ stores larger than 2**31 elements address correctly.
 import triton
 import triton.language as tl
 
-from ._common_kernels import _attend_tile, _dot, _finish, _load_rows
+from ._common_kernels import _attend_tile, _dot, _empty_state, _finish, _load_rows
+
+
+@triton.jit
+def _query_group(
+    q_ptr, kv_head, group, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr
+):
+    """The decode queries of KV head kv_head's GQA group from one request's q [Hq, D] at q_ptr.
+
+    Returns q [GROUP_PAD, BLOCK_D] (0 past the group and past HEAD_DIM), the query heads head [GROUP_PAD] and
+    row_ok (which of them are real), the columns d [BLOCK_D] and d_ok (which lie within HEAD_DIM).
+    """
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    d_ok = d < HEAD_DIM
+    head = kv_head * group + g
+    row_ok = g < group
+    q = tl.load(
+        q_ptr + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    return q, head, row_ok, d, d_ok
+
+
+@triton.jit
+def _and_valid(ok, valid_ptr, row, stride):
+    """ok [N] and the validity byte of each row (valid_ptr[row * stride], a bool viewed as uint8), read where ok."""
+    return ok & (tl.load(valid_ptr + row * stride, mask=ok, other=0) != 0)
+
+
+@triton.jit
+def _attend_rows(
+    q,
+    k_base,
+    v_base,
+    row,
+    stride_k,
+    stride_v,
+    d,
+    read,
+    d_ok,
+    live,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    k_scale_base,
+    v_scale_base,
+    scale_group,
+    QUANT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One step of a kernel's key loop: K and V rows `row` [N] of one head, read where `read` [N] (see
+    `_load_rows`; with QUANT 0 the scale arguments are never read), attended where `live` ([1, N] or [ROWS, N])
+    and folded into the running (m_i, l_i, acc) by `_attend_tile`."""
+    k = _load_rows(k_base, row, stride_k, d, read, d_ok, k_scale_base, scale_group, q.dtype, QUANT, RNE_BF16)
+    v = _load_rows(v_base, row, stride_v, d, read, d_ok, v_scale_base, scale_group, q.dtype, QUANT, RNE_BF16)
+    m_i, l_i, acc = _attend_tile(q, k, v, live, m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -54,36 +113,22 @@ def hot_decode_kernel(
     """Grid (B, Hkv): one decode query group over all S slots of the hot tier, tiled by BLOCK_S."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
-    d_ok = d < HEAD_DIM
-    s_off = tl.arange(0, BLOCK_S)
-    head = kv_head * group + g
-    row_ok = g < group
-
-    q = tl.load(
-        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
+    q, head, row_ok, d, d_ok = _query_group(
+        q_ptr + b * stride_qb, kv_head, group, stride_qh, HEAD_DIM, BLOCK_D, GROUP_PAD
     )
+    s_off = tl.arange(0, BLOCK_S)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     valid_base = valid_ptr + b * stride_mb
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _empty_state(GROUP_PAD, BLOCK_D)
     for start in range(0, num_slots, BLOCK_S):
         s = start + s_off
-        in_range = s < num_slots
-        live = in_range & (tl.load(valid_base + s * stride_ms, mask=in_range, other=0) != 0)
-        k = tl.load(
-            k_base + s[:, None] * stride_ks + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
-        )
-        v = tl.load(
-            v_base + s[:, None] * stride_vs + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
-        )
-        m_i, l_i, acc = _attend_tile(q, k, v, live[None, :], m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+        live = _and_valid(s < num_slots, valid_base, s, stride_ms)
+        m_i, l_i, acc = _attend_rows(
+            q, k_base, v_base, s, stride_ks, stride_vs, d, live, d_ok, live[None, :], m_i, l_i, acc, scale,
+            k_base, v_base, 1, QUANT=0, RNE_BF16=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+        )  # fmt: skip
     out, lse = _finish(m_i, l_i, acc)
     tl.store(
         out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :],
@@ -99,7 +144,7 @@ def hot_decode_kernel(
         for start in range(0, num_slots, BLOCK_S):
             s = start + s_off
             in_range = s < num_slots
-            live = in_range & (tl.load(valid_base + s * stride_ms, mask=in_range, other=0) != 0)
+            live = _and_valid(in_range, valid_base, s, stride_ms)
             k = tl.load(
                 k_base + s[:, None] * stride_ks + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
             )
@@ -172,12 +217,10 @@ def block_attention_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
-    d_ok = d < HEAD_DIM
+    q, head, row_ok, d, d_ok = _query_group(
+        q_ptr + b * stride_qb, kv_head, group, stride_qh, HEAD_DIM, BLOCK_D, GROUP_PAD
+    )
     n_off = tl.arange(0, BLOCK_N)
-    head = kv_head * group + g
-    row_ok = g < group
 
     length = tl.load(lengths_ptr + b * stride_nb + kv_head * stride_nh).to(tl.int64)
     length = tl.minimum(tl.maximum(length, 0), width)
@@ -185,11 +228,6 @@ def block_attention_kernel(
     last = tl.minimum(first + entries_per_split, length)
     num_selected_rows = tl.maximum(last - first, 0) * BLOCK_SIZE
 
-    q = tl.load(
-        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
     ids_base = ids_ptr + b * stride_ib + kv_head * stride_ih
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
@@ -197,9 +235,7 @@ def block_attention_kernel(
     k_scale_base = k_scale_ptr + b * stride_ksb + kv_head * stride_ksh
     v_scale_base = v_scale_ptr + b * stride_vsb + kv_head * stride_vsh
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _empty_state(GROUP_PAD, BLOCK_D)
     for start in range(0, num_selected_rows, BLOCK_N):
         n = start + n_off
         in_range = n < num_selected_rows
@@ -208,15 +244,11 @@ def block_attention_kernel(
         # the id is range-checked before it is scaled: id * BLOCK_SIZE of an id near the int64 extremes wraps
         block_ok = (block >= 0) & (block < (num_rows + BLOCK_SIZE - 1) // BLOCK_SIZE)
         row = tl.where(block_ok, block, 0) * BLOCK_SIZE + n % BLOCK_SIZE
-        live = in_range & block_ok & (row < num_rows)
-        live = live & (tl.load(valid_base + row * stride_mt, mask=live, other=0) != 0)
-        k = _load_rows(
-            k_base, row, stride_kt, d, live, d_ok, k_scale_base, scale_group, q.dtype, QUANT, RNE_BF16
-        )
-        v = _load_rows(
-            v_base, row, stride_vt, d, live, d_ok, v_scale_base, scale_group, q.dtype, QUANT, RNE_BF16
-        )
-        m_i, l_i, acc = _attend_tile(q, k, v, live[None, :], m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+        live = _and_valid(in_range & block_ok & (row < num_rows), valid_base, row, stride_mt)
+        m_i, l_i, acc = _attend_rows(
+            q, k_base, v_base, row, stride_kt, stride_vt, d, live, d_ok, live[None, :], m_i, l_i, acc, scale,
+            k_scale_base, v_scale_base, scale_group, QUANT, RNE_BF16, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     out, lse = _finish(m_i, l_i, acc)
     out_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(out_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
@@ -372,9 +404,7 @@ def prefill_attention_kernel(
         acc = tl.load(out_ptrs, mask=tile_ok, other=0.0)
         acc = tl.where(l_i[:, None] > 0.0, acc, 0.0)
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     positions = causal_offset + rows  # key position of each query
@@ -385,18 +415,17 @@ def prefill_attention_kernel(
         n = start + n_off
         in_range = n < num_keys
         if HAS_VALID:
-            key_ok = in_range & (
-                tl.load(valid_ptr + b * stride_mb + n * stride_mt, mask=in_range, other=0) != 0
-            )
+            key_ok = _and_valid(in_range, valid_ptr + b * stride_mb, n, stride_mt)
         else:
             key_ok = in_range
         live = key_ok[None, :]
         if CAUSAL:
             live = (live & (n[None, :] <= positions[:, None])) | (n[None, :] == positions[:, None])
-        kv_ok = in_range[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=kv_ok, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, live, m_i, l_i, acc, scale, DOT_PRECISION, UPCAST)
+        # every key in range is read (an invalid one may still be a causal query's own)
+        m_i, l_i, acc = _attend_rows(
+            q, k_base, v_base, n, stride_kt, stride_vt, d, in_range, d_ok, live, m_i, l_i, acc, scale,
+            k_base, v_base, 1, QUANT=0, RNE_BF16=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST,
+        )  # fmt: skip
     out, lse = _finish(m_i, l_i, acc)
     tl.store(out_ptrs, out, mask=tile_ok)
     tl.store(lse_ptrs, lse, mask=row_ok)
