@@ -1,4 +1,4 @@
-"""CPU task planning: HGCA's adjacent-head merging (hgca.txt 3.3).
+"""CPU task planning: HGCA's adjacent-head merging (HGCA 3.3).
 
 The CPU side has batch * num_kv_heads independent (request, KV head) units. One task per unit would
 oversubscribe the cores at large batch; one task for everything leaves cores idle. Adjacent heads of the

@@ -1,4 +1,4 @@
-"""The 41 head features of Fluxion's predictor (fluxion.txt Appendix A), computed the same way for calibration
+"""The 41 head features of Fluxion's predictor (Fluxion Appendix A), computed the same way for calibration
 (from a model's captured keys and values) and online (from the cache's tiers).
 
 A layer's KV is split into three segments: sinks and the local window (held on the compute device: the hot

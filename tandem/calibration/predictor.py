@@ -1,4 +1,4 @@
-"""Fluxion's head-property predictor (fluxion.txt §5.2): a small MLP with a shared backbone and three outputs per
+"""Fluxion's head-property predictor (Fluxion §5.2): a small MLP with a shared backbone and three outputs per
 head and step, `bgt0` and `k` of Eq. 1 and whether the head is streaming.
 
 Training (`train_predictor`): the regression outputs are fitted so that Eq. 1's budgets at every block size
@@ -21,7 +21,7 @@ from torch import nn
 from .features import NUM_FEATURES
 from .search import CALIBRATION_BLOCKS, SELECTION_BLOCKS, budget_at
 
-HIDDEN = (256, 256, 128)  # 0.11M parameters, as fluxion.txt §5.2's 0.112M
+HIDDEN = (256, 256, 128)  # 0.11M parameters, as Fluxion §5.2's 0.112M
 
 
 class HeadPredictor(nn.Module):

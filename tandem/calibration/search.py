@@ -1,4 +1,4 @@
-"""Fluxion's output-aware budgets (fluxion.txt Eq. 2) and the budget-granularity law (Eq. 1).
+"""Fluxion's output-aware budgets (its Eq. 2) and the budget-granularity law (Eq. 1).
 
 For one decode query per request and head, `min_budgets` finds the smallest share of the host (CPU) segment a
 head must attend, at a given logical block size, for its attention output to stay within `tau` of full
@@ -23,7 +23,7 @@ import torch
 
 from ..kernels.reference import coarsen_digest
 
-CALIBRATION_BLOCKS = (1, 16, 32, 64, 128)  # Eq. 1 is fitted over these (fluxion.txt §5.2)
+CALIBRATION_BLOCKS = (1, 16, 32, 64, 128)  # Eq. 1 is fitted over these (Fluxion §5.2)
 SELECTION_BLOCKS = (16, 32, 64, 128)  # what the selector chooses from (§5.3)
 
 
@@ -158,7 +158,7 @@ def min_budgets(
 
 def fit_budget_law(budgets: torch.Tensor, blocks: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 1, bgt(blk) = bgt0 + k log2(blk), fitted by least squares over `blocks` with bgt0 the measured budget
-    at the first (finest) block size, as fluxion.txt §5.2 sets it.
+    at the first (finest) block size, as Fluxion §5.2 sets it.
 
     budgets: [..., len(blocks)]. Returns (bgt0 [...], k [...]).
     """

@@ -1,6 +1,6 @@
 """Metrics: attention-output error of the sparse path against full attention on the same cache state.
 
-The error follows Fluxion (fluxion.txt, Eq. 2): per layer, decode step and query head h,
+The error follows Fluxion's Eq. 2: per layer, decode step and query head h,
 
     err_h = ||o_h(sparse) - o_h(full)||_2 / max_h' ||o_h'(full)||_2
 

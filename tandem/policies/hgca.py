@@ -1,4 +1,4 @@
-"""HGCA: per head, host entries whose moving average of attention weights (MAW) exceeds beta / n (hgca.txt 3.2).
+"""HGCA: per head, host entries whose moving average of attention weights (MAW) exceeds beta / n (HGCA 3.2).
 
 The selection is kept as per-(request, KV head) row lists, extended when blocks are evicted (threshold over the
 hot tier's entry count, Algorithm 1 line 23) and rebuilt from the appended prompt's attention after every

@@ -1,4 +1,4 @@
-"""System model of GPU + CXL processing-near-memory decoding (pnm-kv.txt): ``tandem simulate``.
+"""System model of GPU + CXL processing-near-memory decoding (the PNM-KV paper): ``tandem simulate``.
 
 Example:
     >>> from tandem.simulator import SystemConfig, simulate

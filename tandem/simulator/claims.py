@@ -1,4 +1,4 @@
-"""The configurations of pnm-kv.txt Figures 10-14 and the paper's headline claims computed on them.
+"""The configurations of PNM-KV's Figures 10-14 and the paper's headline claims computed on them.
 
 The paper plots these figures without listing every bar; the PNM counts per bar group below are our
 reading of Section 4.2 (1 to 8 PNMs beside 1 GPU, "2GPU+8PNM", PNM nodes of 16 devices) and are

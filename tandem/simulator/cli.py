@@ -1,4 +1,4 @@
-"""``tandem simulate``: size GPU + CXL-PNM systems, reproduce pnm-kv.txt Figures 10-14, predict a host.
+"""``tandem simulate``: size GPU + CXL-PNM systems, reproduce PNM-KV's Figures 10-14, predict a host.
 
 The main CLI calls ``add_arguments(parser)`` and ``run(args)``; ``python -m tandem.simulator.cli`` runs
 standalone. Library code raises ValueError; ``run`` prints it on stderr and returns 2.
@@ -47,7 +47,7 @@ HOST_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every flag of ``tandem simulate`` to ``parser``."""
-    system = parser.add_argument_group("system (pnm-kv.txt platform)")
+    system = parser.add_argument_group("system (PNM-KV platform)")
     system.add_argument("--model", default="llama-3.1-8b", help=f"one of: {', '.join(MODELS)}")
     system.add_argument("--context", default=None, help="tokens per request: 128k, 512k, 1m or an integer")
     system.add_argument("--gpus", type=int, default=1, help="GPUs (FC layers tensor-parallel over them)")

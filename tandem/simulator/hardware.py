@@ -1,4 +1,4 @@
-"""Hardware, model and cost tables of the PNM-KV platform (pnm-kv.txt, Tables 1-3 and Section 2.2).
+"""Hardware, model and cost tables of the PNM-KV platform (the paper's Tables 1-3 and Section 2.2).
 
 Every number the paper states is cited by section or table. Values the paper leaves out are marked
 ``assumption`` and listed in ``docs/simulator.md``; they are the only knobs the model has.
@@ -17,7 +17,7 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer as the step model sees it (pnm-kv.txt Table 1).
+    """A decoder-only transformer as the step model sees it (PNM-KV Table 1).
 
     Example:
         >>> m = MODELS["llama-3.1-8b"]

@@ -1,4 +1,4 @@
-"""PNG versions of pnm-kv.txt Figures 10-14 from ``sweep.collect`` output; matplotlib imported lazily."""
+"""PNG versions of PNM-KV's Figures 10-14 from ``sweep.collect`` output; matplotlib imported lazily."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decode-step time of the three schemes (pnm-kv.txt Section 3, Figure 6), phase by phase.
+"""Decode-step time of the three schemes (PNM-KV Section 3, Figure 6), phase by phase.
 
 Every phase is a roofline: ``max(bytes / bandwidth, flops / peak)`` at the efficiencies of
 ``PlatformSpec``. FC layers always run on the GPUs with tensor parallelism; the schemes differ in where

@@ -1,5 +1,5 @@
 """Fluxion's offline search (`tandem.calibration.search`) against hand-computed numbers and brute force: Eq. 1
-(the budget law fit), Eq. 2 (minimum budgets) and the block digests (fluxion.txt §5.2). The rules the policy
+(the budget law fit), Eq. 2 (minimum budgets) and the block digests (Fluxion §5.2). The rules the policy
 applies at decode time are in tests/policies/test_granularity.py."""
 
 import math
