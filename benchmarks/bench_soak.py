@@ -178,10 +178,7 @@ def main() -> None:
     text = markdown(results, machine)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        manifest.write(args.out)
-        (args.out / "soak.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
-        (args.out / "soak.md").write_text(text)
+        manifest.save_results(args.out, "soak", {"machine": machine, "results": results}, text)
 
 
 if __name__ == "__main__":

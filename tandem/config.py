@@ -96,7 +96,7 @@ class TandemConfig:
             It costs `gpu_cache * budget` of the host tier's bytes in device memory; a size set here is kept, and a
             `MemoryError` names it if it does not fit.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
-        tau: for `fluxion`, the attention-output error each head may keep (fluxion.txt Eq. 2): its output may
+        tau: for `fluxion`, the attention-output error each head may keep (Fluxion Eq. 2): its output may
             differ from full attention's by `tau` times the layer's largest head output. 0, or one of the
             profile's calibrated values (0.02, 0.05, 0.1, 0.2 in the shipped one); 0 attends everything.
         profile: for `fluxion`, the calibration profile file (`tandem calibrate --out`); None: the one shipped for
@@ -114,6 +114,13 @@ class TandemConfig:
             and half the bytes each step reads from it (the CPU kernels and the GPU's reads decode in registers;
             quest's digests are taken before quantizing and stay exact). With it, `full` no longer equals dense
             attention: the rows it reads are the quantized ones. Its quality cost is measured in docs/evaluation.md.
+        epsilon: for `quest`, certified selection instead of the fixed `budget`: each step, every query head keeps
+            the fewest of its best host blocks (ranked by a sound upper bound of their attention mass) for which
+            the mass it skips provably stays at most `epsilon` of its attention (`policies.certify`). In (0, 1);
+            None (default): the fixed budget. Needs the host tier in the model's dtype (no `host_dtype`) and no
+            device share (gpu_share None or 0). `cache.stats()` reports the certificate of every step.
+        max_budget: with `epsilon`, the most of a head's host blocks one step may keep, in (0, 1]: the cost stays
+            bounded, and a step where it binds is reported as not meeting `epsilon`, with its certified bound.
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
             13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
@@ -146,6 +153,8 @@ class TandemConfig:
     fluxion_mode: str = "predictor"
     granularity: int | None = None
     skip_streaming: bool = True
+    epsilon: float | None = None
+    max_budget: float = 0.5
 
     def __setattr__(self, name: str, value) -> None:
         """A field assigned after construction is checked like the constructor's: the whole config is validated
@@ -246,6 +255,33 @@ class TandemConfig:
                 "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES)),
             )
         self._check_fluxion()
+        self._check_epsilon()
+
+    def _check_epsilon(self) -> None:
+        self._check_float("max_budget", 0.0, 1.0, "a fraction in (0, 1]", low_open=True)
+        if self.epsilon is None:
+            return
+        self._check_float("epsilon", 0.0, 1.0, "None or a fraction in (0, 1)", low_open=True)
+        if self.epsilon >= 1.0:
+            _fail("epsilon", self.epsilon, "None or a fraction in (0, 1)")
+        if self.policy != "quest":
+            _fail(
+                "epsilon",
+                self.epsilon,
+                "None unless policy='quest' (certified selection ranks Quest's blocks)",
+            )
+        if self.host_dtype is not None:
+            _fail(
+                "epsilon",
+                self.epsilon,
+                "None with host_dtype set: the certificate bounds the stored keys, and 8-bit ones differ",
+            )
+        if self.gpu_share:
+            _fail(
+                "gpu_share",
+                self.gpu_share,
+                "None or 0 with epsilon (the device share splits one top-k by rank; certified selections differ per head)",
+            )
 
     def _check_fluxion(self) -> None:
         self._check_float(
@@ -297,7 +333,10 @@ class TandemConfig:
         None default."""
         if self.gpu_share is not None:
             return self.gpu_share
-        return DEFAULT_GPU_SHARE if self.policy == "quest" and device_type == "cuda" else 0.0
+        certified = self.epsilon is not None
+        return (
+            DEFAULT_GPU_SHARE if self.policy == "quest" and device_type == "cuda" and not certified else 0.0
+        )
 
     def gpu_cache_on(self, device_type: str) -> float:
         """The recall cache's size in effect with the hot tier on a device of this type: resolves the None default

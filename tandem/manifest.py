@@ -109,3 +109,12 @@ def write(
     path = out / name
     path.write_text(json.dumps({**describe(argv), **extra}, indent=1) + "\n", encoding="utf-8")
     return path
+
+
+def save_results(out_dir: str | os.PathLike, stem: str, data: dict, text: str) -> Path:
+    """A benchmark's results in `out_dir`: the manifest, `stem`.json (`data`) and `stem`.md (`text`)."""
+    out = Path(out_dir)
+    write(out)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text(text, encoding="utf-8")
+    return out

@@ -112,3 +112,26 @@ def test_huge_pages_takes_bools_and_their_command_line_digits(value, expected):
 )
 def test_window_for_prompt(window, prompt, expected):
     assert TandemConfig(window_tokens=window, block_size=16).window_for_prompt(prompt) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"policy": "quest", "epsilon": 0.0}, "epsilon"),
+        ({"policy": "quest", "epsilon": 1.0}, "epsilon"),
+        ({"policy": "hgca", "epsilon": 0.05}, "epsilon"),
+        ({"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"}, "epsilon"),
+        ({"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4}, "gpu_share"),
+        ({"policy": "quest", "epsilon": 0.05, "max_budget": 0.0}, "max_budget"),
+        ({"policy": "quest", "max_budget": 1.5}, "max_budget"),
+    ],
+)
+def test_certified_selection_settings_are_refused_naming_the_field(fields, named):
+    with pytest.raises(ValueError, match=rf"TandemConfig\.{named}=.*allowed"):
+        TandemConfig(**fields)
+
+
+def test_certified_selection_takes_no_device_share_by_default():
+    config = TandemConfig(policy="quest", epsilon=0.05)
+    assert config.gpu_share_on("cuda") == 0.0 and config.gpu_cache_on("cuda") == 0.0
+    assert TandemConfig(policy="quest").gpu_share_on("cuda") > 0

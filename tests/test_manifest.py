@@ -1,5 +1,6 @@
 """`manifest.json`, which names what a result measured (commit, command, machine, versions, date)."""
 
+import json
 import re
 import subprocess
 
@@ -23,3 +24,10 @@ def test_describe_names_the_commit_command_machine_and_versions():
 def test_without_git_the_commit_is_unknown_not_invented(monkeypatch):
     monkeypatch.setattr(manifest, "_git", lambda *args: None)
     assert manifest.code_state() == {"commit": None, "dirty": None}
+
+
+def test_save_results_writes_the_manifest_beside_the_json_and_markdown(tmp_path):
+    out = manifest.save_results(tmp_path / "run", "soak", {"rows": [1, 2]}, "# Soak\n")
+    assert json.loads((out / "soak.json").read_text()) == {"rows": [1, 2]}
+    assert (out / "soak.md").read_text() == "# Soak\n"
+    assert "commit" in json.loads((out / "manifest.json").read_text())

@@ -36,7 +36,7 @@ ANY_VALUE = st.one_of(
 FIELDS = [
     "policy", "sink_tokens", "window_tokens", "block_size", "budget", "beta", "maw_alpha", "span",
     "observation_tokens", "prefill_chunk", "cpu_threads", "gpu_share", "gpu_cache", "device", "huge_pages", "tau",
-    "fluxion_mode", "granularity", "skip_streaming", "host_dtype",
+    "fluxion_mode", "granularity", "skip_streaming", "host_dtype", "epsilon", "max_budget",
 ]  # fmt: skip
 
 
@@ -59,12 +59,16 @@ def _valid(config: TandemConfig) -> None:
     assert config.huge_pages in (True, False) and config.skip_streaming in (True, False)
     assert config.granularity in (None, 16, 32, 64, 128)
     assert config.host_dtype in (None, "int8", "fp8")
+    assert type(config.max_budget) is float and 0 < config.max_budget <= 1
+    if config.epsilon is not None:
+        assert type(config.epsilon) is float and 0 < config.epsilon < 1
+        assert config.policy == "quest" and config.host_dtype is None and not config.gpu_share
 
 
 @SETTINGS
 @given(field=st.sampled_from(FIELDS), value=ANY_VALUE)
 def test_every_config_field_accepts_a_valid_value_or_names_itself(field, value):
-    policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache") else {}
+    policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache", "epsilon") else {}
     try:
         config = TandemConfig(**{**policy, field: value})
     except ValueError as err:

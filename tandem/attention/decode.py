@@ -117,14 +117,15 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool) -> torch
     """
     layer.append(k_new, v_new, valid_new)
     q3 = q[:, :, 0]
-    bufs, ranked, plan = prepare(layer, q3)
+    bufs, ranked, plan = prepare(layer, q3, scale)
     return overlapped(layer, bufs, q3, ranked, plan, scale, pool)[:, :, None]
 
 
-def prepare(layer, q3: torch.Tensor):
+def prepare(layer, q3: torch.Tensor, scale: float):
     """(bufs, ranked, plan) of one step of `layer` for q3 [B, Hq, D]: its fixed buffers (`DecodeBuffers`), the
     policy's device-side ranking of host blocks (or None), the recall cache's plan (or None), with the ranking's
     (or the plan's CPU list's) copy into host memory queued."""
+    layer.attention_scale = scale
     bufs = layer.decode_buffers
     if bufs is None or not bufs.matches(q3):
         bufs = layer.decode_buffers = DecodeBuffers(*q3.shape, q3.dtype, q3.device)
@@ -157,6 +158,7 @@ def overlapped(
         device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
         if nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
+            layer.policy.after_attention(layer, out, lse)
             return out
         bufs.q_host.copy_(q3)
         cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
@@ -170,6 +172,7 @@ def overlapped(
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
     ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+    layer.policy.after_attention(layer, out, lse)
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from tandem.cache.memory import host_empty
 from tandem.kernels.reference import QUANT_DTYPES, dequantize, quantize_blocks
+from tandem.policies.certify import block_digest
 
 
 class HostMemoryError(MemoryError):
@@ -27,6 +28,9 @@ class HostTier:
         valid:        [B, cap] bool      False for padding rows (left padding of ragged batches)
         key_min/max:  [B, Hkv, cap // block_size, D]  per-block per-dim key digest (quest)
         maw:          [B, Hq, cap] float32            moving average of attention weights (hgca)
+    With `bounds_device` (quest's certified selection), on that device, per block: key_centre_dev [B, Hkv, nb, D],
+    key_radius_dev / value_norm_dev [B, Hkv, nb], block_rows_dev [B, nb], all float32
+    (`policies.certify.block_digest`; nb = cap // block_size, blocks past the live ones have 0 rows).
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
@@ -47,6 +51,7 @@ class HostTier:
         mirror_device: torch.device | None = None,
         huge_pages: bool = True,
         quant: str | None = None,
+        bounds_device: torch.device | None = None,
     ) -> None:
         if quant is not None and quant not in QUANT_DTYPES:
             raise ValueError(f"quant: must be None or one of {', '.join(QUANT_DTYPES)}, got {quant!r}")
@@ -70,6 +75,8 @@ class HostTier:
         # finite values (0 where a block is all padding) and block_valid [B, cap // block_size]
         self.mirror_device = mirror_device if keep_digest else None
         self.key_min_dev = self.key_max_dev = self.block_valid_dev = None
+        self.bounds_device = bounds_device
+        self.key_centre_dev = self.key_radius_dev = self.value_norm_dev = self.block_rows_dev = None
         self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
 
     # ---- storage -------------------------------------------------------------------------------------------
@@ -111,6 +118,12 @@ class HostTier:
                 grown["key_min_dev"] = torch.zeros(b, hkv, new_cap // bs, d, dtype=self.dtype, device=dev)
                 grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
                 grown["block_valid_dev"] = torch.zeros(b, new_cap // bs, dtype=torch.bool, device=dev)
+            if self.bounds_device is not None:
+                dev, nb = self.bounds_device, new_cap // bs
+                grown["key_centre_dev"] = torch.zeros(b, hkv, nb, d, device=dev)
+                grown["key_radius_dev"] = torch.zeros(b, hkv, nb, device=dev)
+                grown["value_norm_dev"] = torch.zeros(b, hkv, nb, device=dev)
+                grown["block_rows_dev"] = torch.zeros(b, nb, device=dev)
         except MemoryError as err:
             if isinstance(err, HostMemoryError):
                 raise
@@ -159,6 +172,12 @@ class HostTier:
                 self.key_max_dev[:, :, b0:b1].copy_(digest[1].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
                 block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
                 self.block_valid_dev[:, b0:b1].copy_(block_valid.to(dev))
+        if self.bounds_device is not None:
+            b0, b1, dev = first // bs, (first + n) // bs, self.bounds_device
+            bounds = block_digest(keys, values, valid, bs)
+            for name, digest_part in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), bounds):
+                getattr(self, name)[:, :, b0:b1].copy_(digest_part.to(dev))
+            self.block_rows_dev[:, b0:b1].copy_(bounds[3].to(dev))
         if self.quant:  # after the digest, which stays exact
             keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
             values, value_scale = quantize_blocks(values, valid, bs, self.quant)
@@ -251,6 +270,13 @@ class HostTier:
             self._valid_count = self._valid_count + self.valid[:, self._counted : self.rows].sum(dim=1)
             self._counted = self.rows
         return self._valid_count
+
+    def device_nbytes(self) -> int:
+        """Bytes this tier keeps on the compute device: the digests' mirror and the certified selection's
+        digests (allocated capacity)."""
+        names = ("key_min_dev", "key_max_dev", "block_valid_dev", "key_centre_dev", "key_radius_dev",
+                 "value_norm_dev", "block_rows_dev")  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in names) if t is not None)
 
     def nbytes(self) -> int:
         """Bytes held in host memory by this tier (allocated capacity, all buffers)."""

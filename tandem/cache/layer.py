@@ -55,6 +55,9 @@ class LayerKV:
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
+        self.attention_scale: float | None = (
+            None  # the softmax scale of the decode steps (set by the decode path)
+        )
         self.recall: RecallCache | None = None  # quest's cache of selected host blocks on the device
         self.recall_budget = recall_budget  # sizes a default-sized recall cache (shared by a cache's layers)
         self.gpu_cache = 0.0  # its size in effect (config.gpu_cache resolved once the device is known)
@@ -123,6 +126,7 @@ class LayerKV:
             mirror_device=keys.device if keys.is_cuda or self.gpu_share > 0 else None,
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
+            bounds_device=keys.device if self.policy.needs_bounds else None,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
@@ -319,9 +323,10 @@ class LayerKV:
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     def hot_nbytes(self) -> int:
-        """Bytes of KV on the compute device: the hot tier and the recall cache."""
+        """Bytes on the compute device: the hot tier, the recall cache and the host tier's digests kept there."""
         recall = self.recall.nbytes() if self.recall is not None else 0
-        return (self.hot.nbytes() if self.hot is not None else 0) + recall
+        digests = self.host.device_nbytes() if self.host is not None else 0
+        return (self.hot.nbytes() if self.hot is not None else 0) + recall + digests
 
     def host_nbytes(self) -> int:
         return self.host.nbytes() if self.host is not None else 0

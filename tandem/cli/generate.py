@@ -101,6 +101,20 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=0.05, help="quest: fraction of host entries attended")
     p.add_argument("--beta", type=float, default=1.0, help="hgca: salience threshold factor")
     p.add_argument(
+        "--epsilon",
+        type=float,
+        default=None,
+        help="quest: certified selection instead of --budget: each head keeps the fewest host blocks for which "
+        "the attention it skips provably stays at most this fraction, in (0, 1); the stats line reports the "
+        "certificate",
+    )
+    p.add_argument(
+        "--max-budget",
+        type=float,
+        default=0.5,
+        help="quest with --epsilon: the most of a head's host blocks one step may keep, in (0, 1] (default 0.5)",
+    )
+    p.add_argument(
         "--gpu-share",
         type=float,
         default=None,
@@ -256,6 +270,8 @@ def build_config(args: argparse.Namespace) -> TandemConfig:
         fluxion_mode=args.fluxion_mode,
         granularity=args.granularity,
         skip_streaming=args.skip_streaming,
+        epsilon=args.epsilon,
+        max_budget=args.max_budget,
     )
 
 
@@ -276,6 +292,13 @@ def stats_line(stats: dict) -> str:
         line += (
             f" | streaming heads {_percent(stats.get('streaming_head_share'))} | "
             f"mean head budget {_percent(stats.get('mean_head_budget'))}"
+        )
+    cert = stats.get("certified")
+    if cert is not None and cert["head_steps"]:
+        line += (
+            f" | certified p <= {cert['epsilon']:g}: mean {cert['mean_p']:.2e}, max {cert['max_p']:.2e}, met "
+            f"{_percent(cert['met_share'])} of head-steps | output bound mean {cert['mean_output_bound']:.2e}, max "
+            f"{cert['max_output_bound']:.2e} | blocks kept {_percent(cert['mean_blocks_kept'])}"
         )
     return line
 

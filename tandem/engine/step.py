@@ -125,7 +125,7 @@ class DecodeStep:
         if hot.maw is not None:
             hot.maw.index_fill_(2, self.slot, 0.0)
         q3 = q[:, :, 0]
-        bufs, ranked, plan = decode.prepare(layer, q3)
+        bufs, ranked, plan = decode.prepare(layer, q3, scale)
         if not (self.capturing and q.is_cuda):
             out = decode.overlapped(
                 layer, bufs, q3, ranked, plan, scale, pool, self.device_blocks, self.add_host_seconds
@@ -154,6 +154,7 @@ class DecodeStep:
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
         ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+        layer.policy.after_attention(layer, out, lse)
         return out[:, :, None]
 
     def add_host_seconds(self, seconds: float) -> None:

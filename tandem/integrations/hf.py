@@ -237,6 +237,10 @@ class TandemCache(Cache):
         }
         if self.config.policy == "fluxion":
             stats.update(fluxion_statistics([kv.policy.statistics() for kv in kvs]))
+        if self.config.epsilon is not None:
+            stats["certified"] = certified_statistics(
+                [kv.policy.statistics() for kv in kvs], self.config.epsilon
+            )
         return stats
 
 
@@ -254,6 +258,27 @@ def fluxion_statistics(per_layer: list[dict]) -> dict:
         "streaming_head_share": sum(s["streaming_heads"] for s in per_layer) / heads if heads else None,
         "mean_head_budget": sum(s["budget_sum"] for s in per_layer) / heads if heads else None,
         "granularity_share": {b: n / working for b, n in by_block.items()} if working else None,
+    }
+
+
+def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
+    """quest's certified selection over layers and decode steps, per (request, query head) of each layer and step:
+    the certified skipped probability p and output bound (mean, max), the share that met epsilon when selected,
+    the largest excess of p over epsilon where the max_budget cap bound, and the share of live host blocks kept."""
+    total = {
+        k: sum(s[k] for s in per_layer) for k in ("head_steps", "p_sum", "bound_sum", "met", "blocks_kept")
+    }
+    heads, live = total["head_steps"], sum(s["blocks_live"] for s in per_layer)
+    return {
+        "epsilon": epsilon,
+        "head_steps": int(heads),
+        "mean_p": total["p_sum"] / heads if heads else None,
+        "max_p": max((s["p_max"] for s in per_layer), default=None) if heads else None,
+        "mean_output_bound": total["bound_sum"] / heads if heads else None,
+        "max_output_bound": max((s["bound_max"] for s in per_layer), default=None) if heads else None,
+        "met_share": total["met"] / heads if heads else None,
+        "max_excess": max((s["excess_max"] for s in per_layer), default=None) if heads else None,
+        "mean_blocks_kept": total["blocks_kept"] / live if live else None,
     }
 
 

@@ -57,6 +57,9 @@ class Policy:
       on_append(layer, host_weights)   a prefill/append finished; host_weights [B, Hq, rows] (or None)
       on_anchor(layer, q_last, scale)  (needs_anchor) a prefill/append finished; q_last [B, Hq, D] is its last
                                        query, on the compute device
+      after_attention(layer, out, lse) a decode step's attention of this layer is merged: out [B, Hq, D] and lse
+                                       [B, Hq] float32 on the compute device, over everything attended (device
+                                       work only: it may be recorded in a CUDA graph)
     """
 
     name = ""
@@ -70,6 +73,8 @@ class Policy:
     attends_host = True
     # True when the policy wants on_anchor(layer, q_last [B, Hq, D], scale) after each prefill / append
     needs_anchor = False
+    # per-block key centres / radii, value norms and row counts on the compute device (`certify.block_digest`)
+    needs_bounds = False
 
     def __init__(self, config) -> None:
         self.config = config
@@ -98,4 +103,7 @@ class Policy:
         return None
 
     def on_anchor(self, layer, q_last: torch.Tensor, scale: float) -> None:
+        return None
+
+    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
         return None

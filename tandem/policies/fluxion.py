@@ -1,4 +1,4 @@
-"""Fluxion: output-aware per-head budgets, streaming-head skipping and per-group granularity (fluxion.txt §3-5).
+"""Fluxion: output-aware per-head budgets, streaming-head skipping and per-group granularity (its §3-5).
 
 Every decode step, on the compute device:
 1. each query head gets its properties (bgt0, k, streaming): from the head-property predictor over the step's
@@ -23,7 +23,7 @@ from ..calibration.predictor import predictor_from_state, streaming_logit_thresh
 from ..calibration.profile import Profile, load_profile
 from ..calibration.search import SELECTION_BLOCKS, min_budgets
 from .base import NONE, Policy, Selection
-from .granularity import choose_granularity, head_budgets, mask_to_ids, select_blocks
+from .granularity import choose_granularity, head_budgets, ids_selection, mask_to_ids, select_blocks
 
 BASE_BLOCK = 16  # the host tier's digest block: every logical block size is a multiple of it
 
@@ -187,14 +187,7 @@ class FluxionPolicy(Policy):
             from_device = self.device_select(layer, q[:, :, 0])
             if from_device is None:
                 return NONE
-        width = from_device.shape[-1]
-        lengths = (from_device < width).sum(dim=-1)
-        most = int(lengths.max())
-        if most == 0:
-            return NONE
-        ids = from_device[..., :most]
-        ids = ids.masked_fill(ids >= width, 0)
-        return Selection("blocks", ids, lengths, layer.host.block_size)
+        return ids_selection(from_device, layer.host.block_size)
 
     # ---- statistics -------------------------------------------------------------------------------------------
     def _count(self, layer, budgets, choice, streaming, active, const) -> None:

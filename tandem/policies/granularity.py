@@ -1,4 +1,4 @@
-"""Fluxion's granularity-budget selector (fluxion.txt §5.3): per GQA group, the logical block size that minimises
+"""Fluxion's granularity-budget selector (its §5.3): per GQA group, the logical block size that minimises
 the data a step reads (Eq. 3), then each head's own top blocks at that size, unioned over the group.
 
 Logical blocks are made of the host tier's 16-token blocks: the coarser digests come from the 16-token ones
@@ -17,6 +17,7 @@ import torch
 
 from ..calibration.search import budget_at, head_block_bounds
 from ..kernels.reference import coarsen_digest
+from .base import NONE, Selection
 
 
 def data_volume(budgets: torch.Tensor, host_rows: torch.Tensor, blocks: torch.Tensor, num_kv_heads: int):
@@ -89,6 +90,18 @@ def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
     n = mask.shape[-1]
     ids = torch.arange(n, device=mask.device).expand_as(mask)
     return torch.where(mask, ids, torch.full_like(ids, n)).sort(dim=-1).values
+
+
+def ids_selection(from_device: torch.Tensor, block_size: int):
+    """The Selection of `mask_to_ids` output [B, Hkv, n] on the host: each KV head's ids up to its first invalid
+    pick (n), or NONE when no head selected anything."""
+    width = from_device.shape[-1]
+    lengths = (from_device < width).sum(dim=-1)
+    most = int(lengths.max())
+    if most == 0:
+        return NONE
+    ids = from_device[..., :most]
+    return Selection("blocks", ids.masked_fill(ids >= width, 0), lengths, block_size)
 
 
 def blocks_for_budget(budget: float, host_rows: int, block: int) -> int:

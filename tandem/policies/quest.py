@@ -1,4 +1,4 @@
-"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (fluxion.txt 2.1).
+"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (Fluxion 2.1).
 
 With the hot tier on a GPU the host tier mirrors its block digests there, and the bound and the top-k run
 on the GPU inside the decode step (Triton kernels over the digests at HBM speed); only the selected block
@@ -7,6 +7,10 @@ ids travel to the CPU with q. Otherwise the compiled CPU kernels score the host 
 With `gpu_share` > 0 a share of each step's selected blocks is attended by the compute device itself,
 straight from pinned host memory (`attention.decode.device_part`), and the CPU attends the rest: both read the
 host tier at once, one over PCIe and one from DRAM (Fluxion's CPU+GPU split of the sparse attention).
+
+With `epsilon` the fixed budget gives way to a certified selection (`certify`): each query head keeps the
+fewest blocks whose skipped mass provably stays under epsilon, and every step's certificate is counted
+(`statistics`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ import math
 import torch
 
 from ..kernels import ops
+from . import certify
 from .base import NONE, Policy, Selection
+from .fluxion import _digests
+from .granularity import ids_selection, mask_to_ids
+
+# device-side counters of the certified selection, summed over steps (`QuestPolicy.statistics`)
+CERT_COUNTERS = (
+    "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "blocks_kept", "blocks_live",
+)  # fmt: skip
 
 
 class QuestPolicy(Policy):
@@ -28,6 +40,10 @@ class QuestPolicy(Policy):
         # blocks_this_step on the digests' device (read by device_select's kernels) and its value on the host
         self._k: torch.Tensor | None = None
         self._k_value: int | None = None
+        self.certified = config.epsilon is not None
+        self.needs_bounds = self.certified
+        self._step = None  # the certified selection of the step in flight, for after_attention
+        self._counters: torch.Tensor | None = None
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
@@ -37,6 +53,8 @@ class QuestPolicy(Policy):
         With Triton the top-k is a set (`ops.top_blocks`: ids ascending, the rest invalid picks) for the k held
         in a device tensor that `prepare_step` updates before each step, so a recorded graph follows the host
         tier's growth. Without it, torch.topk ranks k_max blocks best first (any k's top-k is a prefix)."""
+        if self.certified:
+            return self._certified_select(layer, q)
         host = layer.host
         if host is None or host.key_min_dev is None:
             return None
@@ -81,12 +99,16 @@ class QuestPolicy(Policy):
     def ranked_range(self, layer, from_device, skip: int) -> tuple[int, int] | None:
         """select() with device-ranked ids keeps ranks [skip, ceil(budget * blocks)) (the invalid picks dropped,
         the rest sorted): that is `reference.ranked_blocks`, done by the compiled call in one go."""
+        if self.certified:
+            return None  # lengths differ per KV head
         k = self.blocks_this_step(layer)
         if from_device is None or from_device.shape[-1] < k:
             return None
         return min(skip, k), k
 
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
+        if self.certified:
+            return self._certified_selection(layer, q, from_device)
         host = layer.host
         k = self.blocks_this_step(layer)
         if k - skip <= 0:
@@ -104,3 +126,67 @@ class QuestPolicy(Policy):
         scores = ops.block_scores(q, key_min, key_max, num_threads=self.config.cpu_threads)
         blocks, lengths = ops.topk_blocks(scores, k, num_threads=self.config.cpu_threads)
         return Selection("blocks", blocks, lengths, host.block_size)
+
+    # ---- certified selection (`epsilon`) ------------------------------------------------------------------
+    def _certified_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
+        """[B, Hkv, nb] int64: each KV head's certified blocks ascending, then nb (none); see `certify`."""
+        host = layer.host
+        if host is None or host.rows == 0:
+            self._step = None
+            return None
+        key_min, key_max, _ = _digests(host, q.device)
+        nb = key_min.shape[2]  # the device mirror is capacity-wide, the host digests cover the live blocks
+        centre, radius = host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb]
+        value_norm, rows = host.value_norm_dev[:, :, :nb], host.block_rows_dev[:, :nb]
+        scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
+        with torch.no_grad():
+            mass = certify.mass_bounds(
+                certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
+            )
+            known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
+            live = (rows > 0).sum(
+                -1, keepdim=True
+            )  # [B, 1]: a device tensor, so a recorded step follows growth
+            most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
+            union, needed, kept = certify.certified_blocks(
+                mass, known, self.config.epsilon, most, layer.num_kv_heads
+            )
+        self._step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live)
+        return mask_to_ids(union)
+
+    def _certified_selection(self, layer, q, from_device) -> Selection:
+        if from_device is None:
+            from_device = self._certified_select(layer, q[:, :, 0])
+            if from_device is None:
+                return NONE
+        return ids_selection(from_device, layer.host.block_size)
+
+    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Count this step's certificate (`certify.certificate`) on the device, with the exact attended mass."""
+        if self._step is None:
+            return
+        mass, union, value_norm, rows, met, kept_blocks, live = self._step
+        self._step = None
+        with torch.no_grad():
+            p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            excess = (p - self.config.epsilon).clamp(min=0)
+            step = torch.stack([
+                torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),
+                met.float().sum(), excess.max(), kept_blocks.float().sum(), (live.float() * layer.num_kv_heads).sum(),
+            ])  # fmt: skip
+            if self._counters is None or self._counters.device != step.device:
+                # made in the eager warm-up steps, updated in place: a recorded step adds to the same tensor
+                self._counters = torch.zeros_like(step)
+                self._maxima = torch.zeros_like(step, dtype=torch.bool)
+                self._maxima[2:7:2] = True  # p_max, bound_max, excess_max
+            counters = self._counters
+            counters.copy_(torch.where(self._maxima, torch.maximum(counters, step), counters + step))
+
+    def statistics(self) -> dict:
+        """The certified selection's counters since the last reset (one device read): see CERT_COUNTERS."""
+        values = self._counters.tolist() if self._counters is not None else [0.0] * len(CERT_COUNTERS)
+        return dict(zip(CERT_COUNTERS, values))
+
+    def reset_statistics(self) -> None:
+        if self._counters is not None:
+            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor

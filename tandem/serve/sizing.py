@@ -79,7 +79,11 @@ def request_bytes(
         host += rows * shape.num_q_heads * 4
     device = hot
     if needs_digest and (on_cuda or share > 0):
-        device += digest  # the digests' mirror on the compute device
+        device += digest + blocks  # the digests' mirror on the compute device, and which blocks hold rows
+    if config.epsilon is not None:
+        # the certified selection's digests on the compute device, float32: key centres [Hkv, nb, D], radii and
+        # value norms [Hkv, nb], rows per block [nb]
+        device += blocks * (shape.num_kv_heads * (shape.head_dim + 2) + 1) * 4
     if config.policy == "quest" and share > 0:
         factor = config.gpu_cache_on(device_type) or 0.0
         selected = math.ceil(config.budget * blocks)

@@ -403,15 +403,21 @@ def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
     assert layer.host.rows > 0  # the schedule did evict
 
 
-def test_hot_ring_grows_with_the_sequence_and_keeps_every_token():
-    """A short prompt under a wide window allocates a ring for its own tokens; decoding doubles it (each move
-    counted by `generation`) up to the window's blocks, and no token is lost or duplicated on the way."""
+def _short_prompt_under_a_wide_window():
+    """(config, layer, feeder): 8 tokens of 2 requests in a layer whose window holds 64."""
     cfg = TandemConfig(
         policy="full", device="cpu", sink_tokens=4, window_tokens=64, block_size=BLOCK, cpu_threads=1
     )
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     feeder = Feeder([0, 0])
     layer.append(*feeder.next(8))
+    return cfg, layer, feeder
+
+
+def test_hot_ring_grows_with_the_sequence_and_keeps_every_token():
+    """A short prompt under a wide window allocates a ring for its own tokens; decoding doubles it (each move
+    counted by `generation`) up to the window's blocks, and no token is lost or duplicated on the way."""
+    cfg, layer, feeder = _short_prompt_under_a_wide_window()
     hot = layer.hot
     max_blocks = math.ceil(64 / BLOCK) + 1
     assert hot.allocated_blocks < max_blocks and hot.generation == 0
@@ -431,12 +437,7 @@ def test_hot_ring_grows_with_the_sequence_and_keeps_every_token():
 def test_a_ring_that_cannot_grow_raises_memory_error_and_stays_as_it_was(monkeypatch):
     """Out of device memory while the ring doubles: a MemoryError naming window_tokens, before any of the
     tier's tensors is replaced, so the tier still holds every token and grows once memory is back."""
-    cfg = TandemConfig(
-        policy="full", device="cpu", sink_tokens=4, window_tokens=64, block_size=BLOCK, cpu_threads=1
-    )
-    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
-    feeder = Feeder([0, 0])
-    layer.append(*feeder.next(8))
+    cfg, layer, feeder = _short_prompt_under_a_wide_window()
     hot = layer.hot
     while hot.free or hot.tail_fill < BLOCK:  # fill what is allocated
         layer.append(*feeder.next(1))

@@ -1,0 +1,160 @@
+"""Tightness of quest's certified selection (`TandemConfig(epsilon=...)`) on the default model: for every layer,
+decode step and (request, query head), the certified probability of the skipped entries (the combined box + ball
+bound, and the box bound alone over the same selection) beside the measured one, full attention over the
+same cache in float64; the output bound beside the measured deviation; the share of host blocks kept and of
+head-steps that met epsilon. Prompts are `tandem eval`'s niah samples (a haystack with one planted fact).
+
+    python benchmarks/bench_certified.py --lengths 2048,4096 --epsilons 0.01,0.05,0.1 --samples 20 \
+        --out benchmarks/results/<date>_<machine>_certified
+
+Prints and saves certified.json / certified.md (+ a manifest, and certified.png with matplotlib: certified against
+measured p, both bounds). Every soundness violation is counted; there must be none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model, manifest
+from tandem.evaluation.certified import trace_certificates
+from tandem.evaluation.haystack import load_haystack
+from tandem.evaluation.tasks import TaskBuilder
+
+
+def _quantiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+
+    def at(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"median": at(0.5), "p90": at(0.9), "max": ordered[-1]}
+
+
+def cell(model, samples, epsilon: float, max_budget: float, steps: int, window: int) -> dict:
+    """Every head-step of `samples` decoded with certified selection at `epsilon`."""
+    heads: dict[str, list[float]] = {
+        k: [] for k in ("p_measured", "p_certified", "p_box", "deviation", "bound")
+    }
+    met, kept, violations = [], [], 0
+    start = time.perf_counter()
+    for sample in samples:
+        config = TandemConfig(
+            policy="quest", sink_tokens=16, window_tokens=window, epsilon=epsilon, max_budget=max_budget
+        )
+        cache = TandemCache.for_model(model, config)
+        with trace_certificates() as records:
+            model.generate(
+                sample.input_ids, max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                **generate_cache_kwargs(model, cache),
+            )  # fmt: skip
+        for r in records:
+            for key in heads:
+                heads[key] += r[key]
+            met += r["met"]
+            kept += r["kept"]
+            violations += sum(p > c + 1e-6 for p, c in zip(r["p_measured"], r["p_certified"]))
+            violations += sum(d > b * (1 + 1e-3) + 1e-4 for d, b in zip(r["deviation"], r["bound"]))
+    ratio = [c / max(p, 1e-12) for p, c in zip(heads["p_measured"], heads["p_certified"])]
+    ratio_box = [c / max(p, 1e-12) for p, c in zip(heads["p_measured"], heads["p_box"])]
+    return {
+        "epsilon": epsilon,
+        "head_steps": len(met),
+        "violations": violations,
+        "met_share": sum(met) / len(met) if met else None,
+        "blocks_kept": statistics.mean(kept) if kept else None,
+        "p_measured": _quantiles(heads["p_measured"]),
+        "p_certified": _quantiles(heads["p_certified"]),
+        "p_box": _quantiles(heads["p_box"]),
+        "certified_over_measured": _quantiles(ratio),
+        "box_over_measured": _quantiles(ratio_box),
+        "deviation": _quantiles(heads["deviation"]),
+        "bound": _quantiles(heads["bound"]),
+        "seconds": time.perf_counter() - start,
+        "points": {k: heads[k][:: max(1, len(met) // 2000)] for k in ("p_measured", "p_certified", "p_box")},
+    }
+
+
+def markdown(rows: list[dict], machine: dict, args) -> str:
+    lines = [
+        "# Certified selection: certificate against measurement (default model)",
+        "",
+        f"Machine: {machine.get('cpu', machine)}. SmolLM2-135M-Instruct (real weights), niah prompts, {args.samples} "
+        f"samples per cell, {args.steps} decode steps each, sinks 16, window {args.window}, max_budget "
+        f"{args.max_budget}. Quantiles are over (layer, step, request, query head).",
+        "",
+        "| length | epsilon | head-steps | violations | met epsilon | blocks kept | measured p (median / p90) | "
+        "certified p (median / p90) | box alone (median) | certified / measured (median) | deviation / bound "
+        "(median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['length']} | {r['epsilon']} | {r['head_steps']} | {r['violations']} | {r['met_share']:.1%} | "
+            f"{r['blocks_kept']:.1%} | {r['p_measured']['median']:.2e} / {r['p_measured']['p90']:.2e} | "
+            f"{r['p_certified']['median']:.2e} / {r['p_certified']['p90']:.2e} | {r['p_box']['median']:.2e} | "
+            f"{r['certified_over_measured']['median']:.3g} | {r['deviation']['median']:.2e} / "
+            f"{r['bound']['median']:.2e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 4), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        pts = r["points"]
+        ax.loglog([max(p, 1e-12) for p in pts["p_measured"]], pts["p_box"], ".", ms=2, label="box alone")
+        ax.loglog(
+            [max(p, 1e-12) for p in pts["p_measured"]], pts["p_certified"], ".", ms=2, label="box + ball"
+        )
+        ax.plot([1e-12, 1], [1e-12, 1], "k-", lw=0.5)
+        ax.set(title=f"{r['length']} tokens, eps {r['epsilon']}", xlabel="measured p", ylabel="certified p")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="2048,4096")
+    p.add_argument("--epsilons", default="0.01,0.05,0.1")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--max-budget", type=float, default=0.5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_model(device="cpu", dtype="float32")
+    builder = TaskBuilder(tokenizer, load_haystack())
+    rows = []
+    for length in map(int, args.lengths.split(",")):
+        samples = builder.samples("niah", length, args.samples)
+        for epsilon in map(float, args.epsilons.split(",")):
+            row = {
+                "length": length,
+                **cell(model, samples, epsilon, args.max_budget, args.steps, args.window),
+            }
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "points"}, flush=True)
+    machine = manifest.machine()
+    text = markdown(rows, machine, args)
+    print(text)
+    if args.out is not None:
+        manifest.save_results(args.out, "certified", {"machine": machine, "rows": rows}, text)
+        plot(rows, args.out / "certified.png")
+
+
+if __name__ == "__main__":
+    main()

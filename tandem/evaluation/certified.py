@@ -1,0 +1,80 @@
+"""Certificates against measurement: while a model decodes with quest's certified selection
+(`TandemConfig(epsilon=...)`), record each layer's certificate at every step beside the measured truth, full
+attention over every row the layer holds, in float64. Used by the soundness tests and by
+`benchmarks/bench_certified.py` (tightness).
+
+    with trace_certificates() as records:
+        model.generate(...)                  # a TandemCache with epsilon
+    records[i]: {"layer", "p_measured", "p_certified", "p_box", "deviation", "bound", "met", "kept"}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..policies import certify
+from ..policies.fluxion import _digests
+from ..policies.quest import QuestPolicy
+
+
+def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """(measured p, ||o_full - out||) per (request, query head), float64: full attention of q [B, Hq, D] over every
+    row `layer` holds (hot and host tiers) against (out [B, Hq, D], lse [B, Hq]), what the step attended."""
+    hot, host = layer.hot, layer.host
+    host.wait()
+    keys, values, valid = host.live()
+    device = hot.keys.device
+    rows = torch.cat([hot.keys.double(), keys.to(device).double()], 2)
+    vals = torch.cat([hot.values.double(), values.to(device).double()], 2)
+    live = torch.cat([hot.valid, valid.to(device)], 1)
+    batch, num_q_heads, dim = q.shape
+    qg = q.double().view(batch, layer.num_kv_heads, num_q_heads // layer.num_kv_heads, dim)
+    logits = (qg @ rows.transpose(-1, -2)) * layer.attention_scale
+    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
+    full_lse = logits.logsumexp(-1).view(batch, num_q_heads)
+    full_out = (torch.softmax(logits, -1) @ vals).view(batch, num_q_heads, dim)
+    p = (1 - torch.exp(lse.double() - full_lse)).clamp(min=0)
+    return p, (full_out - out.double()).norm(dim=-1)
+
+
+@contextlib.contextmanager
+def trace_certificates():
+    """Record every certified decode step of every quest layer (see the module doc) while the block runs."""
+    records: list[dict] = []
+    queries: dict[int, torch.Tensor] = {}
+    select, after = QuestPolicy._certified_select, QuestPolicy.after_attention
+
+    def keep_query(self, layer, q):
+        queries[id(layer)] = q.clone()
+        return select(self, layer, q)
+
+    def record(self, layer, out, lse):
+        if self._step is not None:
+            mass, union, value_norm, rows, met, kept, live = self._step
+            q = queries[id(layer)]
+            p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            key_min, key_max, _ = _digests(layer.host, q.device)
+            nb = key_min.shape[2]
+            host = layer.host
+            box = certify.logit_bounds(
+                q, key_min, key_max, host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb], rows,
+                layer.attention_scale, ball=False,
+            )  # fmt: skip
+            p_box, _ = certify.certificate(certify.mass_bounds(box, rows), union, value_norm, rows, lse, out)
+            p, deviation = full_attention_gap(layer, q, out, lse)
+            records.append({
+                "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
+                "p_certified": p_cert.double().flatten().tolist(), "p_box": p_box.double().flatten().tolist(),
+                "deviation": deviation.flatten().tolist(), "bound": bound.double().flatten().tolist(),
+                "met": met.flatten().tolist(), "kept": (kept.float() / live.float().clamp(min=1)).flatten().tolist(),
+            })  # fmt: skip
+        return after(self, layer, out, lse)
+
+    QuestPolicy._certified_select, QuestPolicy.after_attention = keep_query, record
+    try:
+        yield records
+    finally:
+        QuestPolicy._certified_select, QuestPolicy.after_attention = select, after

@@ -1,0 +1,127 @@
+"""Certified sparse attention: a sound bound, per query head and step, on what the host blocks a selection skips
+could change, and the selection that keeps that bound under a user's epsilon.
+
+For a query q (logits s = scale * q.k) and a host block b of n_b rows, `logit_bounds` gives an upper bound u_b of
+every logit in the block, the smaller of two:
+- the box bound from the block's per-dimension key min / max (Quest's score): sum_d max(q_d min_d, q_d max_d);
+- the ball bound from the keys' centre c_b and radius r_b = max ||k - c_b||: q.c_b + ||q|| r_b.
+Both are scaled, and a slack covers fp32 rounding in the kernels' dot products. The skipped mass is then at most
+D = sum over skipped blocks of n_b exp(u_b), and with W the exact mass of what was attended (hot tier plus
+selection), the probability the skipped rows hold is p <= D / (W + D). The output moves by at most
+||o - o_sparse|| <= p (max ||v|| over the skipped blocks + ||o_sparse||): o is the mix (1 - p) o_sparse + p o_tail
+with ||o_tail|| at most the largest skipped value norm.
+
+`certified_blocks` picks, per query head, the fewest best blocks (ranked by log n_b + u_b) whose tail certifies
+p <= epsilon against the hot tier's mass alone (a lower bound of W known before the host part runs), capped at
+`max_blocks`; each KV head attends the union of its group's picks. `certificate` gives, after the step, the tighter
+bound with W the exact attended mass. Everything here is plain torch on the compute device (graph-safe: no host
+reads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SLACK_ABS = 2e-3  # logit units added to every upper bound: fp32 rounding of the kernels' dot products
+SLACK_REL = 1e-4
+
+
+def block_digest(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """Per block of `block_size` rows, over its non-padding rows: (centre [B, Hkv, nb, D] float32, radius
+    [B, Hkv, nb], largest value norm [B, Hkv, nb], rows [B, nb] float32). An all-padding block has 0 rows (and
+    zeros elsewhere). keys / values: [B, Hkv, n, D] with n a multiple of block_size; valid: [B, n] bool."""
+    batch, heads, n, dim = keys.shape
+    nb = n // block_size
+    live = valid.view(batch, 1, nb, block_size)
+    rows = live[:, 0].sum(-1).float()  # [B, nb]
+    k = keys.float().view(batch, heads, nb, block_size, dim)
+    centre = (k * live[..., None]).sum(3) / rows.clamp(min=1.0)[:, None, :, None]
+    radius = (k - centre[:, :, :, None]).norm(dim=-1).masked_fill(~live, 0.0).amax(-1)
+    value_norm = values.float().view(batch, heads, nb, block_size, dim).norm(dim=-1).masked_fill(~live, 0.0)
+    return centre, radius, value_norm.amax(-1), rows
+
+
+def logit_bounds(q, key_min, key_max, centre, radius, rows, scale: float, ball: bool = True) -> torch.Tensor:
+    """Upper bounds of the scaled logits of every row of each block, per query head: [B, Hq, nb] float32, -inf
+    for a block without rows. q: [B, Hq, D]; key_min / key_max / centre: [B, Hkv, nb, D]; radius: [B, Hkv, nb];
+    rows: [B, nb]. `ball` False: the box bound alone (for comparison)."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads, nb = key_min.shape[1], key_min.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.float().view(batch, num_kv_heads, group, dim)
+    empty = (rows == 0)[:, None, None, :]  # [B, 1, 1, nb]
+    kmin = key_min.float().masked_fill(empty[:, :, 0, :, None], 0.0)
+    kmax = key_max.float().masked_fill(empty[:, :, 0, :, None], 0.0)
+    box = qg.clamp(min=0) @ kmax.transpose(-1, -2) + qg.clamp(max=0) @ kmin.transpose(
+        -1, -2
+    )  # [B, Hkv, G, nb]
+    bound = box
+    if ball:
+        centred = (
+            qg @ centre.float().transpose(-1, -2) + qg.norm(dim=-1, keepdim=True) * radius.float()[:, :, None]
+        )
+        bound = torch.minimum(box, centred)
+    bound = bound * scale
+    bound = bound + SLACK_ABS + SLACK_REL * bound.abs()
+    return bound.masked_fill(empty, -math.inf).view(batch, num_q_heads, nb)
+
+
+def mass_bounds(bounds: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """log(n_b) + u_b: the log of an upper bound of each block's attention mass, [B, Hq, nb] (-inf when empty)."""
+    return bounds + rows.clamp(min=1.0).log()[:, None, :]
+
+
+def hot_mass(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """log of the exact attention mass of the hot tier, per query head: [B, Hq]. keys: [B, Hkv, S, D]; valid:
+    [B, S] bool."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads = keys.shape[1]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
+    logits = (qg @ keys.float().transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+    logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
+    return logits.logsumexp(-1).view(batch, num_q_heads)
+
+
+def certified_blocks(
+    mass: torch.Tensor, known_lse: torch.Tensor, epsilon: float, max_blocks: int, num_kv_heads: int
+):
+    """The certified selection: (union [B, Hkv, nb] bool, needed [B, Hq], kept [B, Hq]).
+
+    mass: `mass_bounds` [B, Hq, nb]; known_lse: [B, Hq] log of a lower bound of the attended mass (the hot tier's).
+    Each query head keeps its `needed` best blocks by `mass`, the fewest whose tail certifies p <= epsilon,
+    at most `max_blocks` (`kept`; a head with kept < needed does not meet epsilon this step). A KV head attends
+    the union of its group's blocks, so each head's certificate holds for the union too.
+    """
+    batch, num_q_heads, nb = mass.shape
+    ordered, order = mass.sort(dim=-1, descending=True)
+    tail = (
+        ordered.flip(-1).logcumsumexp(-1).flip(-1)
+    )  # tail[i]: the mass bound of every block ranked i or later
+    limit = known_lse + math.log(epsilon / (1.0 - epsilon))  # p <= eps  <=>  log D - log W <= logit(eps)
+    needed = (tail > limit[..., None]).sum(-1)  # tail is non-increasing: the first rank under the limit
+    kept = needed.clamp(max=max_blocks)
+    take = torch.arange(nb, device=mass.device) < kept[..., None]
+    picked = torch.zeros_like(take).scatter_(-1, order, take)
+    union = picked.view(batch, num_kv_heads, num_q_heads // num_kv_heads, nb).any(dim=2)
+    return union, needed, kept
+
+
+def certificate(mass, union, value_norm, rows, attended_lse, out):
+    """After the step: (p [B, Hq], output bound [B, Hq]) with `attended_lse` [B, Hq] the exact log mass of what
+    was attended (hot tier and selection, merged) and `out` [B, Hq, D] its output. union: [B, Hkv, nb] bool the
+    attended blocks; value_norm: [B, Hkv, nb]; rows: [B, nb]."""
+    batch, num_q_heads, nb = mass.shape
+    num_kv_heads = union.shape[1]
+    group = num_q_heads // num_kv_heads
+    skipped = (
+        (~union & (rows > 0)[:, None, :])[:, :, None]
+        .expand(-1, -1, group, -1)
+        .reshape(batch, num_q_heads, nb)
+    )
+    tail = mass.masked_fill(~skipped, -math.inf).logsumexp(-1)
+    p = torch.sigmoid(tail - attended_lse.float())  # D / (W + D); 0 when nothing is skipped
+    largest = value_norm.float().masked_fill(~(~union & (rows > 0)[:, None, :]), 0.0).amax(-1)  # [B, Hkv]
+    largest = largest[:, :, None].expand(-1, -1, group).reshape(batch, num_q_heads)
+    return p, p * (largest + out.float().norm(dim=-1))

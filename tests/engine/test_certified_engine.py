@@ -1,0 +1,44 @@
+"""quest's certified selection through the engine: the certificate is device work only, so a decode step with
+it records as a CUDA graph, and the recorded steps select and certify as eager ones do (greedy tokens and the
+certificate statistics equal). On CPU the same steps run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import TandemCache, TandemConfig
+from tandem.engine import TandemRunner
+from tests.tiny import tiny_model
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _decode(device: str, use_graphs: bool):
+    model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2).to(device)
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=0.01)
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache, use_graphs=use_graphs)
+    ids = torch.randint(0, 128, (2, 180), generator=torch.Generator().manual_seed(0)).to(device)
+    first = runner.prefill(ids, max_new_tokens=40).argmax(-1)
+    tokens, _ = runner.decode(first, 24)
+    return tokens, cache.stats()["certified"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_certified_steps_report_a_certificate_every_step(device):
+    tokens, stats = _decode(device, use_graphs=False)
+    assert tokens.shape == (2, 24)
+    assert stats["head_steps"] == 2 * 8 * 2 * 24  # batch x query heads x layers x steps
+    assert 0.0 <= stats["mean_p"] <= stats["max_p"] <= 1.0 and stats["mean_output_bound"] >= 0.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_recorded_certified_steps_select_and_certify_as_eager_ones():
+    eager_tokens, eager = _decode("cuda", use_graphs=False)
+    graph_tokens, graphs = _decode("cuda", use_graphs=True)
+    assert torch.equal(eager_tokens, graph_tokens)
+    assert graphs["head_steps"] == eager["head_steps"]
+    for key in ("mean_p", "max_p", "mean_output_bound", "met_share", "mean_blocks_kept"):
+        assert graphs[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,76 @@
+"""quest's certified selection (`TandemConfig(epsilon=...)`) on real decode steps: every layer's every step, the
+measured skipped probability and output deviation from full attention over the same cache never exceed the
+certificate; heads that met epsilon have a certificate under it; the stats report it. The tiny model always,
+the default model with the `model` marker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.evaluation.certified import trace_certificates
+from tests.tiny import tiny_model
+
+
+def _checked_decode(model, ids, config, steps: int):
+    """Greedy decode with `config`, checking each layer's certificate against full attention over its cache at
+    every step; returns (the cache, the number of head-steps checked)."""
+    cache = TandemCache.for_model(model, config)
+    with trace_certificates() as records:
+        model.generate(
+            ids, max_new_tokens=steps, do_sample=False, pad_token_id=0, **generate_cache_kwargs(model, cache)
+        )
+    checked = 0
+    for r in records:
+        p, p_cert, p_box = (
+            torch.tensor(r[k], dtype=torch.float64) for k in ("p_measured", "p_certified", "p_box")
+        )
+        deviation, bound = torch.tensor(r["deviation"]), torch.tensor(r["bound"])
+        assert torch.all(p <= p_cert + 1e-6), (
+            f"layer {r['layer']}: measured p {p} over the certificate {p_cert}"
+        )
+        assert torch.all(p <= p_box + 1e-6), f"layer {r['layer']}: the box bound alone is unsound"
+        assert torch.all(deviation <= bound * (1 + 1e-3) + 1e-4), (deviation, bound)
+        met = torch.tensor(r["met"])
+        assert torch.all(p_cert[met] <= config.epsilon * (1 + 1e-4)), "a head that met epsilon is over it"
+        checked += p.numel()
+    return cache, checked
+
+
+@pytest.mark.parametrize("epsilon", [0.001, 0.05, 0.3])
+def test_certificates_hold_on_every_decode_step_of_a_tiny_model(epsilon):
+    model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=epsilon)
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(0))
+    cache, checked = _checked_decode(model, ids, config, steps=12)
+    assert checked >= 2 * 8 * 2 * 11  # batch x heads x layers x steps with a host tier
+    stats = cache.stats()["certified"]
+    assert stats["head_steps"] == checked and stats["max_p"] <= 1.0
+    if stats["met_share"] == 1.0:
+        assert stats["max_p"] <= epsilon * (1 + 1e-4) and stats["max_excess"] == 0.0
+
+
+def test_a_binding_cap_is_reported_as_not_meeting_epsilon():
+    model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
+    config = TandemConfig(
+        policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=1e-6, max_budget=0.05
+    )
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    cache, _ = _checked_decode(model, ids, config, steps=4)
+    stats = cache.stats()["certified"]
+    # each of a KV head's 4 query heads keeps at most ceil(5%) of the blocks: their union at most 4 times that
+    assert stats["met_share"] < 1.0 and stats["max_excess"] > 0.0 and stats["mean_blocks_kept"] <= 0.25
+
+
+@pytest.mark.model
+def test_certificates_hold_on_decode_steps_of_the_default_model(smollm):
+    model, tokenizer = smollm
+    config = TandemConfig(policy="quest", sink_tokens=16, window_tokens=64, epsilon=0.05)
+    text = " ".join(
+        f"Item {i} of the inventory is a {['red', 'blue', 'green'][i % 3]} box." for i in range(120)
+    )
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :1024]
+    cache, checked = _checked_decode(model, ids, config, steps=6)
+    assert checked > 0
+    assert cache.stats()["certified"]["head_steps"] == checked

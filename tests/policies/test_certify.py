@@ -1,0 +1,176 @@
+"""Soundness of the certified bounds (`tandem.policies.certify`): over random and adversarial keys and values
+(float32 / bfloat16, GQA groups 1-8, ragged padding), the attention mass a selection skips and the output's
+deviation from full attention never exceed the certificate. One violation fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.policies import certify
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _keys(kind: str, shape, gen, dtype):
+    if kind == "gaussian":
+        x = torch.randn(shape, generator=gen)
+    elif kind == "outliers":  # a few huge keys among small ones: the box bound is loose, the ball bound tight
+        x = torch.randn(shape, generator=gen) * 0.1
+        x.view(-1, shape[-1])[::7] *= 300.0
+    elif kind == "aligned":  # keys nearly parallel to one direction, large logits
+        direction = torch.randn(shape[-1], generator=gen)
+        x = direction * (5 + torch.rand(shape[:-1] + (1,), generator=gen) * 20) + 0.01 * torch.randn(
+            shape, generator=gen
+        )
+    else:  # "constant" blocks: zero radius
+        x = torch.randn(shape[:-2] + (1, shape[-1]), generator=gen).expand(shape).clone()
+    return x.to(dtype)
+
+
+def _measure(q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size, scale):
+    """Exact (p skipped, ||o_full - o_sparse||, lse of the attended part, o_sparse) per query head, in float64."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    rows = torch.cat([hot_k, keys], 2).double()
+    vals = torch.cat([hot_v, values], 2).double()
+    live = torch.cat([hot_valid, valid], 1)
+    qg = q.double().view(batch, num_kv_heads, group, dim)
+    logits = (qg @ rows.transpose(-1, -2)) * scale  # [B, Hkv, G, S + n]
+    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
+    host_attended = union[..., None].expand(-1, -1, -1, block_size).reshape(batch, num_kv_heads, -1)
+    attended = torch.cat([torch.ones_like(hot_valid)[:, None].expand(-1, num_kv_heads, -1), host_attended], 2)
+    sparse = logits.masked_fill(~attended[:, :, None, :], -math.inf)
+    lse_full, lse_sparse = logits.logsumexp(-1), sparse.logsumexp(-1)
+    o_full = torch.softmax(logits, -1) @ vals
+    o_sparse = torch.softmax(sparse, -1) @ vals
+    p = 1 - torch.exp(lse_sparse - lse_full)
+    deviation = (o_full - o_sparse).norm(dim=-1)
+    shape = (batch, num_q_heads)
+    return (
+        p.view(shape),
+        deviation.view(shape),
+        lse_sparse.view(shape),
+        o_sparse.reshape(batch, num_q_heads, dim),
+    )
+
+
+@SETTINGS
+@given(
+    batch=st.integers(1, 2),
+    num_kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4, 8]),
+    dim=st.sampled_from([4, 16]),
+    num_blocks=st.integers(1, 12),
+    block_size=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kind=st.sampled_from(["gaussian", "outliers", "aligned", "constant"]),
+    q_scale=st.sampled_from([0.1, 1.0, 8.0]),
+    epsilon=st.sampled_from([0.001, 0.05, 0.3]),
+    max_share=st.sampled_from([0.1, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
+    pad=st.integers(0, 20),
+)
+def test_the_certificate_bounds_the_measured_skip_and_deviation(
+    batch,
+    num_kv_heads,
+    group,
+    dim,
+    num_blocks,
+    block_size,
+    dtype,
+    kind,
+    q_scale,
+    epsilon,
+    max_share,
+    seed,
+    pad,
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_q_heads, n = num_kv_heads * group, num_blocks * block_size
+    q = (torch.randn(batch, num_q_heads, dim, generator=gen) * q_scale).to(dtype)
+    keys = _keys(kind, (batch, num_kv_heads, n, dim), gen, dtype)
+    values = (torch.randn(batch, num_kv_heads, n, dim, generator=gen) * (1 + 10 * (kind == "outliers"))).to(
+        dtype
+    )
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    valid[-1, : min(pad, n)] = False  # left padding of a ragged batch: whole blocks may be empty
+    hot_k = torch.randn(batch, num_kv_heads, 5, dim, generator=gen).to(dtype)
+    hot_v = torch.randn(batch, num_kv_heads, 5, dim, generator=gen).to(dtype)
+    hot_valid = torch.ones(batch, 5, dtype=torch.bool)
+    scale = dim**-0.5
+
+    centre, radius, value_norm, rows = certify.block_digest(keys, values, valid, block_size)
+    live = valid[:, None, :, None]
+    view = (batch, num_kv_heads, num_blocks, block_size, dim)
+    key_min = keys.masked_fill(~live, math.inf).view(view).amin(3)
+    key_max = keys.masked_fill(~live, -math.inf).view(view).amax(3)
+    mass = certify.mass_bounds(certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows)
+    hot = certify.hot_mass(q, hot_k, hot_valid, scale)
+    max_blocks = max(1, math.ceil(max_share * num_blocks))
+    union, needed, kept = certify.certified_blocks(mass, hot, epsilon, max_blocks, num_kv_heads)
+
+    p, deviation, attended_lse, out = _measure(
+        q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size, scale
+    )
+    p_cert, bound = certify.certificate(mass, union, value_norm, rows, attended_lse.float(), out.float())
+    assert torch.all(p <= p_cert.double() + 1e-6), (p, p_cert)
+    assert torch.all(deviation <= bound.double() * (1 + 1e-4) + 1e-5), (deviation, bound)
+    met = needed <= max_blocks
+    assert torch.all(p_cert[met] <= epsilon * (1 + 1e-4)), (
+        "a head that met epsilon at selection has a larger bound"
+    )
+    assert torch.all(kept <= max_blocks)
+
+
+def test_the_ball_bound_is_tighter_than_the_box_on_isotropic_keys_and_never_looser():
+    """Keys spread alike in every one of 128 dims: the box widens in each dim (about sqrt(2 D / pi) of its half
+    width adds up), the ball grows with the radius only."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 64, 128, generator=gen) + 3.0
+    values, valid = torch.randn_like(keys), torch.ones(1, 64, dtype=torch.bool)
+    q = torch.randn(1, 4, 128, generator=gen)
+    centre, radius, _, rows = certify.block_digest(keys, values, valid, 16)
+    view = keys.view(1, 1, 4, 16, 128)
+    box = certify.logit_bounds(q, view.amin(3), view.amax(3), centre, radius, rows, 1.0, ball=False)
+    both = certify.logit_bounds(q, view.amin(3), view.amax(3), centre, radius, rows, 1.0)
+    assert torch.all(both <= box) and torch.all(both < box - 1.0)
+
+
+def test_an_epsilon_met_by_the_hot_tier_alone_selects_nothing_and_a_tiny_one_selects_more():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 2, 128, 16, generator=gen)
+    values, valid = torch.randn_like(keys), torch.ones(1, 128, dtype=torch.bool)
+    q = torch.randn(1, 4, 16, generator=gen)
+    centre, radius, _, rows = certify.block_digest(keys, values, valid, 8)
+    view = keys.view(1, 2, 16, 8, 16)
+    mass = certify.mass_bounds(
+        certify.logit_bounds(q, view.amin(3), view.amax(3), centre, radius, rows, 0.25), rows
+    )
+    huge_hot = torch.full((1, 4), 50.0)  # the hot tier holds e^50: nothing on the host can matter
+    union, needed, _ = certify.certified_blocks(mass, huge_hot, 0.01, 16, 2)
+    assert not union.any() and torch.all(needed == 0)
+    small_hot = torch.full((1, 4), 0.0)
+    loose, _, _ = certify.certified_blocks(mass, small_hot, 0.5, 16, 2)
+    tight, needed, kept = certify.certified_blocks(mass, small_hot, 1e-4, 16, 2)
+    assert loose.sum() <= tight.sum() and torch.all(needed == kept)
+    capped, needed, kept = certify.certified_blocks(mass, small_hot, 1e-4, 2, 2)
+    assert torch.all(kept <= 2) and torch.any(needed > 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hot_mass_is_the_log_sum_of_exp_logits_over_valid_slots(dtype):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 8, generator=gen).to(dtype)
+    keys = torch.randn(2, 2, 6, 8, generator=gen).to(dtype)
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    got = certify.hot_mass(q, keys, valid, 0.5)
+    for b in range(2):
+        for h in range(4):
+            logits = (keys[b, h // 2].float() @ q[b, h].float()) * 0.5
+            assert got[b, h].item() == pytest.approx(logits[valid[b]].logsumexp(0).item(), rel=1e-5)
