@@ -7,12 +7,16 @@ lse cross PCIe. So a host is described as a ``MemoryDeviceSpec`` (capacity = hos
 measured read bandwidth, compute = cores x per-core rate, link = pinned PCIe) and run through
 ``schemes.pnkv_step`` unchanged.
 
-Bench file (JSON), written by ``tandem bench`` once it exists; keys read here:
+Bench file (JSON): `tandem bench`'s own bench.json, whose "bandwidth" (host_read_gbps, pcie_h2d_gbps, hbm_gbps,
+measured beside its rows) and "machine" (gpu, cores, memory_gb, gpu_memory_gb) describe the host; or a flat object
+with these keys:
 
     required: host_read_gbs (host memory read, GB/s), pcie_gbs (pinned host->GPU, GB/s),
               hbm_gbs (GPU attention/weights streaming, GB/s)
     optional: device (str), host_cores (16), host_memory_gib (128), gpu_memory_gib (80),
               gpu_tflops (989), cpu_gflops_per_core (100), layer_sync_us (20)
+
+`bench_comparison` puts a bench.json's measured quest rows beside the model's prediction for the same host.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def load_bench(path: str | Path) -> HostMeasurements:
         raise ValueError(f"--from-bench: {file} is not valid JSON ({err})") from err
     if not isinstance(data, dict):
         raise ValueError(f"--from-bench: {file} must hold a JSON object")
+    if "bandwidth" in data and "machine" in data:
+        data = _from_tandem_bench(data, file)
     missing = [k for k in REQUIRED_KEYS if k not in data]
     if missing:
         raise ValueError(
@@ -101,6 +107,73 @@ def load_bench(path: str | Path) -> HostMeasurements:
         )
     known = {f.name for f in fields(HostMeasurements)}
     return HostMeasurements(**{k: v for k, v in data.items() if k in known})
+
+
+# tandem bench's bandwidth keys -> HostMeasurements fields
+BENCH_BANDWIDTHS = {"host_read_gbps": "host_read_gbs", "pcie_h2d_gbps": "pcie_gbs", "hbm_gbps": "hbm_gbs"}
+GIB_PER_GB = 1e9 / 2**30
+
+
+def _from_tandem_bench(data: dict, file: Path) -> dict:
+    """The flat keys of a `tandem bench` bench.json: its measured bandwidths and the machine it ran on."""
+    bandwidth, machine = data["bandwidth"] or {}, data["machine"] or {}
+    missing = [k for k in BENCH_BANDWIDTHS if not bandwidth.get(k)]
+    if missing:
+        raise ValueError(
+            f"--from-bench: {file} is a tandem bench file without the bandwidths {', '.join(missing)} (a run "
+            "without a GPU measures none): pass one from a GPU host, or the bandwidths as flags"
+        )
+    flat = {field: float(bandwidth[key]) for key, field in BENCH_BANDWIDTHS.items()}
+    flat["device"] = f"{machine.get('gpu', 'GPU')} host ({file.parent.name or file.name})"
+    if machine.get("cores"):
+        flat["host_cores"] = int(machine["cores"])
+    if machine.get("memory_gb"):
+        flat["host_memory_gib"] = float(machine["memory_gb"]) * GIB_PER_GB
+    if machine.get("gpu_memory_gb"):
+        flat["gpu_memory_gib"] = float(machine["gpu_memory_gb"]) * GIB_PER_GB
+    return flat
+
+
+def bench_comparison(path: str | Path, sparsity: float = 0.05, hot_tokens: int = 320) -> list[dict]:
+    """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
+    prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
+    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (TandemConfig's 64 + 256)."""
+    host = load_bench(path)
+    data = json.loads(Path(path).read_text())
+    model = (data.get("model") or {}).get("name")
+    if not data.get("rows") or model is None:
+        raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
+    out = []
+    for row in data["rows"]:
+        system = row.get("system", "")
+        if not system.startswith("tandem-quest") or row.get("status") != "ok":
+            continue
+        if "host_dtype=" in system and "host_dtype=none" not in system:
+            continue  # the model prices a host tier in the model's dtype
+        pred = predict_host(
+            host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens
+        )
+        predicted = pred.result.step.step_s * 1e3
+        measured = row["tpot_median_ms"]
+        out.append({
+            "context": row["context"], "batch": row["batch"], "system": system, "measured_ms": measured,
+            "predicted_ms": predicted, "error": predicted / measured - 1,
+        })  # fmt: skip
+    return out
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """Markdown of `bench_comparison`."""
+    lines = [
+        "| context | batch | system | measured TPOT (ms) | predicted (ms) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {format_context(r['context'])} | {r['batch']} | {r['system']} | {r['measured_ms']:.2f} | "
+            f"{r['predicted_ms']:.2f} | {r['error']:+.0%} |"
+        )
+    return "\n".join(lines)
 
 
 def host_system(

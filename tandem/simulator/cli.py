@@ -18,11 +18,14 @@ import json
 import math
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
 from tandem import manifest
 from tandem.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
+    bench_comparison,
+    comparison_table,
     format_host_prediction,
     load_bench,
     predict_host,
@@ -117,6 +120,11 @@ def _host_measurements(args: argparse.Namespace) -> HostMeasurements:
     return replace(host, **{k: v for k, v in overrides.items() if k in known})
 
 
+def _has_rows(path: str) -> bool:
+    """Whether a bench file holds measured rows (`tandem bench`'s bench.json), not only a host's bandwidths."""
+    return bool(json.loads(Path(path).read_text()).get("rows"))
+
+
 def _host_mode(args: argparse.Namespace) -> bool:
     return bool(args.host or args.from_bench or any(getattr(args, flag) is not None for flag in HOST_FLAGS))
 
@@ -130,6 +138,9 @@ def _run_host(args: argparse.Namespace) -> int:
     if args.context is None:
         print(f"Tandem decode TPOT predicted for {host.device} ({args.model}, {args.sparsity:.0%} sparsity)")
         print(prediction_table(host, args.model, args.sparsity, args.hot_tokens))
+        if args.from_bench and _has_rows(args.from_bench):
+            print(f"\nThe bench's quest rows beside the prediction ({args.from_bench}):")
+            print(comparison_table(bench_comparison(args.from_bench, args.sparsity)))
         return 0
     pred = predict_host(
         host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens

@@ -7,6 +7,8 @@ import pytest
 from tandem.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
+    bench_comparison,
+    comparison_table,
     load_bench,
     predict_host,
     prediction_table,
@@ -82,3 +84,59 @@ def test_prediction_table_rows():
     table = prediction_table()
     assert table.count("\n") == 7
     assert "no (max batch 6)" in table
+
+
+def _tandem_bench(tmp_path, bandwidth, rows):
+    """A bench.json as `tandem bench` writes it (the keys the simulator reads)."""
+    path = tmp_path / "run" / "bench.json"
+    path.parent.mkdir()
+    machine = {"gpu": "NVIDIA H100 80GB HBM3", "cores": 16, "memory_gb": 135.1, "gpu_memory_gb": 85.0}
+    data = {"machine": machine, "bandwidth": bandwidth, "model": {"name": "llama-3.1-8b"}, "rows": rows}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _row(system, context, ms, status="ok"):
+    return {"system": system, "batch": 1, "context": context, "status": status, "tpot_median_ms": ms}
+
+
+BANDWIDTH = {"host_read_gbps": 107.9, "hbm_gbps": 3031.7, "pcie_h2d_gbps": 55.1}
+
+
+def test_load_bench_reads_tandem_benchs_own_file(tmp_path):
+    host = load_bench(_tandem_bench(tmp_path, BANDWIDTH, []))
+    assert (host.host_read_gbs, host.pcie_gbs, host.hbm_gbs) == (107.9, 55.1, 3031.7)
+    assert host.host_cores == 16 and host.host_memory_gib == pytest.approx(135.1e9 / 2**30)
+    assert "H100" in host.device
+
+
+def test_a_tandem_bench_file_without_gpu_bandwidths_is_refused_by_name(tmp_path):
+    path = _tandem_bench(tmp_path, {"host_read_gbps": 20.0, "hbm_gbps": None, "pcie_h2d_gbps": None}, [])
+    with pytest.raises(ValueError, match="without the bandwidths pcie_h2d_gbps, hbm_gbps"):
+        load_bench(path)
+
+
+def test_bench_comparison_puts_each_quest_row_beside_the_prediction(tmp_path):
+    rows = [
+        _row("hf-dynamic", 65536, 21.8),
+        _row("tandem-quest", 65536, 13.0),
+        _row("tandem-quest[host_dtype=int8]", 65536, 12.7),  # the model prices a full-precision host tier
+        _row("tandem-quest", 131072, None, status="oom"),
+    ]
+    path = _tandem_bench(tmp_path, BANDWIDTH, rows)
+    out = bench_comparison(path)
+    assert [(r["context"], r["system"]) for r in out] == [(65536, "tandem-quest")]
+    predicted = (
+        predict_host(load_bench(path), "llama-3.1-8b", 65536, 1, hot_tokens=320).result.step.step_s * 1e3
+    )
+    assert out[0]["predicted_ms"] == pytest.approx(predicted)
+    assert out[0]["error"] == pytest.approx(predicted / 13.0 - 1)
+    assert "| 64K | 1 | tandem-quest | 13.00 |" in comparison_table(out)
+
+
+def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsys):
+    from tandem.simulator.cli import main
+
+    path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 13.0)])
+    assert main(["--from-bench", str(path)]) == 0
+    assert "The bench's quest rows beside the prediction" in capsys.readouterr().out
