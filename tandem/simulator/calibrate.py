@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from tandem.config import DEFAULT_GPU_SHARE
 from tandem.simulator.config import SystemConfig, Workload, format_context, parse_context
 from tandem.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
 from tandem.simulator.model import SimResult, simulate
@@ -134,15 +135,28 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
     return flat
 
 
-def bench_comparison(path: str | Path, sparsity: float = 0.05, hot_tokens: int = 320) -> list[dict]:
+def bench_comparison(
+    path: str | Path, sparsity: float = 0.05, hot_tokens: int = 320, device_share: float = DEFAULT_GPU_SHARE
+) -> list[dict]:
     """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
     prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
-    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (TandemConfig's 64 + 256)."""
+    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (TandemConfig's 64 + 256);
+    device_share: quest's gpu_share on CUDA (the engine's default). Selection is priced on the GPU, as the engine
+    runs it (the digests mirrored in GPU memory).
+
+    Where the file also measured `streaming` at the same context and batch (the step without host attention),
+    `floor_predicted_ms` / `floor_error` replace the model's weight-streaming time by that measured floor: the
+    model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
     host = load_bench(path)
     data = json.loads(Path(path).read_text())
     model = (data.get("model") or {}).get("name")
     if not data.get("rows") or model is None:
         raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
+    floors = {
+        (r["context"], r["batch"]): r["tpot_median_ms"]
+        for r in data["rows"]
+        if r.get("system") == "tandem-streaming" and r.get("status") == "ok"
+    }
     out = []
     for row in data["rows"]:
         system = row.get("system", "")
@@ -151,27 +165,38 @@ def bench_comparison(path: str | Path, sparsity: float = 0.05, hot_tokens: int =
         if "host_dtype=" in system and "host_dtype=none" not in system:
             continue  # the model prices a host tier in the model's dtype
         pred = predict_host(
-            host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens
-        )
+            host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
+            device_share=device_share, gpu_selection=True,
+        )  # fmt: skip
         predicted = pred.result.step.step_s * 1e3
         measured = row["tpot_median_ms"]
-        out.append({
+        entry = {
             "context": row["context"], "batch": row["batch"], "system": system, "measured_ms": measured,
             "predicted_ms": predicted, "error": predicted / measured - 1,
-        })  # fmt: skip
+        }  # fmt: skip
+        floor = floors.get((row["context"], row["batch"]))
+        if floor is not None:
+            with_floor = predicted - pred.result.step.phases["fc"] * 1e3 + floor
+            entry.update(floor_predicted_ms=with_floor, floor_error=with_floor / measured - 1)
+        out.append(entry)
     return out
 
 
 def comparison_table(rows: list[dict]) -> str:
     """Markdown of `bench_comparison`."""
     lines = [
-        "| context | batch | system | measured TPOT (ms) | predicted (ms) | error |",
-        "|---|---|---|---|---|---|",
+        "| context | batch | system | measured TPOT (ms) | predicted (ms) | error | with the measured floor | error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        floor = (
+            f"{r['floor_predicted_ms']:.2f} | {r['floor_error']:+.0%}"
+            if "floor_predicted_ms" in r
+            else "- | -"
+        )
         lines.append(
             f"| {format_context(r['context'])} | {r['batch']} | {r['system']} | {r['measured_ms']:.2f} | "
-            f"{r['predicted_ms']:.2f} | {r['error']:+.0%} |"
+            f"{r['predicted_ms']:.2f} | {r['error']:+.0%} | {floor} |"
         )
     return "\n".join(lines)
 
@@ -184,6 +209,8 @@ def host_system(
     sparsity: float = 0.05,
     hot_tokens: int = 4096,
     page_size: int = 16,
+    device_share: float = 0.0,
+    gpu_selection: bool = False,
 ) -> SystemConfig:
     """A one-GPU + host-tier configuration running Tandem's layout (PnG-KV with a fixed hot set).
 
@@ -197,6 +224,8 @@ def host_system(
         page_size=page_size,
         max_batch=batch,
         hot_tokens=min(hot_tokens, ctx),
+        device_share=device_share,
+        gpu_selection=gpu_selection,
     )
     tier = MemoryDeviceSpec(
         name=f"host DRAM + {host.host_cores} cores",

@@ -76,6 +76,10 @@ class Workload:
     mapping: how attention maps onto PNM devices: "dp" (per request, Section 3.2) or "tp" (per head).
     hot_tokens: Tandem's layout instead of steady selection: this many tokens (sinks + recent window)
         always on the GPU, and ``budget_fraction`` applies to the rest only (used by calibrate.py).
+    device_share: with ``hot_tokens``, Tandem's `gpu_share`: this fraction of each step's selected tokens is read
+        by the GPU itself over the link, in place, while the memory side attends the rest (0: all by the latter).
+    gpu_selection: with ``hot_tokens``, the page digests are mirrored in GPU memory and scored there (Tandem's
+        quest on CUDA): the selection reads HBM instead of the memory tier.
     """
 
     context_tokens: int
@@ -87,6 +91,8 @@ class Workload:
     max_batch: int | None = None
     mapping: str = "dp"
     hot_tokens: int | None = None
+    device_share: float = 0.0
+    gpu_selection: bool = False
 
     def __post_init__(self) -> None:
         if self.context_tokens <= 0:
@@ -105,6 +111,8 @@ class Workload:
             raise ValueError(f"--batch: must be positive, got {self.max_batch}")
         if self.hot_tokens is not None and not 0 <= self.hot_tokens <= self.context_tokens:
             raise ValueError(f"--hot-tokens: must be in [0, context], got {self.hot_tokens}")
+        if not 0.0 <= self.device_share <= 1.0:
+            raise ValueError(f"--device-share: must be in [0, 1], got {self.device_share}")
         if self.mapping not in MAPPINGS:
             raise ValueError(f"--mapping: unknown mapping {self.mapping!r}; allowed: {', '.join(MAPPINGS)}")
 

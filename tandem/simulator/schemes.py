@@ -312,8 +312,19 @@ def pnkv_step(cfg: SystemConfig) -> StepResult:
     m, w, p = cfg.model, cfg.workload, cfg.platform
     batch, n, kv = layout.batch, cfg.num_gpus, m.kv_bytes_per_token
     steady, ratio, steady_limit = steady_tokens(cfg, layout)
-    select, pnm_attend, pnm_bytes = _pnm_attention(cfg, layout, w.budget_tokens - steady)
+    selected = w.budget_tokens - steady
+    shared = round(w.device_share * selected) if w.hot_tokens is not None else 0  # Tandem's gpu_share
+    select, pnm_attend, pnm_bytes = _pnm_attention(cfg, layout, selected - shared)
+    if w.gpu_selection and w.hot_tokens is not None:  # digests mirrored on the GPU: scored from HBM
+        digest_bytes = batch * w.context_tokens * m.digest_bytes_per_token(w.page_size)
+        pnm_bytes -= layout.work_per_device * w.context_tokens * m.digest_bytes_per_token(w.page_size)
+        select = _gpu_roofline(
+            cfg, digest_bytes / n, batch * w.context_tokens * m.score_flops_per_token(w.page_size) / n
+        )
     gpu_attend = _gpu_roofline(cfg, batch * steady * kv / n, batch * steady * m.attention_flops_per_token / n)
+    share_bytes = batch * shared * kv  # read by the GPU from the memory tier in place, over the link
+    if share_bytes:
+        gpu_attend += share_bytes / cxl_gpu_bandwidth(cfg, cfg.num_pnm, cfg.memory)
     churn = 0.0 if w.hot_tokens is not None else w.steady_churn
     recall_bytes = batch * churn * steady * kv
     recall = 0.0
@@ -340,7 +351,12 @@ def pnkv_step(cfg: SystemConfig) -> StepResult:
         phases={"fc": fc, "attention": attention, "recall": recall_on_path, "communication": comm + exchange},
         gpu_busy_s=fc + comm + gpu_attention_busy,
         mem_busy_s=select + pnm_attend,
-        traffic={"recall": recall_bytes, "exchange": exchange_bytes, "pnm": pnm_bytes},
+        traffic={
+            "recall": recall_bytes,
+            "exchange": exchange_bytes,
+            "pnm": pnm_bytes,
+            "device_share": share_bytes,
+        },
         info={
             "budget_tokens": w.budget_tokens,
             "steady_tokens": steady,

@@ -126,9 +126,9 @@ def test_bench_comparison_puts_each_quest_row_beside_the_prediction(tmp_path):
     path = _tandem_bench(tmp_path, BANDWIDTH, rows)
     out = bench_comparison(path)
     assert [(r["context"], r["system"]) for r in out] == [(65536, "tandem-quest")]
-    predicted = (
-        predict_host(load_bench(path), "llama-3.1-8b", 65536, 1, hot_tokens=320).result.step.step_s * 1e3
-    )
+    host = load_bench(path)
+    pred = predict_host(host, "llama-3.1-8b", 65536, 1, hot_tokens=320, device_share=0.4, gpu_selection=True)
+    predicted = pred.result.step.step_s * 1e3
     assert out[0]["predicted_ms"] == pytest.approx(predicted)
     assert out[0]["error"] == pytest.approx(predicted / 13.0 - 1)
     assert "| 64K | 1 | tandem-quest | 13.00 |" in comparison_table(out)
@@ -140,3 +140,29 @@ def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsy
     path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 13.0)])
     assert main(["--from-bench", str(path)]) == 0
     assert "The bench's quest rows beside the prediction" in capsys.readouterr().out
+
+
+def test_the_device_share_moves_host_reads_to_the_link_and_gpu_selection_moves_scoring_to_hbm():
+    base = predict_host(LENT_H100_HOST, "llama-3.1-8b", "128k", 1, hot_tokens=320).result.step
+    shared = predict_host(
+        LENT_H100_HOST, "llama-3.1-8b", "128k", 1, hot_tokens=320, device_share=0.4
+    ).result.step
+    assert shared.traffic["pnm"] < base.traffic["pnm"] and shared.traffic["device_share"] > 0
+    assert base.traffic["device_share"] == 0
+    on_gpu = predict_host(
+        LENT_H100_HOST, "llama-3.1-8b", "128k", 1, hot_tokens=320, gpu_selection=True
+    ).result.step
+    assert on_gpu.traffic["pnm"] < base.traffic["pnm"] and on_gpu.step_s < base.step_s
+    with pytest.raises(ValueError, match="--device-share"):
+        predict_host(LENT_H100_HOST, "llama-3.1-8b", "128k", 1, device_share=1.5)
+
+
+def test_a_measured_streaming_row_replaces_the_models_weight_time(tmp_path):
+    rows = [_row("tandem-streaming", 65536, 7.15), _row("tandem-quest", 65536, 13.0)]
+    out = bench_comparison(_tandem_bench(tmp_path, BANDWIDTH, rows))
+    pred = predict_host(
+        load_bench(tmp_path / "run" / "bench.json"), "llama-3.1-8b", 65536, 1, hot_tokens=320, device_share=0.4,
+        gpu_selection=True,
+    ).result.step  # fmt: skip
+    assert out[0]["floor_predicted_ms"] == pytest.approx(pred.step_s * 1e3 - pred.phases["fc"] * 1e3 + 7.15)
+    assert out[0]["floor_error"] == pytest.approx(out[0]["floor_predicted_ms"] / 13.0 - 1)
