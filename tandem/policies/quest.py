@@ -1,4 +1,4 @@
-"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (Fluxion 2.1).
+"""Quest: per KV head, the top `budget` fraction of host blocks by the upper bound of q.k (Fluxion §2.1).
 
 With the hot tier on a GPU the host tier mirrors its block digests there, and the bound and the top-k run
 on the GPU inside the decode step (Triton kernels over the digests at HBM speed); only the selected block
@@ -44,6 +44,7 @@ class QuestPolicy(Policy):
         self.needs_bounds = self.certified
         self._step = None  # the certified selection of the step in flight, for after_attention
         self._counters: torch.Tensor | None = None
+        self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
@@ -144,9 +145,8 @@ class QuestPolicy(Policy):
                 certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
             )
             known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
-            live = (rows > 0).sum(
-                -1, keepdim=True
-            )  # [B, 1]: a device tensor, so a recorded step follows growth
+            # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
+            live = (rows > 0).sum(-1, keepdim=True)
             most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
             union, needed, kept = certify.certified_blocks(
                 mass, known, self.config.epsilon, most, layer.num_kv_heads
