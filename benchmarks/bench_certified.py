@@ -9,6 +9,11 @@ head-steps that met epsilon. Prompts are `tandem eval`'s niah samples (a haystac
 
 Prints and saves certified.json / certified.md (+ a manifest, and certified.png with matplotlib: certified against
 measured p, both bounds). Every soundness violation is counted; there must be none.
+
+`--cost` instead times the certified selection (bounds, hot mass, sort and tail, union) against quest's own
+selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's digests (random keys), side by side:
+
+    python benchmarks/bench_certified.py --cost --contexts 32768,131072 --out benchmarks/results/<...>_certified_cost
 """
 
 from __future__ import annotations
@@ -79,6 +84,59 @@ def cell(model, samples, epsilon: float, max_budget: float, steps: int, window: 
     }
 
 
+def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> dict:
+    """Median seconds of one layer's certified selection and of quest's selection over the same digests: the
+    Llama-3.1-8B layer shape (32 query / 8 KV heads of 128), 16-token blocks, 256 hot slots, random bf16 keys."""
+    from tandem.kernels import ops
+    from tandem.policies import certify
+    from tandem.policies.granularity import mask_to_ids
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    nb = context // block
+    keys = torch.randn(batch, kv_heads, nb, block, dim, generator=gen).to(torch.bfloat16).to(device)
+    key_min, key_max = keys.amin(3), keys.amax(3)
+    centre = keys.float().mean(3)
+    radius = (keys.float() - centre[:, :, :, None]).norm(dim=-1).amax(-1)
+    value_norm = torch.rand(batch, kv_heads, nb, device=device)
+    rows = torch.full((batch, nb), float(block), device=device)
+    valid = torch.ones(batch, nb, dtype=torch.bool, device=device)
+    q = torch.randn(batch, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+    hot_keys = torch.randn(batch, kv_heads, 256, dim, generator=gen).to(torch.bfloat16).to(device)
+    hot_valid = torch.ones(batch, 256, dtype=torch.bool, device=device)
+    scale = dim**-0.5
+    k = torch.tensor([max(1, nb // 20)], device=device)
+
+    def quest():
+        scores = ops.block_scores_matmul(q, key_min, key_max, valid)
+        return ops.top_blocks(scores, k, int(k))
+
+    def certified():
+        mass = certify.mass_bounds(
+            certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
+        )
+        known = certify.hot_mass(q, hot_keys, hot_valid, scale)
+        union, _, _ = certify.certified_blocks(mass, known, 0.05, nb // 2, kv_heads)
+        return mask_to_ids(union), value_norm
+
+    def timed(fn):
+        fn()
+        seconds = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    quest_s, certified_s = timed(quest), timed(certified)
+    return {"context": context, "batch": batch, "device": device, "quest_ms": quest_s * 1e3,
+            "certified_ms": certified_s * 1e3, "ratio": certified_s / quest_s}  # fmt: skip
+
+
 def markdown(rows: list[dict], machine: dict, args) -> str:
     lines = [
         "# Certified selection: certificate against measurement (default model)",
@@ -134,7 +192,30 @@ def main() -> None:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--max-budget", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--cost", action="store_true", help="time the selection instead (see the module doc)")
+    p.add_argument("--contexts", default="32768,131072", help="--cost: contexts of the 8B-shaped layer")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--cost: device")
     args = p.parse_args()
+    if args.cost:
+        machine = manifest.machine()
+        rows = [selection_cost(int(c), 1, args.device) for c in args.contexts.split(",")]
+        lines = [
+            f"# Certified selection against quest's selection, one Llama-3.1-8B layer ({args.device}, random keys)",
+            "",
+            f"Machine: {machine.get('cpu', machine)}. Median of 20 calls each, batch 1, side by side in one run.",
+            "",
+            "| context | quest selection (ms) | certified selection (ms) | certified / quest |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x |"
+            for r in rows
+        ]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out is not None:
+            manifest.save_results(args.out, "certified_cost", {"machine": machine, "rows": rows}, text)
+        return
     torch.manual_seed(0)
     model, tokenizer = load_model(device="cpu", dtype="float32")
     builder = TaskBuilder(tokenizer, load_haystack())
