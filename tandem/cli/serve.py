@@ -81,6 +81,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --random-weights: a local Hugging Face tokenizer directory (default: the default model's)",
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    replicas = p.add_argument_group("replicas (Ray Serve; needs the cluster extra)")
+    replicas.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve from this many replicas behind Ray Serve's HTTP proxy, each with its own model and caches "
+        "(default: one server in this process, no Ray)",
+    )
+    replicas.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica (default 1)"
+    )
+    replicas.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster ('auto', or ray://HOST:PORT); default: start a local one",
+    )
     add_cache_arguments(p)
 
 
@@ -94,6 +110,10 @@ def _check(args) -> None:
     ):
         if value is not None and value < low:
             raise ValueError(f"{flag}={value} is out of range: allowed >= {low}")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas={args.replicas} is out of range: allowed >= 1")
+    if not args.replica_cpus > 0 or args.replica_cpus == float("inf"):
+        raise ValueError(f"--replica-cpus={args.replica_cpus} is out of range: allowed a number > 0")
 
 
 def model_name(path: str | None) -> str:
@@ -177,6 +197,20 @@ def run(args) -> int:
 
     from ..serve.app import create_app
 
+    if args.replicas is not None:
+        from ..cache.memory import available_host_bytes
+        from ..serve.replicas import run_replicas
+
+        _check(args)
+        build_config(args)  # refused here, not in every replica
+        available = available_host_bytes()
+        if args.host_memory is None and available and args.ray_address is None:
+            args.host_memory = 0.8 * available / args.replicas / GIB  # the replicas share this host
+        print(
+            f"[tandem] serving from {args.replicas} replicas on http://{args.host}:{args.port}/v1",
+            file=sys.stderr,
+        )
+        return run_replicas(args, build_server)
     server = build_server(args)
     lim = server.scheduler.limits
     budget = "unbounded" if lim.host_bytes is None else f"{lim.host_bytes / GIB:.1f} GiB"

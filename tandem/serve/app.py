@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import uuid
@@ -163,7 +164,7 @@ def create_app(server: Server) -> FastAPI:
             return JSONResponse(
                 {"status": "failed", "detail": str(server.scheduler.failure)}, status_code=503
             )
-        return {"status": "ok"}
+        return {"status": "ok", "pid": os.getpid()}  # which process answered (one of the replicas, with Ray)
 
     @app.get("/metrics")
     async def metrics():

@@ -67,3 +67,30 @@ def test_build_server_from_flags(monkeypatch):
     assert defaults.model_name == "Qwen2-0.5B"
     assert defaults.scheduler.limits.prefill_chunk == 256  # on a CPU
     assert defaults.scheduler.limits.host_bytes is None or defaults.scheduler.limits.host_bytes > 0
+
+
+def test_replicas_without_ray_name_the_extra_to_install(monkeypatch):
+    import builtins
+
+    from tandem.serve import replicas
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ValueError, match=r'--replicas needs Ray Serve.*pip install -e "\.\[cluster\]"'):
+        replicas.run_replicas(None, None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"), [(["--replicas", "0"], "--replicas"), (["--replica-cpus", "0"], "--replica-cpus")]
+)
+def test_replica_settings_out_of_range_are_refused_by_name(capsys, flags, named):
+    from tandem import cli
+
+    assert cli.main(["serve", "--replicas", "1", *flags]) == 2
+    assert named in capsys.readouterr().err

@@ -3,6 +3,7 @@ and not, usage, stop strings, per-request cache settings, concurrent requests, a
 `tandem generate`'s for the same prompt and policy (with the prompt prefilled in chunks)."""
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -50,7 +51,10 @@ def _chat_ids(tok, content) -> list[int]:
 
 def test_models_and_health(api):
     assert [m.id for m in api.client.models.list().data] == [live.NAME]
-    assert httpx2.get(f"{api.base}/health").json() == {"status": "ok"}
+    assert httpx2.get(f"{api.base}/health").json() == {
+        "status": "ok",
+        "pid": os.getpid(),
+    }  # served in-process
 
 
 def test_completion_streamed_equals_whole_with_a_usage_chunk(api):
