@@ -66,7 +66,9 @@ class AttentionProbe:
 
     Use `with probe.attached(model):` around the decode loop (it registers the wrapper under 'tandem_probe' with
     transformers' public registries and restores 'tandem' after), and `probe.armed = True` for the steps to
-    measure. `errors` collects one [num_layers, Hq] float64 tensor per measured step (batch averaged).
+    measure. `errors` collects one [num_layers, Hq] float64 tensor per measured step (batch averaged). With quest's
+    certified selection (`epsilon`), `certified` collects the certified output bound of the same steps, divided by
+    the same norm as the Eq. 2 error (so certified >= measured, head by head).
 
     Example:
         >>> probe = AttentionProbe(cache)
@@ -81,8 +83,10 @@ class AttentionProbe:
         self.cache = cache
         self.armed = False
         self.errors: list[torch.Tensor] = []
+        self.certified: list[torch.Tensor] = []
         self.fractions: list[float] = []
         self._step: dict[int, torch.Tensor] = {}
+        self._certified: dict[int, torch.Tensor] = {}
         self._rows: tuple[int, int] = (0, 0)
 
     @contextmanager
@@ -97,7 +101,7 @@ class AttentionProbe:
             model.set_attn_implementation(previous)
 
     def begin_step(self) -> None:
-        self._step = {}
+        self._step, self._certified = {}, {}
         kvs = self.cache.tandem_layers()
         for kv in kvs:
             kv.collect_statistics()
@@ -112,6 +116,8 @@ class AttentionProbe:
                 f"probe saw {len(self._step)} of {len(kvs)} layers: is the model using the probe?"
             )
         self.errors.append(torch.stack([self._step[i] for i in range(len(kvs))]))
+        if len(self._certified) == len(kvs):
+            self.certified.append(torch.stack([self._certified[i] for i in range(len(kvs))]))
         for kv in kvs:
             kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs) - self._rows[0]
@@ -128,6 +134,10 @@ class AttentionProbe:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             full = layer_full_attention(kv, query[:, :, 0], scale)  # [B, Hq, D]
             self._step[module.layer_idx] = head_errors(out[:, 0].cpu(), full).mean(dim=0)
+            certificate = getattr(kv.policy, "last_certificate", None)
+            if certificate is not None:
+                peak = full.norm(dim=-1).amax(dim=-1, keepdim=True).clamp(min=1e-30)
+                self._certified[module.layer_idx] = (certificate[1].double().cpu() / peak).mean(dim=0)
         return out, weights
 
 

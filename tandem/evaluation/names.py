@@ -22,6 +22,8 @@ SETTABLE = (
     "fluxion_mode",
     "granularity",
     "skip_streaming",
+    "epsilon",
+    "max_budget",
 )
 # of those, the knobs only `fluxion` reads: without 'POLICY.' a sweep of one changes the fluxion variants alone
 FLUXION_SETTABLE = ("tau", "profile", "fluxion_mode", "granularity", "skip_streaming")

@@ -58,6 +58,8 @@ def summarize(
                 else:
                     cell["score"] = _mean([r["score"] for r in group])
                     cell["max_error"] = max(r["max_error"] for r in group)
+                    if all("certified_error" in r for r in group):
+                        cell["certified_error"] = _mean([r["certified_error"] for r in group])
                     heads = [r["layer_head_error"] for r in group]
                     cell["layer_head_error"] = [
                         [_mean([h[i][j] for h in heads]) for j in range(len(heads[0][i]))]
@@ -279,6 +281,20 @@ def markdown(results: dict) -> str:
         "",
         *verdict_lines(results),
     ]
+    certified = [c for c in results["cells"] if c.get("certified_error") is not None]
+    if certified:
+        out += [
+            "",
+            "Certified selection (`epsilon`): the measured error beside its certified bound, in the same units "
+            "(the bound holds head by head; docs/certified.md):",
+            "",
+            "| policy | length | measured error | certified bound |",
+            "|---|---|---|---|",
+            *(
+                f"| {c['policy']} | {_fmt_length(c['length'])} | {c['score']:.3g} | {c['certified_error']:.3g} |"
+                for c in certified
+            ),
+        ]
     check = results.get("hf_check")
     if check:
         out += [
@@ -401,6 +417,25 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / "error_vs_attended.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    certified = [c for c in cells if c.get("certified_error") is not None]
+    if certified:
+        fig, ax = plt.subplots(figsize=(5, 4.5))
+        measured, bounds = [c["score"] for c in certified], [c["certified_error"] for c in certified]
+        ax.loglog(measured, bounds, "o")
+        for c in certified:
+            ax.annotate(
+                f"{c['policy']} {_fmt_length(c['length'])}", (c["score"], c["certified_error"]), fontsize=6
+            )
+        low, high = min(measured + bounds), max(measured + bounds)
+        ax.plot([low, high], [low, high], "k-", lw=0.5)  # certified = measured
+        ax.set_xlabel("measured attention-output error (Eq. 2)")
+        ax.set_ylabel("certified bound, same units")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / "error_certified_vs_measured.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)

@@ -381,6 +381,10 @@ class Runner:
                             **result["statistics"],
                         )
                     )
+                    if result["certified"] is not None and result["certified"].numel():
+                        # quest's certified bound of the same steps, in the error's units (>= it, head by head)
+                        self.runs[-1]["certified_error"] = float(result["certified"].mean())
+                        self.runs[-1]["max_certified_error"] = float(result["certified"].max())
                     # fluxion's statistics are over every step, the fraction attended over the measured ones
                     self.runs[-1]["fraction_attended"] = result["step_fraction_attended"]
                 bar.update()
@@ -413,10 +417,14 @@ class Runner:
                 logits = self.model(target[:, None], use_cache=True, **kwargs).logits[:, -1]
                 probe.end_step()
         errors = torch.stack(probe.errors) if probe.errors else torch.zeros(0)
+        certified = None  # quest's certified bound of the measured steps, where the policy gave one every step
+        if probe.certified and len(probe.certified) == len(probe.errors):
+            certified = torch.stack(probe.certified)
         return {
             "nll_sum": nll,
             "tokens": n,
             "errors": errors,
+            "certified": certified,
             "statistics": cache_statistics(cache),
             "step_fraction_attended": sum(probe.fractions) / len(probe.fractions)
             if probe.fractions

@@ -45,6 +45,8 @@ class QuestPolicy(Policy):
         self._step = None  # the certified selection of the step in flight, for after_attention
         self._counters: torch.Tensor | None = None
         self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
+        # (p [B, Hq], output bound [B, Hq]) of the last step's certificate, None when it had no host tier
+        self.last_certificate: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
@@ -163,12 +165,14 @@ class QuestPolicy(Policy):
 
     def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Count this step's certificate (`certify.certificate`) on the device, with the exact attended mass."""
+        self.last_certificate = None
         if self._step is None:
             return
         mass, union, value_norm, rows, met, kept_blocks, live = self._step
         self._step = None
         with torch.no_grad():
             p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            self.last_certificate = (p, bound)
             excess = (p - self.config.epsilon).clamp(min=0)
             step = torch.stack([
                 torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),

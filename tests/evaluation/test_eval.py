@@ -18,7 +18,7 @@ from tandem.config import TandemConfig
 from tandem.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
 from tandem.evaluation.metrics import head_errors, reference_attention
 from tandem.evaluation.names import GENERATION_TASKS
-from tandem.evaluation.report import markdown, merge_results, summarize, verdicts
+from tandem.evaluation.report import markdown, merge_results, summarize, verdicts, write_results
 from tandem.evaluation.runner import (
     cache_statistics,
     check_lengths,
@@ -391,3 +391,21 @@ def test_fluxion_statistics_are_recorded_per_run_and_cell(smollm):
         assert record["streaming_head_share"] == 0 and record["mean_head_budget"] == pytest.approx(1.0)
         assert record["fraction_attended"] == pytest.approx(1.0)
     assert all("streaming_head_share" not in r for r in results["runs"] if r["policy"] == "full")
+
+
+@pytest.mark.model
+def test_the_error_task_puts_the_certified_bound_beside_the_measured_error(smollm, tmp_path):
+    """quest with epsilon: each error run and cell carries the certified output bound of the same steps, in the
+    measured error's units, never below it; the report prints both and plots one against the other."""
+    model, tok = smollm
+    plan = make_plan(
+        "quest", "error", "1k", samples=1, sets=["quest.epsilon=0.05"], ppl_tokens=6, error_steps=2
+    )
+    results = evaluate(model, tok, plan, load_haystack())
+    run = next(r for r in results["runs"] if r["task"] == "error")
+    assert run["certified_error"] >= run["score"] and run["max_certified_error"] >= run["max_error"]
+    cell = next(c for c in results["cells"] if c["task"] == "error")
+    assert cell["certified_error"] == pytest.approx(run["certified_error"])
+    written = write_results(results, tmp_path)
+    assert "| quest[epsilon=0.05] | 1K |" in (tmp_path / "results.md").read_text()
+    assert any(p.name == "error_certified_vs_measured.png" for p in written)
