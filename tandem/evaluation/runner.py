@@ -417,7 +417,9 @@ class Runner:
                 logits = self.model(target[:, None], use_cache=True, **kwargs).logits[:, -1]
                 probe.end_step()
         errors = torch.stack(probe.errors) if probe.errors else torch.zeros(0)
-        certified = None  # quest's certified bound of the measured steps, where the policy gave one every step
+        certified = (
+            None  # quest's certified bound of the measured steps, where the policy gave one every step
+        )
         if probe.certified and len(probe.certified) == len(probe.errors):
             certified = torch.stack(probe.certified)
         return {
