@@ -349,6 +349,15 @@ def _jsonable(value):
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(results: dict, out: Path) -> list[Path]:
     """accuracy_vs_length.png (one panel per task, a line per policy) and error_vs_attended.png."""
     try:
@@ -393,11 +402,7 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         for ax in list(axes.flat)[len(panels) :]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "accuracy_vs_length.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "accuracy_vs_length.png"))
     errors = [c for c in cells if c["task"] == "error" and c["fraction_attended"] is not None]
     if errors:
         fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -415,11 +420,7 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         ax.set_xscale("symlog", linthresh=0.01)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "error_vs_attended.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "error_vs_attended.png"))
     certified = [c for c in cells if c.get("certified_error") is not None]
     if certified:
         fig, ax = plt.subplots(figsize=(5, 4.5))
@@ -434,9 +435,5 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         ax.set_xlabel("measured attention-output error (Eq. 2)")
         ax.set_ylabel("certified bound, same units")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out / "error_certified_vs_measured.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / "error_certified_vs_measured.png"))
     return written
