@@ -11,33 +11,22 @@ attention over every row the layer holds, in float64. Used by the soundness test
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from ..policies import certify
 from ..policies.fluxion import _digests
 from ..policies.quest import QuestPolicy
+from .metrics import layer_full_attention_lse
 
 
 def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """(measured p, ||o_full - out||) per (request, query head), float64: full attention of q [B, Hq, D] over every
-    row `layer` holds (hot and host tiers) against (out [B, Hq, D], lse [B, Hq]), what the step attended."""
-    hot, host = layer.hot, layer.host
-    host.wait()
-    keys, values, valid = host.live()
-    device = hot.keys.device
-    rows = torch.cat([hot.keys.double(), keys.to(device).double()], 2)
-    vals = torch.cat([hot.values.double(), values.to(device).double()], 2)
-    live = torch.cat([hot.valid, valid.to(device)], 1)
-    batch, num_q_heads, dim = q.shape
-    qg = q.double().view(batch, layer.num_kv_heads, num_q_heads // layer.num_kv_heads, dim)
-    logits = (qg @ rows.transpose(-1, -2)) * layer.attention_scale
-    logits = logits.masked_fill(~live[:, None, None, :], -math.inf)
-    full_lse = logits.logsumexp(-1).view(batch, num_q_heads)
-    full_out = (torch.softmax(logits, -1) @ vals).view(batch, num_q_heads, dim)
-    p = (1 - torch.exp(lse.double() - full_lse)).clamp(min=0)
-    return p, (full_out - out.double()).norm(dim=-1)
+    """(measured p, ||o_full - out||) per (request, query head), float64 on the CPU: full attention of q [B, Hq, D]
+    over every row `layer` holds (`metrics.layer_full_attention_lse`) against (out [B, Hq, D], lse [B, Hq]), what
+    the step attended."""
+    full_out, full_lse = layer_full_attention_lse(layer, q, layer.attention_scale)
+    p = (1 - torch.exp(lse.double().cpu() - full_lse)).clamp(min=0)
+    return p, (full_out - out.double().cpu()).norm(dim=-1)
 
 
 @contextlib.contextmanager

@@ -23,12 +23,12 @@ from ..integrations import hf
 PROBE_NAME = "tandem_probe"
 
 
-def reference_attention(
+def reference_attention_lse(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Exact attention in float64.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention in float64, and its log-sum-exp.
 
-    query: [B, Hq, D]; keys, values: [B, Hkv, T, D]; key_mask: [B, T] bool. Returns [B, Hq, D] float64.
+    query: [B, Hq, D]; keys, values: [B, Hkv, T, D]; key_mask: [B, T] bool. Returns ([B, Hq, D], [B, Hq]) float64.
     """
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
@@ -36,7 +36,14 @@ def reference_attention(
     logits = torch.einsum("bhgd,bhtd->bhgt", q, keys.double()) * scale
     logits = logits.masked_fill(~key_mask[:, None, None, :], -math.inf)
     out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(logits, dim=-1), values.double())
-    return out.reshape(batch, num_q_heads, head_dim)
+    return out.reshape(batch, num_q_heads, head_dim), logits.logsumexp(-1).reshape(batch, num_q_heads)
+
+
+def reference_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact attention in float64: `reference_attention_lse`'s output alone, [B, Hq, D]."""
+    return reference_attention_lse(query, keys, values, key_mask, scale)[0]
 
 
 def head_errors(sparse: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -46,18 +53,25 @@ def head_errors(sparse: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return diff / peak
 
 
-def layer_full_attention(kv, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact attention of query [B, Hq, D] over everything a `LayerKV` holds (hot + host): [B, Hq, D] float64."""
+def layer_full_attention_lse(kv, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of query [B, Hq, D] over everything a `LayerKV` holds (hot + host), and its log-sum-exp:
+    ([B, Hq, D], [B, Hq]) float64 on the CPU."""
     hot, host = kv.hot, kv.host
     keys, values, mask = [hot.keys.cpu()], [hot.values.cpu()], [hot.valid.cpu()]
     if host is not None and host.rows:
+        host.wait()
         host_keys, host_values, host_valid = host.live()
         keys.append(host_keys)
         values.append(host_values)
         mask.append(host_valid)
-    return reference_attention(
+    return reference_attention_lse(
         query.cpu(), torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(mask, dim=1), scale
     )
+
+
+def layer_full_attention(kv, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """`layer_full_attention_lse`'s output alone: [B, Hq, D] float64 on the CPU."""
+    return layer_full_attention_lse(kv, query, scale)[0]
 
 
 class AttentionProbe:
