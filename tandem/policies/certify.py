@@ -115,13 +115,10 @@ def certificate(mass, union, value_norm, rows, attended_lse, out):
     batch, num_q_heads, nb = mass.shape
     num_kv_heads = union.shape[1]
     group = num_q_heads // num_kv_heads
-    skipped = (
-        (~union & (rows > 0)[:, None, :])[:, :, None]
-        .expand(-1, -1, group, -1)
-        .reshape(batch, num_q_heads, nb)
-    )
-    tail = mass.masked_fill(~skipped, -math.inf).logsumexp(-1)
+    skipped = ~union & (rows > 0)[:, None, :]  # [B, Hkv, nb]: blocks with rows that were not attended
+    per_head = skipped[:, :, None].expand(-1, -1, group, -1).reshape(batch, num_q_heads, nb)
+    tail = mass.masked_fill(~per_head, -math.inf).logsumexp(-1)
     p = torch.sigmoid(tail - attended_lse.float())  # D / (W + D); 0 when nothing is skipped
-    largest = value_norm.float().masked_fill(~(~union & (rows > 0)[:, None, :]), 0.0).amax(-1)  # [B, Hkv]
+    largest = value_norm.float().masked_fill(~skipped, 0.0).amax(-1)  # [B, Hkv]
     largest = largest[:, :, None].expand(-1, -1, group).reshape(batch, num_q_heads)
     return p, p * (largest + out.float().norm(dim=-1))
