@@ -88,8 +88,8 @@ def _flag(name: str) -> str:
 LENT_H100_HOST = HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900, device="lent H100 host")
 
 
-def load_bench(path: str | Path) -> HostMeasurements:
-    """Read a bench JSON file; raise ValueError naming a missing file, bad JSON or missing keys."""
+def read_bench(path: str | Path) -> dict:
+    """A bench file's JSON object; raise ValueError naming a missing file or bad JSON."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--from-bench: file not found: {file}")
@@ -99,6 +99,16 @@ def load_bench(path: str | Path) -> HostMeasurements:
         raise ValueError(f"--from-bench: {file} is not valid JSON ({err})") from err
     if not isinstance(data, dict):
         raise ValueError(f"--from-bench: {file} must hold a JSON object")
+    return data
+
+
+def load_bench(path: str | Path) -> HostMeasurements:
+    """Read a bench JSON file; raise ValueError naming a missing file, bad JSON or missing keys."""
+    return _host_of(read_bench(path), Path(path))
+
+
+def _host_of(data: dict, file: Path) -> HostMeasurements:
+    """The host a bench file's JSON object describes (see the module doc)."""
     if "bandwidth" in data and "machine" in data:
         data = _from_tandem_bench(data, file)
     missing = [k for k in REQUIRED_KEYS if k not in data]
@@ -147,8 +157,8 @@ def bench_comparison(
     Where the file also measured `streaming` at the same context and batch (the step without host attention),
     `floor_predicted_ms` / `floor_error` replace the model's weight-streaming time by that measured floor: the
     model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
-    host = load_bench(path)
-    data = json.loads(Path(path).read_text())
+    data = read_bench(path)
+    host = _host_of(data, Path(path))
     model = (data.get("model") or {}).get("name")
     if not data.get("rows") or model is None:
         raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")

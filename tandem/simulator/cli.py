@@ -18,7 +18,6 @@ import json
 import math
 import sys
 from dataclasses import fields, replace
-from pathlib import Path
 
 from tandem import manifest
 from tandem.simulator.calibrate import (
@@ -30,6 +29,7 @@ from tandem.simulator.calibrate import (
     load_bench,
     predict_host,
     prediction_table,
+    read_bench,
 )
 from tandem.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
 from tandem.simulator.hardware import GPUS, MODELS
@@ -120,11 +120,6 @@ def _host_measurements(args: argparse.Namespace) -> HostMeasurements:
     return replace(host, **{k: v for k, v in overrides.items() if k in known})
 
 
-def _has_rows(path: str) -> bool:
-    """Whether a bench file holds measured rows (`tandem bench`'s bench.json), not only a host's bandwidths."""
-    return bool(json.loads(Path(path).read_text()).get("rows"))
-
-
 def _host_mode(args: argparse.Namespace) -> bool:
     return bool(args.host or args.from_bench or any(getattr(args, flag) is not None for flag in HOST_FLAGS))
 
@@ -138,7 +133,7 @@ def _run_host(args: argparse.Namespace) -> int:
     if args.context is None:
         print(f"Tandem decode TPOT predicted for {host.device} ({args.model}, {args.sparsity:.0%} sparsity)")
         print(prediction_table(host, args.model, args.sparsity, args.hot_tokens))
-        if args.from_bench and _has_rows(args.from_bench):
+        if args.from_bench and read_bench(args.from_bench).get("rows"):  # tandem bench's file: measured rows
             print(f"\nThe bench's quest rows beside the prediction ({args.from_bench}):")
             print(comparison_table(bench_comparison(args.from_bench, args.sparsity)))
         return 0
