@@ -14,6 +14,14 @@ measured p, both bounds). Every soundness violation is counted; there must be no
 selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's digests (random keys), side by side:
 
     python benchmarks/bench_certified.py --cost --contexts 32768,131072 --out benchmarks/results/<...>_certified_cost
+
+`--gaps` instead measures, on one decode step of the default model (a `--lengths` niah prompt), how far each bound
+lies above the truth, per layer: the mean gap between a 16-token block's box / ball bound and its largest real
+logit, the factor by which the certificate's mass bound (n_b exp(u_b), every block) over-states the real mass, and
+that factor for per-row bounds from an 8-bit and a 4-bit key sketch (u_row = q.k~ + |q| |k - k~|, the sketch
+rounding each row to its largest magnitude):
+
+    python benchmarks/bench_certified.py --gaps --lengths 2048 --out benchmarks/results/<...>_certified_gaps
 """
 
 from __future__ import annotations
@@ -82,6 +90,62 @@ def cell(model, samples, epsilon: float, max_budget: float, steps: int, window: 
         "seconds": time.perf_counter() - start,
         "points": {k: heads[k][:: max(1, len(met) // 2000)] for k in ("p_measured", "p_certified", "p_box")},
     }
+
+
+def bound_gaps(model, sample, block: int = 16) -> list[dict]:
+    """Per layer, on one decode step of `sample`: the bounds against the true logits (see the module doc)."""
+    from tandem.policies import certify
+
+    seen = {}
+    config = TandemConfig(policy="quest", sink_tokens=16, window_tokens=256, epsilon=0.05)
+    cache = TandemCache.for_model(model, config)
+    with trace_certificates(on_select=lambda layer, q: seen.setdefault(layer.layer_idx, (layer, q))):
+        model.generate(
+            sample.input_ids,
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=0,
+            **generate_cache_kwargs(model, cache),
+        )
+    rows = []
+    for index, (layer, q) in sorted(seen.items()):
+        keys, values, valid = layer.host.live()
+        batch, heads, n, dim = keys.shape
+        nb = n // block
+        k = keys.float()[:, :, : nb * block]
+        qg = q.float().view(batch, heads, -1, dim)
+        scale = layer.attention_scale
+        true = (qg @ k.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
+        blocks = true.view(*true.shape[:3], nb, block)
+        true_max, true_mass = blocks.amax(-1), true.logsumexp(-1)
+        centre, radius, _, counts = certify.block_digest(
+            k, values[:, :, : nb * block], valid[:, : nb * block], block
+        )
+        kb = k.view(batch, heads, nb, block, dim)
+        args = (q, kb.amin(3), kb.amax(3), centre, radius, counts, scale)
+        box, both = certify.logit_bounds(*args, ball=False), certify.logit_bounds(*args)
+        ball_only = (
+            (qg @ centre.transpose(-1, -2)) + qg.norm(dim=-1, keepdim=True) * radius[:, :, None]
+        ) * scale
+        row = {
+            "layer": index,
+            "box_gap": float((box.view_as(true_max) - true_max).mean()),
+            "ball_gap": float((ball_only - true_max).mean()),
+            "mass_factor": float(
+                certify.mass_bounds(both, counts).view_as(true_max).logsumexp(-1).sub(true_mass).mean().exp()
+            ),
+        }
+        for bits in (8, 4):
+            top = 2 ** (bits - 1) - 1
+            step = k.abs().amax(-1, keepdim=True) / top
+            sketch = (k / step).round().clamp(-top, top) * step
+            bound = (
+                qg @ sketch.transpose(-1, -2)
+                + qg.norm(dim=-1, keepdim=True) * (k - sketch).norm(dim=-1)[:, :, None]
+            ) * scale
+            row[f"sketch{bits}_mass_factor"] = float((bound.logsumexp(-1) - true_mass).mean().exp())
+        rows.append(row)
+    return rows
 
 
 def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> dict:
@@ -193,6 +257,9 @@ def main() -> None:
     p.add_argument("--max-budget", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--cost", action="store_true", help="time the selection instead (see the module doc)")
+    p.add_argument(
+        "--gaps", action="store_true", help="measure the bounds' gaps instead (see the module doc)"
+    )
     p.add_argument("--contexts", default="32768,131072", help="--cost: contexts of the 8B-shaped layer")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--cost: device")
     args = p.parse_args()
@@ -219,6 +286,29 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer = load_model(device="cpu", dtype="float32")
     builder = TaskBuilder(tokenizer, load_haystack())
+    if args.gaps:
+        length = int(args.lengths.split(",")[0])
+        rows = bound_gaps(model, builder.samples("niah", length, 1)[0])
+        machine = manifest.machine()
+        lines = [
+            f"# How far the certificate's bounds lie above the truth (default model, one {length}-token niah prompt)",
+            "",
+            f"Machine: {machine.get('cpu', machine)}. One decode step; means over requests, heads and 16-token blocks.",
+            "",
+            "| layer | box bound - block max (logits) | ball bound - block max | mass bound / mass (box+ball) | "
+            "8-bit sketch: bound / mass | 4-bit sketch: bound / mass |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['layer']} | {r['box_gap']:.1f} | {r['ball_gap']:.1f} | {r['mass_factor']:.3g} | "
+            f"{r['sketch8_mass_factor']:.2f} | {r['sketch4_mass_factor']:.3g} |"
+            for r in rows
+        ]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out is not None:
+            manifest.save_results(args.out, "certified_gaps", {"machine": machine, "rows": rows}, text)
+        return
     rows = []
     for length in map(int, args.lengths.split(",")):
         samples = builder.samples("niah", length, args.samples)

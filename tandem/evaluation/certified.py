@@ -30,14 +30,17 @@ def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Ten
 
 
 @contextlib.contextmanager
-def trace_certificates():
-    """Record every certified decode step of every quest layer (see the module doc) while the block runs."""
+def trace_certificates(on_select=None):
+    """Record every certified decode step of every quest layer (see the module doc) while the block runs.
+    `on_select(layer, q)`, if given, sees each layer's decode query as its selection starts (analysis tools)."""
     records: list[dict] = []
     queries: dict[int, torch.Tensor] = {}
     select, after = QuestPolicy._certified_select, QuestPolicy.after_attention
 
     def keep_query(self, layer, q):
         queries[id(layer)] = q.clone()
+        if on_select is not None:
+            on_select(layer, queries[id(layer)])
         return select(self, layer, q)
 
     def record(self, layer, out, lse):
