@@ -1,17 +1,20 @@
 """Tightness of quest's certified selection (`TandemConfig(epsilon=...)`) on the default model: for every layer,
-decode step and (request, query head), the certified probability of the skipped entries (the combined box + ball
-bound, and the box bound alone over the same selection) beside the measured one, full attention over the
-same cache in float64; the output bound beside the measured deviation; the share of host blocks kept and of
-head-steps that met epsilon. Prompts are `tandem eval`'s niah samples (a haystack with one planted fact).
+decode step and (request, query head), the certified probability of the skipped entries beside the measured one,
+full attention over the same cache in float64. Each cell selects with one `certify_bound` (`--bounds`: the int8
+key sketch, or the block digests), and every bound's certificate of that same selection is recorded: the
+sketch, the digests (box + ball) and the box alone. Also the output bound beside the measured deviation, and the
+share of host blocks kept and of head-steps that met epsilon. Prompts are `tandem eval`'s niah samples (a
+haystack with one planted fact).
 
-    python benchmarks/bench_certified.py --lengths 2048,4096 --epsilons 0.01,0.05,0.1 --samples 20 \
-        --out benchmarks/results/<date>_<machine>_certified
+    python benchmarks/bench_certified.py --lengths 2048,4096 --epsilons 0.01,0.05,0.1 --bounds sketch,digest \
+        --samples 20 --out benchmarks/results/<date>_<machine>_certified
 
 Prints and saves certified.json / certified.md (+ a manifest, and certified.png with matplotlib: certified against
 measured p, both bounds). Every soundness violation is counted; there must be none.
 
-`--cost` instead times the certified selection (bounds, hot mass, sort and tail, union) against quest's own
-selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's digests (random keys), side by side:
+`--cost` instead times the certified selection (bounds, hot mass, sort and tail, union), with the digest and with
+the sketch bound, against quest's own selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's
+digests and key sketch (random keys), side by side:
 
     python benchmarks/bench_certified.py --cost --contexts 32768,131072 --out benchmarks/results/<...>_certified_cost
 
@@ -48,17 +51,21 @@ def _quantiles(values: list[float]) -> dict:
     return {"median": at(0.5), "p90": at(0.9), "max": ordered[-1]}
 
 
-def cell(model, samples, epsilon: float, max_budget: float, steps: int, window: int) -> dict:
-    """Every head-step of `samples` decoded with certified selection at `epsilon`."""
+BOUNDS = ("sketch", "digest", "box")  # the certificates recorded for every selection (`trace_certificates`)
+
+
+def cell(model, samples, epsilon: float, bound: str, max_budget: float, steps: int, window: int) -> dict:
+    """Every head-step of `samples` decoded with certified selection at `epsilon` with `bound`."""
     heads: dict[str, list[float]] = {
-        k: [] for k in ("p_measured", "p_certified", "p_box", "deviation", "bound")
+        k: [] for k in ("p_measured", "p_certified", "deviation", "bound", *(f"p_{b}" for b in BOUNDS))
     }
-    met, kept, violations = [], [], 0
+    met, kept, needed, violations = [], [], [], 0
     start = time.perf_counter()
     for sample in samples:
         config = TandemConfig(
-            policy="quest", sink_tokens=16, window_tokens=window, epsilon=epsilon, max_budget=max_budget
-        )
+            policy="quest", sink_tokens=16, window_tokens=window, epsilon=epsilon, max_budget=max_budget,
+            certify_bound=bound,
+        )  # fmt: skip
         cache = TandemCache.for_model(model, config)
         with trace_certificates() as records:
             model.generate(
@@ -70,25 +77,35 @@ def cell(model, samples, epsilon: float, max_budget: float, steps: int, window: 
                 heads[key] += r[key]
             met += r["met"]
             kept += r["kept"]
-            violations += sum(p > c + 1e-6 for p, c in zip(r["p_measured"], r["p_certified"]))
+            needed += r["needed"]
+            for name in ("p_certified", *(f"p_{b}" for b in BOUNDS)):
+                violations += sum(p > c + 1e-6 for p, c in zip(r["p_measured"], r[name]))
             violations += sum(d > b * (1 + 1e-3) + 1e-4 for d, b in zip(r["deviation"], r["bound"]))
-    ratio = [c / max(p, 1e-12) for p, c in zip(heads["p_measured"], heads["p_certified"])]
-    ratio_box = [c / max(p, 1e-12) for p, c in zip(heads["p_measured"], heads["p_box"])]
+    measured = heads["p_measured"]
     return {
         "epsilon": epsilon,
+        "certify_bound": bound,
         "head_steps": len(met),
         "violations": violations,
         "met_share": sum(met) / len(met) if met else None,
         "blocks_kept": statistics.mean(kept) if kept else None,
-        "p_measured": _quantiles(heads["p_measured"]),
+        "blocks_kept_quantiles": _quantiles(kept),
+        "blocks_needed": statistics.mean(needed) if needed else None,
+        "blocks_needed_quantiles": _quantiles(needed),
+        "p_measured": _quantiles(measured),
         "p_certified": _quantiles(heads["p_certified"]),
-        "p_box": _quantiles(heads["p_box"]),
-        "certified_over_measured": _quantiles(ratio),
-        "box_over_measured": _quantiles(ratio_box),
+        **{f"p_{b}": _quantiles(heads[f"p_{b}"]) for b in BOUNDS},
+        # each bound's over-statement of the same selection's skipped probability (the measured p floored at 1e-12)
+        **{
+            f"{b}_over_measured": _quantiles([c / max(p, 1e-12) for p, c in zip(measured, heads[f"p_{b}"])])
+            for b in BOUNDS
+        },
         "deviation": _quantiles(heads["deviation"]),
         "bound": _quantiles(heads["bound"]),
         "seconds": time.perf_counter() - start,
-        "points": {k: heads[k][:: max(1, len(met) // 2000)] for k in ("p_measured", "p_certified", "p_box")},
+        "points": {
+            k: heads[k][:: max(1, len(met) // 2000)] for k in ("p_measured", *(f"p_{b}" for b in BOUNDS))
+        },
     }
 
 
@@ -149,8 +166,8 @@ def bound_gaps(model, sample, block: int = 16) -> list[dict]:
 
 
 def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> dict:
-    """Median seconds of one layer's certified selection and of quest's selection over the same digests: the
-    Llama-3.1-8B layer shape (32 query / 8 KV heads of 128), 16-token blocks, 256 hot slots, random bf16 keys."""
+    """Median seconds of one layer's certified selection (digest bound: "certified_ms", sketch bound:
+    "sketch_ms") and of quest's selection over the same keys' digests and sketch: the Llama-3.1-8B layer shape (32 query / 8 KV heads of 128), 16-token blocks, 256 hot slots, random bf16 keys."""
     from tandem.kernels import ops
     from tandem.policies import certify
     from tandem.policies.granularity import mask_to_ids
@@ -165,6 +182,10 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
     value_norm = torch.rand(batch, kv_heads, nb, device=device)
     rows = torch.full((batch, nb), float(block), device=device)
     valid = torch.ones(batch, nb, dtype=torch.bool, device=device)
+    row_valid = torch.ones(batch, context, dtype=torch.bool)
+    sketch = certify.key_sketch(keys.view(batch, kv_heads, context, dim).cpu(), row_valid)
+    codes, row_scale, error = (t.to(device) for t in sketch)
+    row_valid = row_valid.to(device)
     q = torch.randn(batch, heads, dim, generator=gen).to(torch.bfloat16).to(device)
     hot_keys = torch.randn(batch, kv_heads, 256, dim, generator=gen).to(torch.bfloat16).to(device)
     hot_valid = torch.ones(batch, 256, dtype=torch.bool, device=device)
@@ -175,12 +196,17 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
         scores = ops.block_scores_matmul(q, key_min, key_max, valid)
         return ops.top_blocks(scores, k, int(k))
 
-    def certified():
-        mass = certify.mass_bounds(
-            certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
-        )
+    def certified(bound):
+        if bound == "sketch":
+            bounds = certify.sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale)
+            mass, lower = (certify.sketch_mass_bounds(b, block) for b in bounds)
+        else:
+            mass = certify.mass_bounds(
+                certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
+            )
+            lower = certify.ball_lower_mass(q, centre, radius, rows, scale)
         known = certify.hot_mass(q, hot_keys, hot_valid, scale)
-        union, _, _ = certify.certified_blocks(mass, known, 0.05, nb // 2, kv_heads)
+        union, _, _ = certify.certified_blocks(mass, known, 0.05, nb // 2, kv_heads, lower)
         return mask_to_ids(union), value_norm
 
     def timed(fn):
@@ -196,9 +222,11 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
-    quest_s, certified_s = timed(quest), timed(certified)
+    quest_s = timed(quest)
+    digest_s, sketch_s = timed(lambda: certified("digest")), timed(lambda: certified("sketch"))
     return {"context": context, "batch": batch, "device": device, "quest_ms": quest_s * 1e3,
-            "certified_ms": certified_s * 1e3, "ratio": certified_s / quest_s}  # fmt: skip
+            "certified_ms": digest_s * 1e3, "ratio": digest_s / quest_s,
+            "sketch_ms": sketch_s * 1e3, "sketch_ratio": sketch_s / quest_s}  # fmt: skip
 
 
 def markdown(rows: list[dict], machine: dict, args) -> str:
@@ -207,19 +235,26 @@ def markdown(rows: list[dict], machine: dict, args) -> str:
         "",
         f"Machine: {machine.get('cpu', machine)}. SmolLM2-135M-Instruct (real weights), niah prompts, {args.samples} "
         f"samples per cell, {args.steps} decode steps each, sinks 16, window {args.window}, max_budget "
-        f"{args.max_budget}. Quantiles are over (layer, step, request, query head).",
+        f"{args.max_budget}. Quantiles are over (layer, step, request, query head); blocks kept (the union a KV "
+        "head attends) over (layer, step, request, KV head); blocks a head needs: what its certificate asked "
+        "for, before max_budget, as a share of the live host blocks. Each over-statement is that bound's certificate of the cell's selection over "
+        "the measured p.",
         "",
-        "| length | epsilon | head-steps | violations | met epsilon | blocks kept | measured p (median / p90) | "
-        "certified p (median / p90) | box alone (median) | certified / measured (median) | deviation / bound "
-        "(median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| length | selects with | epsilon | head-steps | violations | met epsilon | blocks kept (mean / median) | "
+        "blocks a head needs (mean / median) | "
+        "measured p (median / p90) | certified p (median / p90) | over-statement: sketch / digest / box "
+        "(median) | deviation / bound (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['length']} | {r['epsilon']} | {r['head_steps']} | {r['violations']} | {r['met_share']:.1%} | "
-            f"{r['blocks_kept']:.1%} | {r['p_measured']['median']:.2e} / {r['p_measured']['p90']:.2e} | "
-            f"{r['p_certified']['median']:.2e} / {r['p_certified']['p90']:.2e} | {r['p_box']['median']:.2e} | "
-            f"{r['certified_over_measured']['median']:.3g} | {r['deviation']['median']:.2e} / "
+            f"| {r['length']} | {r['certify_bound']} | {r['epsilon']} | {r['head_steps']} | {r['violations']} | "
+            f"{r['met_share']:.1%} | {r['blocks_kept']:.1%} / {r['blocks_kept_quantiles']['median']:.1%} | "
+            f"{r['blocks_needed']:.1%} / {r['blocks_needed_quantiles']['median']:.1%} | "
+            f"{r['p_measured']['median']:.2e} / {r['p_measured']['p90']:.2e} | "
+            f"{r['p_certified']['median']:.2e} / {r['p_certified']['p90']:.2e} | "
+            f"{r['sketch_over_measured']['median']:.3g} / {r['digest_over_measured']['median']:.3g} / "
+            f"{r['box_over_measured']['median']:.3g} | {r['deviation']['median']:.2e} / "
             f"{r['bound']['median']:.2e} |"
         )
     return "\n".join(lines) + "\n"
@@ -236,12 +271,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 4), squeeze=False)
     for ax, r in zip(axes[0], rows):
         pts = r["points"]
-        ax.loglog([max(p, 1e-12) for p in pts["p_measured"]], pts["p_box"], ".", ms=2, label="box alone")
-        ax.loglog(
-            [max(p, 1e-12) for p in pts["p_measured"]], pts["p_certified"], ".", ms=2, label="box + ball"
-        )
+        measured = [max(p, 1e-12) for p in pts["p_measured"]]
+        for name, label in (("box", "box alone"), ("digest", "box + ball"), ("sketch", "int8 sketch")):
+            ax.loglog(measured, pts[f"p_{name}"], ".", ms=2, label=label)
         ax.plot([1e-12, 1], [1e-12, 1], "k-", lw=0.5)
-        ax.set(title=f"{r['length']} tokens, eps {r['epsilon']}", xlabel="measured p", ylabel="certified p")
+        ax.set(
+            title=f"{r['length']} tokens, {r['certify_bound']}, eps {r['epsilon']}",
+            xlabel="measured p",
+            ylabel="certified p",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -251,6 +289,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--epsilons", default="0.01,0.05,0.1")
+    p.add_argument("--bounds", default="sketch,digest", help="the certify_bound each cell selects with")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
@@ -271,11 +310,13 @@ def main() -> None:
             "",
             f"Machine: {machine.get('cpu', machine)}. Median of 20 calls each, batch 1, side by side in one run.",
             "",
-            "| context | quest selection (ms) | certified selection (ms) | certified / quest |",
-            "|---|---|---|---|",
+            "| context | quest selection (ms) | certified, digest bound (ms) | digest / quest | "
+            "certified, sketch bound (ms) | sketch / quest |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x |"
+            f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x | "
+            f"{r['sketch_ms']:.3f} | {r['sketch_ratio']:.1f}x |"
             for r in rows
         ]
         text = "\n".join(lines) + "\n"
@@ -312,13 +353,14 @@ def main() -> None:
     rows = []
     for length in map(int, args.lengths.split(",")):
         samples = builder.samples("niah", length, args.samples)
-        for epsilon in map(float, args.epsilons.split(",")):
-            row = {
-                "length": length,
-                **cell(model, samples, epsilon, args.max_budget, args.steps, args.window),
-            }
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "points"}, flush=True)
+        for bound in args.bounds.split(","):
+            for epsilon in map(float, args.epsilons.split(",")):
+                row = {
+                    "length": length,
+                    **cell(model, samples, epsilon, bound, args.max_budget, args.steps, args.window),
+                }
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "points"}, flush=True)
     machine = manifest.machine()
     text = markdown(rows, machine, args)
     print(text)

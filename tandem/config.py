@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 POLICIES = ("full", "streaming", "hgca", "quest", "fluxion")
 HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
+CERTIFY_BOUNDS = ("sketch", "digest")
 FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
@@ -121,6 +122,10 @@ class TandemConfig:
             device share (gpu_share None or 0). `cache.stats()` reports the certificate of every step.
         max_budget: with `epsilon`, the most of a head's host blocks one step may keep, in (0, 1]: the cost stays
             bounded, and a step where it binds is reported as not meeting `epsilon`, with its certified bound.
+        certify_bound: with `epsilon`, the upper bound of the skipped logits: "sketch" (default) per row, from
+            an int8 sketch of each host key and its error radius (q.k <= q.k~ + ||q|| ||k - k~||), kept beside
+            the host tier on the compute device; "digest" per block, from Quest's key min / max and a centre +
+            radius digest (many times looser on real keys: docs/certified.md). Both are sound.
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
             13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
@@ -155,6 +160,7 @@ class TandemConfig:
     skip_streaming: bool = True
     epsilon: float | None = None
     max_budget: float = 0.5
+    certify_bound: str = "sketch"
 
     def __setattr__(self, name: str, value) -> None:
         """A field assigned after construction is checked like the constructor's: the whole config is validated
@@ -259,6 +265,8 @@ class TandemConfig:
 
     def _check_epsilon(self) -> None:
         self._check_float("max_budget", 0.0, 1.0, "a fraction in (0, 1]", low_open=True)
+        if self.certify_bound not in CERTIFY_BOUNDS:
+            _fail("certify_bound", self.certify_bound, " or ".join(map(repr, CERTIFY_BOUNDS)))
         if self.epsilon is None:
             return
         self._check_float("epsilon", 0.0, 1.0, "None or a fraction in (0, 1)", low_open=True)

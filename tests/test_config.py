@@ -124,11 +124,20 @@ def test_window_for_prompt(window, prompt, expected):
         ({"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4}, "gpu_share"),
         ({"policy": "quest", "epsilon": 0.05, "max_budget": 0.0}, "max_budget"),
         ({"policy": "quest", "max_budget": 1.5}, "max_budget"),
+        ({"policy": "quest", "epsilon": 0.05, "certify_bound": "box"}, "certify_bound"),
+        ({"policy": "quest", "epsilon": 0.05, "certify_bound": None}, "certify_bound"),
     ],
 )
 def test_certified_selection_settings_are_refused_naming_the_field(fields, named):
     with pytest.raises(ValueError, match=rf"TandemConfig\.{named}=.*allowed"):
         TandemConfig(**fields)
+
+
+def test_certify_bound_names_its_allowed_values():
+    with pytest.raises(ValueError, match=r"certify_bound='ball'.*allowed 'sketch' or 'digest'"):
+        TandemConfig(policy="quest", epsilon=0.05, certify_bound="ball")
+    assert TandemConfig(policy="quest", epsilon=0.05).certify_bound == "sketch"
+    assert TandemConfig(policy="quest", epsilon=0.05, certify_bound="digest").certify_bound == "digest"
 
 
 def test_certified_selection_takes_no_device_share_by_default():

@@ -9,7 +9,10 @@ import torch
 
 from tandem.cache.memory import host_empty
 from tandem.kernels.reference import QUANT_DTYPES, dequantize, quantize_blocks
-from tandem.policies.certify import block_digest
+from tandem.policies.certify import block_digest, key_sketch
+
+# the certified selection's per-row tensors on the bounds device (the other `_dev` tensors are per block)
+SKETCH_ROWS = ("key_codes_dev", "key_code_scale_dev", "key_code_error_dev", "row_valid_dev")
 
 
 class HostMemoryError(MemoryError):
@@ -30,7 +33,9 @@ class HostTier:
         maw:          [B, Hq, cap] float32            moving average of attention weights (hgca)
     With `bounds_device` (quest's certified selection), on that device, per block: key_centre_dev [B, Hkv, nb, D],
     key_radius_dev / value_norm_dev [B, Hkv, nb], block_rows_dev [B, nb], all float32
-    (`policies.certify.block_digest`; nb = cap // block_size, blocks past the live ones have 0 rows).
+    (`policies.certify.block_digest`; nb = cap // block_size, blocks past the live ones have 0 rows), and per
+    row the int8 key sketch: key_codes_dev [B, Hkv, cap, D] int8, key_code_scale_dev / key_code_error_dev
+    [B, Hkv, cap] float32 (`policies.certify.key_sketch`), row_valid_dev [B, cap] bool (False past the live rows).
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
@@ -77,6 +82,7 @@ class HostTier:
         self.key_min_dev = self.key_max_dev = self.block_valid_dev = None
         self.bounds_device = bounds_device
         self.key_centre_dev = self.key_radius_dev = self.value_norm_dev = self.block_rows_dev = None
+        self.key_codes_dev = self.key_code_scale_dev = self.key_code_error_dev = self.row_valid_dev = None
         self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
 
     # ---- storage -------------------------------------------------------------------------------------------
@@ -124,6 +130,10 @@ class HostTier:
                 grown["key_radius_dev"] = torch.zeros(b, hkv, nb, device=dev)
                 grown["value_norm_dev"] = torch.zeros(b, hkv, nb, device=dev)
                 grown["block_rows_dev"] = torch.zeros(b, nb, device=dev)
+                grown["key_codes_dev"] = torch.zeros(b, hkv, new_cap, d, dtype=torch.int8, device=dev)
+                grown["key_code_scale_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
+                grown["key_code_error_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
+                grown["row_valid_dev"] = torch.zeros(b, new_cap, dtype=torch.bool, device=dev)
         except MemoryError as err:
             if isinstance(err, HostMemoryError):
                 raise
@@ -134,8 +144,8 @@ class HostTier:
         for name, new in grown.items():
             old = getattr(self, name)
             if old is not None and self.rows:
-                per_block = name in ("key_min", "key_max", "key_scale", "value_scale") or name.endswith(
-                    "_dev"
+                per_block = name in ("key_min", "key_max", "key_scale", "value_scale") or (
+                    name.endswith("_dev") and name not in SKETCH_ROWS
                 )
                 used = used_blocks if per_block else self.rows
                 row_dim = 1 if new.dim() == 2 else 2
@@ -178,6 +188,10 @@ class HostTier:
             for name, digest_part in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), bounds):
                 getattr(self, name)[:, :, b0:b1].copy_(digest_part.to(dev))
             self.block_rows_dev[:, b0:b1].copy_(bounds[3].to(dev))
+            sketch = key_sketch(keys, valid)
+            for name, sketch_part in zip(SKETCH_ROWS[:3], sketch):
+                getattr(self, name)[:, :, first : first + n].copy_(sketch_part.to(dev))
+            self.row_valid_dev[:, first : first + n].copy_(valid.to(dev))
         if self.quant:  # after the digest, which stays exact
             keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
             values, value_scale = quantize_blocks(values, valid, bs, self.quant)
@@ -273,9 +287,9 @@ class HostTier:
 
     def device_nbytes(self) -> int:
         """Bytes this tier keeps on the compute device: the digests' mirror and the certified selection's
-        digests (allocated capacity)."""
+        digests and key sketch (allocated capacity)."""
         names = ("key_min_dev", "key_max_dev", "block_valid_dev", "key_centre_dev", "key_radius_dev",
-                 "value_norm_dev", "block_rows_dev")  # fmt: skip
+                 "value_norm_dev", "block_rows_dev", *SKETCH_ROWS)  # fmt: skip
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in names) if t is not None)
 
     def nbytes(self) -> int:

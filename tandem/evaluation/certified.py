@@ -5,7 +5,13 @@ attention over every row the layer holds, in float64. Used by the soundness test
 
     with trace_certificates() as records:
         model.generate(...)                  # a TandemCache with epsilon
-    records[i]: {"layer", "p_measured", "p_certified", "p_box", "deviation", "bound", "met", "kept"}
+    records[i]: {"layer", "p_measured", "p_certified", "p_digest", "p_sketch", "p_box", "deviation", "bound",
+                 "met", "kept", "needed"}
+
+"p_certified" is the certificate of the config's `certify_bound`; "p_digest" (box + ball), "p_sketch" (the int8
+key sketch) and "p_box" (the box bound alone) are each bound's certificate over the same selection. "kept" is
+the share of the live host blocks each KV head attended, "needed" the share each query head's certificate asked
+for before `max_budget` (above it the head did not meet epsilon).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from ..policies import certify
 from ..policies.fluxion import _digests
-from ..policies.quest import QuestPolicy
+from ..policies.quest import QuestPolicy, certified_mass
 from .metrics import layer_full_attention_lse
 
 
@@ -45,23 +51,31 @@ def trace_certificates(on_select=None):
 
     def record(self, layer, out, lse):
         if self._step is not None:
-            mass, union, value_norm, rows, met, kept, live = self._step
+            mass, union, value_norm, rows, met, kept, live, needed = self._step
             q = queries[id(layer)]
             p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            alternatives = {}  # each bound's certificate over the same selection
+            for name in ("digest", "sketch"):
+                other, _, _ = certified_mass(layer.host, q, layer.attention_scale, name)
+                alternatives[name], _ = certify.certificate(other, union, value_norm, rows, lse, out)
             key_min, key_max, _ = _digests(layer.host, q.device)
-            nb = key_min.shape[2]
+            nb = rows.shape[1]
             host = layer.host
             box = certify.logit_bounds(
-                q, key_min, key_max, host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb], rows,
-                layer.attention_scale, ball=False,
+                q, key_min[:, :, :nb], key_max[:, :, :nb], host.key_centre_dev[:, :, :nb],
+                host.key_radius_dev[:, :, :nb], rows, layer.attention_scale, ball=False,
             )  # fmt: skip
-            p_box, _ = certify.certificate(certify.mass_bounds(box, rows), union, value_norm, rows, lse, out)
+            alternatives["box"], _ = certify.certificate(
+                certify.mass_bounds(box, rows), union, value_norm, rows, lse, out
+            )
             p, deviation = full_attention_gap(layer, q, out, lse)
             records.append({
                 "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
-                "p_certified": p_cert.double().flatten().tolist(), "p_box": p_box.double().flatten().tolist(),
+                "p_certified": p_cert.double().flatten().tolist(),
+                **{f"p_{name}": p_alt.double().flatten().tolist() for name, p_alt in alternatives.items()},
                 "deviation": deviation.flatten().tolist(), "bound": bound.double().flatten().tolist(),
                 "met": met.flatten().tolist(), "kept": (kept.float() / live.float().clamp(min=1)).flatten().tolist(),
+                "needed": (needed.float() / live.float().clamp(min=1)).flatten().tolist(),
             })  # fmt: skip
         return after(self, layer, out, lse)
 

@@ -11,6 +11,12 @@ selection), the probability the skipped rows hold is p <= D / (W + D). The outpu
 ||o - o_sparse|| <= p (max ||v|| over the skipped blocks + ||o_sparse||): o is the mix (1 - p) o_sparse + p o_tail
 with ||o_tail|| at most the largest skipped value norm.
 
+With `certify_bound="sketch"` (`TandemConfig`) the bound is per row instead: every host key k_i is kept as an
+int8 sketch k~_i = s_i c_i (a symmetric scale s_i per row, codes c_i in [-127, 127]) with its error radius
+e_i = ||k_i - k~_i|| (`key_sketch`), so that q.k_i <= q.k~_i + ||q|| e_i (Cauchy-Schwarz); a block's mass bound is
+the sum of its rows' exp(scaled bound) (`sketch_mass_bounds`), not n_b times its largest. On the default model
+it over-states the mass ~1.1-1.7x where the block digests over-state it 10^4-10^8x (docs/certified.md).
+
 `certified_blocks` picks, per query head, the fewest best blocks (ranked by log n_b + u_b) whose tail certifies
 p <= epsilon against the hot tier's mass alone (a lower bound of W known before the host part runs), capped at
 `max_blocks`; each KV head attends the union of its group's picks. `certificate` gives, after the step, the tighter
@@ -26,6 +32,7 @@ import torch
 
 SLACK_ABS = 2e-3  # logit units added to every upper bound: fp32 rounding of the kernels' dot products
 SLACK_REL = 1e-4
+SKETCH_TOP = 127  # int8 codes are symmetric: [-127, 127]
 
 
 def block_digest(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, block_size: int):
@@ -41,6 +48,59 @@ def block_digest(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, 
     radius = (k - centre[:, :, :, None]).norm(dim=-1).masked_fill(~live, 0.0).amax(-1)
     value_norm = values.float().view(batch, heads, nb, block_size, dim).norm(dim=-1).masked_fill(~live, 0.0)
     return centre, radius, value_norm.amax(-1), rows
+
+
+def sketch_rounding(dim: int) -> float:
+    """The relative padding `key_sketch` gives the error radius so that the fp32 arithmetic of the sketch bound
+    stays sound: fl(q.c) is within gamma_D sum_d |q_d c_d| <= gamma_D ||q|| ||c|| of q.c (any summation order,
+    gamma_D ~ D u, u = 2^-24); s (q.c), ||q||, the sketch rows and the radius each add a few u more. Four times
+    (D + 8) u covers them all (1.1e-5 at D = 64)."""
+    return 4.0 * (dim + 8) * 2.0**-24
+
+
+def key_sketch(keys: torch.Tensor, valid: torch.Tensor):
+    """The int8 sketch of every key row: (codes [B, Hkv, n, D] int8, scale [B, Hkv, n] float32, error [B, Hkv, n]
+    float32). Row i decodes as k~_i = scale_i * codes_i, scale_i = max_d |k_id| / 127, and error_i bounds
+    ||k_i - k~_i|| from above including fp32 rounding (`sketch_rounding`): with it, ||q|| error_i + scale_i
+    (q.codes_i) computed in fp32 is at least q.k_i. Padding rows are all zero. keys: [B, Hkv, n, D] any float
+    dtype (the radius is taken from the real key, in fp32); valid: [B, n] bool."""
+    k = keys.float()
+    row_scale = k.abs().amax(-1) / SKETCH_TOP  # [B, Hkv, n]; 0 for a zero row
+    codes = (k / row_scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+    sketch = codes * row_scale[..., None]
+    pad = sketch_rounding(k.shape[-1])
+    error = ((k - sketch).norm(dim=-1) * (1 + pad) + sketch.norm(dim=-1) * pad) * (1 + pad)
+    live = valid[:, None, :]
+    return (
+        codes.to(torch.int8).masked_fill(~live[..., None], 0),
+        row_scale.masked_fill(~live, 0.0),
+        error.masked_fill(~live, 0.0),
+    )
+
+
+def sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale: float):
+    """(upper, lower) bounds of the scaled logits of every row, per query head: [B, Hq, n] float32 each, -inf
+    for a padding row: scale (q.k~_i +- ||q|| e_i), widened by the slack. q: [B, Hq, D]; codes: [B, Hkv, n, D]
+    int8; row_scale / error: [B, Hkv, n] (`key_sketch`); row_valid: [B, n] bool."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads, n = codes.shape[1], codes.shape[2]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
+    dots = qg @ codes.float().transpose(-1, -2)  # [B, Hkv, G, n]: q.c_i, the codes are exact in fp32
+    centre = dots * row_scale[:, :, None] * scale
+    reach = qg.norm(dim=-1, keepdim=True) * error[:, :, None] * scale
+    upper, lower = centre + reach, centre - reach
+    upper = upper + SLACK_ABS + SLACK_REL * upper.abs()
+    lower = lower - SLACK_ABS - SLACK_REL * lower.abs()
+    padding = ~row_valid[:, None, None, :]
+    return tuple(b.masked_fill(padding, -math.inf).view(batch, num_q_heads, n) for b in (upper, lower))
+
+
+def sketch_mass_bounds(row_bounds: torch.Tensor, block_size: int) -> torch.Tensor:
+    """log of a bound of each block's attention mass, the sum of its rows' exp(bound) (an upper bound from the
+    upper row bounds, a lower one from the lower): [B, Hq, nb], -inf for a block without rows. row_bounds:
+    [B, Hq, nb * block_size] (`sketch_logit_bounds`)."""
+    batch, num_q_heads, n = row_bounds.shape
+    return row_bounds.view(batch, num_q_heads, n // block_size, block_size).logsumexp(-1)
 
 
 def logit_bounds(q, key_min, key_max, centre, radius, rows, scale: float, ball: bool = True) -> torch.Tensor:
@@ -68,6 +128,20 @@ def logit_bounds(q, key_min, key_max, centre, radius, rows, scale: float, ball: 
     return bound.masked_fill(empty, -math.inf).view(batch, num_q_heads, nb)
 
 
+def ball_lower_mass(q, centre, radius, rows, scale: float) -> torch.Tensor:
+    """log of a lower bound of each block's attention mass from its centre and radius digest: every row's logit is
+    at least scale (q.c_b - ||q|| r_b), so the mass at least n_b times its exp. [B, Hq, nb], -inf for a block
+    without rows. q: [B, Hq, D]; centre: [B, Hkv, nb, D]; radius: [B, Hkv, nb]; rows: [B, nb]."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads, nb = centre.shape[1], centre.shape[2]
+    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
+    lower = qg @ centre.float().transpose(-1, -2) - qg.norm(dim=-1, keepdim=True) * radius.float()[:, :, None]
+    lower = lower * scale
+    lower = lower - SLACK_ABS - SLACK_REL * lower.abs()
+    lower = lower.view(batch, num_q_heads, nb) + rows.clamp(min=1.0).log()[:, None, :]
+    return lower.masked_fill((rows == 0)[:, None, :], -math.inf)
+
+
 def mass_bounds(bounds: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """log(n_b) + u_b: the log of an upper bound of each block's attention mass, [B, Hq, nb] (-inf when empty)."""
     return bounds + rows.clamp(min=1.0).log()[:, None, :]
@@ -85,22 +159,32 @@ def hot_mass(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: fl
 
 
 def certified_blocks(
-    mass: torch.Tensor, known_lse: torch.Tensor, epsilon: float, max_blocks: int, num_kv_heads: int
+    mass: torch.Tensor,
+    known_lse: torch.Tensor,
+    epsilon: float,
+    max_blocks: int,
+    num_kv_heads: int,
+    lower: torch.Tensor | None = None,
 ):
     """The certified selection: (union [B, Hkv, nb] bool, needed [B, Hq], kept [B, Hq]).
 
-    mass: `mass_bounds` [B, Hq, nb]; known_lse: [B, Hq] log of a lower bound of the attended mass (the hot tier's).
-    Each query head keeps its `needed` best blocks by `mass`, the fewest whose tail certifies p <= epsilon,
-    at most `max_blocks` (`kept`; a head with kept < needed does not meet epsilon this step). A KV head attends
-    the union of its group's blocks, so each head's certificate holds for the union too.
+    mass: `mass_bounds` [B, Hq, nb]; known_lse: [B, Hq] log of a lower bound of the hot tier's mass; lower:
+    [B, Hq, nb] the log of a lower bound of each block's mass, or None. Each query head keeps its `needed` best
+    blocks by `mass`, the fewest whose tail certifies p <= epsilon against the attended mass they give at least
+    (the hot tier's plus, with `lower`, the kept blocks' lower bounds), at most `max_blocks` (`kept`; a head
+    with kept < needed does not meet epsilon this step). A KV head attends the union of its group's blocks, so
+    each head's certificate holds for the union too.
     """
     batch, num_q_heads, nb = mass.shape
     ordered, order = mass.sort(dim=-1, descending=True)
-    tail = (
-        ordered.flip(-1).logcumsumexp(-1).flip(-1)
-    )  # tail[i]: the mass bound of every block ranked i or later
-    limit = known_lse + math.log(epsilon / (1.0 - epsilon))  # p <= eps  <=>  log D - log W <= logit(eps)
-    needed = (tail > limit[..., None]).sum(-1)  # tail is non-increasing: the first rank under the limit
+    tail = ordered.flip(-1).logcumsumexp(-1).flip(-1)  # tail[i]: the bound of every block ranked i or later
+    tail = torch.cat([tail, torch.full_like(tail[..., :1], -math.inf)], -1)  # [B, Hq, nb + 1]: keeping i
+    known = known_lse[..., None].expand(-1, -1, nb + 1)
+    if lower is not None:  # keeping the first i blocks attends at least the hot tier and their lower bounds
+        kept_lower = lower.gather(-1, order).logcumsumexp(-1)
+        known = torch.cat([known_lse[..., None], torch.logaddexp(known_lse[..., None], kept_lower)], -1)
+    # p <= eps  <=>  log D - log W <= logit(eps); tail falls and known grows with i: count the ranks that fail
+    needed = (tail > known + math.log(epsilon / (1.0 - epsilon))).sum(-1)
     kept = needed.clamp(max=max_blocks)
     take = torch.arange(nb, device=mass.device) < kept[..., None]
     picked = torch.zeros_like(take).scatter_(-1, order, take)

@@ -31,6 +31,27 @@ CERT_COUNTERS = (
 )  # fmt: skip
 
 
+def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
+    """(mass, lower [B, Hq, nb], rows [B, nb]): the log of an upper and of a lower bound of each host block's
+    mass per query head, and its rows, from the key sketch (`bound` "sketch") or the block digests ("digest");
+    see `certify`. nb covers the device mirror's capacity where there is one (so that a recorded step follows
+    the host tier's growth; the blocks past the live ones have no rows), else the live blocks."""
+    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
+    nb = (host.capacity if mirrored else host.rows) // host.block_size
+    rows = host.block_rows_dev[:, :nb]
+    if bound == "sketch":
+        n = nb * host.block_size
+        upper, lower = certify.sketch_logit_bounds(
+            q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
+            host.row_valid_dev[:, :n], scale,
+        )  # fmt: skip
+        return (*(certify.sketch_mass_bounds(b, host.block_size) for b in (upper, lower)), rows)
+    key_min, key_max, _ = _digests(host, q.device)
+    centre, radius = host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb]
+    upper = certify.mass_bounds(certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows)
+    return upper, certify.ball_lower_mass(q, centre, radius, rows, scale), rows
+
+
 class QuestPolicy(Policy):
     name = "quest"
     needs_digest = True
@@ -137,23 +158,18 @@ class QuestPolicy(Policy):
         if host is None or host.rows == 0:
             self._step = None
             return None
-        key_min, key_max, _ = _digests(host, q.device)
-        nb = key_min.shape[2]  # the device mirror is capacity-wide, the host digests cover the live blocks
-        centre, radius = host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb]
-        value_norm, rows = host.value_norm_dev[:, :, :nb], host.block_rows_dev[:, :nb]
         scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
         with torch.no_grad():
-            mass = certify.mass_bounds(
-                certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
-            )
+            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
+            value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
             known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
             # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
             live = (rows > 0).sum(-1, keepdim=True)
             most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
             union, needed, kept = certify.certified_blocks(
-                mass, known, self.config.epsilon, most, layer.num_kv_heads
+                mass, known, self.config.epsilon, most, layer.num_kv_heads, lower
             )
-        self._step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live)
+        self._step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live, needed)
         return mask_to_ids(union)
 
     def _certified_selection(self, layer, q, from_device) -> Selection:
@@ -168,7 +184,7 @@ class QuestPolicy(Policy):
         self.last_certificate = None
         if self._step is None:
             return
-        mass, union, value_norm, rows, met, kept_blocks, live = self._step
+        mass, union, value_norm, rows, met, kept_blocks, live, _ = self._step
         self._step = None
         with torch.no_grad():
             p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)

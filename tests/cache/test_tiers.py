@@ -17,6 +17,7 @@ from tandem.cache.host import HostMemoryError, HostTier
 from tandem.cache.hot import HotTier
 from tandem.cache.layer import LayerKV
 from tandem.config import TandemConfig
+from tandem.policies.certify import block_digest, key_sketch
 
 BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 8, 4
 
@@ -107,6 +108,48 @@ def check_host_content(host, chunks):
     key_min, key_max = host.digest()
     ref_min, ref_max = digest_by_loop(keys, valid)
     assert torch.equal(key_min, ref_min) and torch.equal(key_max, ref_max)
+
+
+def check_certified_digests(host):
+    """The certified selection's digests and key sketch on the bounds device equal those of the live rows, and
+    past them there are no rows."""
+    keys, values, valid = host.live()
+    n, nb = host.rows, host.rows // host.block_size
+    digests = block_digest(keys, values, valid, BLOCK)
+    for name, expected in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), digests):
+        assert torch.equal(getattr(host, name)[:, :, :nb], expected), name
+    sketch = key_sketch(keys, valid)
+    for name, expected in zip(("key_codes_dev", "key_code_scale_dev", "key_code_error_dev"), sketch):
+        assert torch.equal(getattr(host, name)[:, :, :n], expected), name
+    assert torch.equal(host.block_rows_dev[:, :nb], valid.view(BATCH, nb, BLOCK).sum(-1).float())
+    assert torch.equal(host.row_valid_dev[:, :n], valid)
+    assert not host.block_rows_dev[:, nb:].any() and not host.row_valid_dev[:, n:].any()
+    decoded = host.key_codes_dev[:, :, :n].float() * host.key_code_scale_dev[:, :, :n, None]
+    inside = (keys.float() - decoded).norm(dim=-1) <= host.key_code_error_dev[:, :, :n]
+    assert torch.all(inside | ~valid[:, None]), "a live row outside its sketch's error radius"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_tier_keeps_the_certified_digests_and_key_sketch_through_growth(dtype):
+    gen = torch.Generator().manual_seed(5)
+    host = HostTier(
+        BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, dtype, BLOCK, pin=False, keep_digest=True, keep_maw=False,
+        bounds_device=torch.device("cpu"),
+    )  # fmt: skip
+    growths = 0
+    for i in range(120):
+        capacity = host.capacity
+        host.append(*random_blocks(gen, 1 + i % 3, dtype, with_maw=False)[:3])
+        if host.capacity != capacity:
+            growths += 1
+            check_certified_digests(host)
+    assert growths >= 2
+    check_certified_digests(host)
+    cap, nb = host.capacity, host.capacity // BLOCK
+    # centre, radius and value norm per block; rows per block; codes, scale and error per row; row valid
+    digests = BATCH * NUM_KV_HEADS * nb * (HEAD_DIM + 2) * 4 + BATCH * nb * 4
+    sketch = BATCH * NUM_KV_HEADS * cap * (HEAD_DIM + 4 + 4) + BATCH * cap
+    assert host.device_nbytes() == digests + sketch
 
 
 def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkeypatch):
@@ -354,6 +397,8 @@ def check_layer(layer, feeder, cfg, window, hot_buffers):
             assert torch.equal(key_min, ref_min) and torch.equal(key_max, ref_max)
     else:
         assert host.key_min is None
+    if host.bounds_device is not None and host.rows:
+        check_certified_digests(host)
     if layer.policy.needs_maw:
         assert hot.maw is not None and hot.maw.shape == (BATCH, NUM_Q_HEADS, hot.keys.shape[2])
         if host.rows:
@@ -367,10 +412,12 @@ def check_layer(layer, feeder, cfg, window, hot_buffers):
 
 @pytest.mark.parametrize("window_tokens", [10, 0.25])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("policy", ["full", "streaming", "hgca", "quest"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "hgca", "quest", "quest-certified"])
 def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
+    certified = policy == "quest-certified"
     cfg = TandemConfig(
-        policy=policy,
+        policy="quest" if certified else policy,
+        epsilon=0.05 if certified else None,
         device="cpu",
         sink_tokens=4,
         window_tokens=window_tokens,

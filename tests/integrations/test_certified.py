@@ -23,14 +23,14 @@ def _checked_decode(model, ids, config, steps: int):
         )
     checked = 0
     for r in records:
-        p, p_cert, p_box = (
-            torch.tensor(r[k], dtype=torch.float64) for k in ("p_measured", "p_certified", "p_box")
-        )
+        p, p_cert = (torch.tensor(r[k], dtype=torch.float64) for k in ("p_measured", "p_certified"))
         deviation, bound = torch.tensor(r["deviation"]), torch.tensor(r["bound"])
         assert torch.all(p <= p_cert + 1e-6), (
             f"layer {r['layer']}: measured p {p} over the certificate {p_cert}"
         )
-        assert torch.all(p <= p_box + 1e-6), f"layer {r['layer']}: the box bound alone is unsound"
+        for name in ("box", "digest", "sketch"):  # each bound's certificate of the same selection
+            other = torch.tensor(r[f"p_{name}"], dtype=torch.float64)
+            assert torch.all(p <= other + 1e-6), f"layer {r['layer']}: the {name} bound is unsound"
         assert torch.all(deviation <= bound * (1 + 1e-3) + 1e-4), (deviation, bound)
         met = torch.tensor(r["met"])
         assert torch.all(p_cert[met] <= config.epsilon * (1 + 1e-4)), "a head that met epsilon is over it"
@@ -38,10 +38,13 @@ def _checked_decode(model, ids, config, steps: int):
     return cache, checked
 
 
+@pytest.mark.parametrize("bound", ["sketch", "digest"])
 @pytest.mark.parametrize("epsilon", [0.001, 0.05, 0.3])
-def test_certificates_hold_on_every_decode_step_of_a_tiny_model(epsilon):
+def test_certificates_hold_on_every_decode_step_of_a_tiny_model(epsilon, bound):
     model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
-    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=epsilon)
+    config = TandemConfig(
+        policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=epsilon, certify_bound=bound
+    )
     ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(0))
     cache, checked = _checked_decode(model, ids, config, steps=12)
     assert checked >= 2 * 8 * 2 * 11  # batch x heads x layers x steps with a host tier
@@ -64,9 +67,10 @@ def test_a_binding_cap_is_reported_as_not_meeting_epsilon():
 
 
 @pytest.mark.model
-def test_certificates_hold_on_decode_steps_of_the_default_model(smollm):
+@pytest.mark.parametrize("bound", ["sketch", "digest"])
+def test_certificates_hold_on_decode_steps_of_the_default_model(smollm, bound):
     model, tokenizer = smollm
-    config = TandemConfig(policy="quest", sink_tokens=16, window_tokens=64, epsilon=0.05)
+    config = TandemConfig(policy="quest", sink_tokens=16, window_tokens=64, epsilon=0.05, certify_bound=bound)
     text = " ".join(
         f"Item {i} of the inventory is a {['red', 'blue', 'green'][i % 3]} box." for i in range(120)
     )

@@ -32,6 +32,15 @@ def _keys(kind: str, shape, gen, dtype):
     return x.to(dtype)
 
 
+def _logits(q, keys, valid, scale):
+    """The exact scaled logits [B, Hq, n] in float64, -inf at padding rows."""
+    batch, num_q_heads, dim = q.shape
+    num_kv_heads, n = keys.shape[1], keys.shape[2]
+    qg = q.double().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
+    logits = (qg @ keys.double().transpose(-1, -2)) * scale
+    return logits.masked_fill(~valid[:, None, None, :], -math.inf).view(batch, num_q_heads, n)
+
+
 def _measure(q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size, scale):
     """Exact (p skipped, ||o_full - o_sparse||, lse of the attended part, o_sparse) per query head, in float64."""
     batch, num_q_heads, dim = q.shape
@@ -75,6 +84,8 @@ def _measure(q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size,
     max_share=st.sampled_from([0.1, 0.5, 1.0]),
     seed=st.integers(0, 2**16),
     pad=st.integers(0, 20),
+    bound=st.sampled_from(["digest", "sketch"]),
+    use_lower=st.booleans(),
 )
 def test_the_certificate_bounds_the_measured_skip_and_deviation(
     batch,
@@ -90,6 +101,8 @@ def test_the_certificate_bounds_the_measured_skip_and_deviation(
     max_share,
     seed,
     pad,
+    bound,
+    use_lower,
 ):
     gen = torch.Generator().manual_seed(seed)
     num_q_heads, n = num_kv_heads * group, num_blocks * block_size
@@ -110,10 +123,26 @@ def test_the_certificate_bounds_the_measured_skip_and_deviation(
     view = (batch, num_kv_heads, num_blocks, block_size, dim)
     key_min = keys.masked_fill(~live, math.inf).view(view).amin(3)
     key_max = keys.masked_fill(~live, -math.inf).view(view).amax(3)
-    mass = certify.mass_bounds(certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows)
+    logits = _logits(q, keys, valid, scale)
+    if bound == "sketch":
+        upper, lower = certify.sketch_logit_bounds(q, *certify.key_sketch(keys, valid), valid, scale)
+        assert torch.all(upper.double() >= logits), "a row over its upper bound"
+        assert torch.all(lower.double() <= logits), "a row under its lower bound"
+        mass, lower = (certify.sketch_mass_bounds(b, block_size) for b in (upper, lower))
+    else:
+        mass = certify.mass_bounds(
+            certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows
+        )
+        lower = certify.ball_lower_mass(q, centre, radius, rows, scale)
+    block_mass = logits.view(batch, num_q_heads, num_blocks, block_size).logsumexp(-1)
+    assert torch.all(lower.double() <= block_mass) and torch.all(mass.double() >= block_mass)
     hot = certify.hot_mass(q, hot_k, hot_valid, scale)
     max_blocks = max(1, math.ceil(max_share * num_blocks))
-    union, needed, kept = certify.certified_blocks(mass, hot, epsilon, max_blocks, num_kv_heads)
+    union, needed, kept = certify.certified_blocks(
+        mass, hot, epsilon, max_blocks, num_kv_heads, lower if use_lower else None
+    )
+    _, needed_hot_only, _ = certify.certified_blocks(mass, hot, epsilon, max_blocks, num_kv_heads)
+    assert torch.all(needed <= needed_hot_only), "the kept blocks' lower bounds can only lower the need"
 
     p, deviation, attended_lse, out = _measure(
         q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size, scale
@@ -174,3 +203,65 @@ def test_hot_mass_is_the_log_sum_of_exp_logits_over_valid_slots(dtype):
         for h in range(4):
             logits = (keys[b, h // 2].float() @ q[b, h].float()) * 0.5
             assert got[b, h].item() == pytest.approx(logits[valid[b]].logsumexp(0).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_the_sketch_bound_survives_fp32_rounding_of_large_cancelling_dot_products(dim):
+    """Keys the sketch holds exactly (integers up to 127: error radius 0) and a huge query made orthogonal to each
+    in float64: q.k is ~0 while fp32 sums terms of ~1e8, so its rounding error dwarfs the logit slack. Only
+    the radius' rounding padding (`certify.sketch_rounding`) keeps the bound above the truth."""
+    gen = torch.Generator().manual_seed(dim)
+    keys = torch.randint(-127, 128, (1, 1, 64, dim), generator=gen).float()
+    keys[..., 0] = 127  # every row's scale is exactly 1
+    valid = torch.ones(1, 64, dtype=torch.bool)
+    q0 = torch.randn(64, dim, generator=gen, dtype=torch.float64) * 1e6
+    k64 = keys[0, 0].double()
+    orthogonal = q0 - (q0 * k64).sum(-1, keepdim=True) / (k64 * k64).sum(-1, keepdim=True) * k64
+    codes, row_scale, error = certify.key_sketch(keys, valid)
+    assert torch.equal(codes.float(), keys) and torch.all(row_scale == 1.0)
+    for i in range(64):  # one query per key, each against all 64 rows
+        q = orthogonal[i].float().view(1, 1, dim)
+        upper, lower = certify.sketch_logit_bounds(q, codes, row_scale, error, valid, 1.0)
+        truth = _logits(q, keys, valid, 1.0)
+        assert torch.all(upper.double() >= truth), (i, (truth - upper.double()).max())
+        assert torch.all(lower.double() <= truth), (i, (lower.double() - truth).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sketch_bound_is_tight_where_the_block_digests_are_not(dtype):
+    """Rotating keys of many spread dims (post-RoPE-like): the block digests over-state a block's mass by
+    orders of magnitude, the per-row sketch by some 20%; both stay above it."""
+    gen = torch.Generator().manual_seed(3)
+    batch, kv_heads, group, n, dim, block = 1, 2, 4, 256, 64, 16
+    keys = (torch.randn(batch, kv_heads, n, dim, generator=gen) * 2.0 + 0.5).to(dtype)
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    q = (torch.randn(batch, kv_heads * group, dim, generator=gen) * 2.0).to(dtype)
+    scale = dim**-0.5
+    truth = _logits(q, keys, valid, scale).view(batch, kv_heads * group, n // block, block).logsumexp(-1)
+    sketch = certify.sketch_mass_bounds(
+        certify.sketch_logit_bounds(q, *certify.key_sketch(keys, valid), valid, scale)[0], block
+    ).double()
+    centre, radius, _, rows = certify.block_digest(keys, keys, valid, block)
+    view = keys.view(batch, kv_heads, n // block, block, dim)
+    digest = certify.mass_bounds(
+        certify.logit_bounds(q, view.amin(3), view.amax(3), centre, radius, rows, scale), rows
+    ).double()
+    assert torch.all(sketch >= truth) and torch.all(digest >= truth)
+    over = (sketch - truth).exp()
+    assert over.median() < 1.3 and over.max() < 1.5, "the sketch over-states a block's mass by more than 50%"
+    assert (digest - truth).exp().median() > 100.0
+
+
+def test_key_sketch_zeroes_padding_rows_and_keeps_zero_keys_exact():
+    keys = torch.randn(2, 1, 8, 4, generator=torch.Generator().manual_seed(4))
+    keys[0, 0, 3] = 0.0
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, :5] = False
+    codes, row_scale, error = certify.key_sketch(keys, valid)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert row_scale[0, 0, 3] == 0 and error[0, 0, 3] == 0 and torch.all(codes[0, 0, 3] == 0)
+    for part in (codes, row_scale, error):
+        assert torch.all(part[1, :, :5] == 0)
+    decoded = codes.float() * row_scale[..., None]
+    assert torch.all((keys - decoded).norm(dim=-1)[valid[:, None]] <= error[valid[:, None]])
+    assert torch.all(error[valid[:, None]] <= row_scale[valid[:, None]] * 4**0.5 / 2 * 1.01 + 1e-30)
