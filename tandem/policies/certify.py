@@ -33,6 +33,9 @@ import torch
 SLACK_ABS = 2e-3  # logit units added to every upper bound: fp32 rounding of the kernels' dot products
 SLACK_REL = 1e-4
 SKETCH_TOP = 127  # int8 codes are symmetric: [-127, 127]
+# fp32 bytes of codes converted at a time on a CPU (`sketch_logit_bounds`): 8B layer at 128K, 2-core CPU, one
+# conversion 221 ms, chunks of 2-32 MB 65-68 ms
+SKETCH_CHUNK_BYTES = 1 << 23
 
 
 def block_digest(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, block_size: int):
@@ -85,7 +88,12 @@ def sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale: float):
     batch, num_q_heads, dim = q.shape
     num_kv_heads, n = codes.shape[1], codes.shape[2]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
-    dots = qg @ codes.float().transpose(-1, -2)  # [B, Hkv, G, n]: q.c_i, the codes are exact in fp32
+    # [B, Hkv, G, n]: q.c_i (the codes are exact in fp32). On a CPU the codes convert a few MB at a time: one
+    # fp32 copy of them all costs 3x more, in page faults and memory traffic
+    chunk = n if codes.is_cuda else max(256, SKETCH_CHUNK_BYTES // (4 * batch * num_kv_heads * dim))
+    dots = torch.cat(
+        [qg @ codes[:, :, r0 : r0 + chunk].float().transpose(-1, -2) for r0 in range(0, n, chunk)], -1
+    )
     centre = dots * row_scale[:, :, None] * scale
     reach = qg.norm(dim=-1, keepdim=True) * error[:, :, None] * scale
     upper, lower = centre + reach, centre - reach
