@@ -17,6 +17,7 @@ for before `max_budget` (above it the head did not meet epsilon).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -26,12 +27,23 @@ from ..policies.quest import QuestPolicy, certified_mass
 from .metrics import layer_full_attention_lse
 
 
-def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """(measured p, ||o_full - out||) per (request, query head), float64 on the CPU: full attention of q [B, Hq, D]
-    over every row `layer` holds (`metrics.layer_full_attention_lse`) against (out [B, Hq, D], lse [B, Hq]), what
-    the step attended."""
+def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.Tensor):
+    """(p, ||o_full - out||) per (request, query head), float64 on the CPU, for q [B, Hq, D] and the step's output
+    out [B, Hq, D]: p is the exact share of full attention over every row `layer` holds that the host blocks
+    outside `union` [B, Hkv, >= live blocks] bool hold, the attention the step skipped. It is summed in float64
+    over the skipped rows themselves, not taken as 1 - (attended mass / full mass) with the kernel's fp32
+    log-sum-exp, whose rounding (~1e-6 of the mass) would swamp a small p."""
     full_out, full_lse = layer_full_attention_lse(layer, q, layer.attention_scale)
-    p = (1 - torch.exp(lse.double().cpu() - full_lse)).clamp(min=0)
+    batch, num_q_heads, dim = q.shape
+    host = layer.host
+    keys, _, valid = host.live()
+    num_kv_heads, n = keys.shape[1], keys.shape[2]
+    qg = q.double().cpu().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
+    logits = (qg @ keys.double().cpu().transpose(-1, -2)) * layer.attention_scale  # [B, Hkv, G, n]
+    attended = union.cpu()[:, :, : n // host.block_size].repeat_interleave(host.block_size, dim=-1)
+    skipped = ~attended[:, :, None] & valid.cpu()[:, None, None]  # [B, Hkv, 1, n]
+    skipped_lse = logits.masked_fill(~skipped, -math.inf).logsumexp(-1)
+    p = torch.exp(skipped_lse.view(batch, num_q_heads) - full_lse)
     return p, (full_out - out.double().cpu()).norm(dim=-1)
 
 
@@ -68,7 +80,7 @@ def trace_certificates(on_select=None):
             alternatives["box"], _ = certify.certificate(
                 certify.mass_bounds(box, rows), union, value_norm, rows, lse, out
             )
-            p, deviation = full_attention_gap(layer, q, out, lse)
+            p, deviation = full_attention_gap(layer, q, out, union)
             records.append({
                 "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
                 "p_certified": p_cert.double().flatten().tolist(),
