@@ -26,8 +26,15 @@ DEFAULT_GPU_SHARE = 0.4
 DEFAULT_GPU_CACHE = 4.0
 
 
+CPU_THREADS_ENV = "TANDEM_CPU_THREADS"  # set by a tensor-parallel rank for its share of the cores
+
+
 def default_cpu_threads() -> int:
-    """All cores but one: that one launches GPU work (DESIGN.md, 'Where the work runs')."""
+    """$TANDEM_CPU_THREADS where set (a tensor-parallel rank's share, `distributed.launch`), else all cores but
+    one: that one launches GPU work (DESIGN.md, 'Where the work runs')."""
+    env = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

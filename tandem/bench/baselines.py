@@ -228,6 +228,7 @@ def run_hf_baseline(
     warmup: int = 2,
     seed: int = 0,
     sdpa_backends=SDPA_BACKENDS,
+    agree=None,
 ) -> dict:
     """Fill an HF cache of `kind` with `context` synthetic tokens per request, decode, and return one row.
 
@@ -236,6 +237,7 @@ def run_hf_baseline(
     fill + decode, weights included (None off CUDA); gpu_kv_bytes / host_kv_bytes are where the cache's K/V
     sit after the last step; tokens [batch][warmup + steps] are the greedy tokens. The offloaded cache
     reaches its steady speed after about 5 steps (its first steps allocate pinned host blocks): warm up 4+.
+    agree: for a tensor-parallel shard, `fill_agreed`'s collective: no rank decodes unless every rank filled.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown HF cache kind {kind!r}: expected one of {', '.join(KINDS)}")
@@ -251,7 +253,8 @@ def run_hf_baseline(
     restore_attention(model)  # a Tandem row before this one left the model on Tandem's attention
     try:
         cache = make_hf_cache(kind, model)
-        fill_synthetic(cache, model.config, batch, context, device, dtype, seed)
+        fill_agreed(agree, lambda: fill_synthetic(cache, model.config, batch, context, device, dtype, seed))
+        row["filled"] = True
         times, tokens = decode(model, cache, batch, context, steps, warmup, seed, sdpa_backends)
         gpu_kv, host_kv = kv_bytes(cache)
         record_times(row, times, device, gpu_kv_bytes=gpu_kv, host_kv_bytes=host_kv, tokens=tokens.tolist())
@@ -261,6 +264,20 @@ def run_hf_baseline(
         cache = None
         release_memory(device)
     return row
+
+
+def fill_agreed(agree, fill) -> None:
+    """Run `fill()`; with `agree` (tensor-parallel ranks: all_ok(flag) -> whether every rank's flag was set),
+    raise on every rank if any rank's fill failed, so that none goes on to a decode step whose collectives the
+    failed one would never join."""
+    try:
+        fill()
+    except Exception:
+        if agree is not None:
+            agree(False)
+        raise
+    if agree is not None and not agree(True):
+        raise torch.OutOfMemoryError("another tensor-parallel rank failed to fill its cache (see its row)")
 
 
 def record_times(row: dict, times_s: list[float], device: torch.device, **fields) -> None:

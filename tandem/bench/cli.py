@@ -12,8 +12,11 @@ and PNG plots into --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
+import sys
 from pathlib import Path
 
 from .. import manifest
@@ -28,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="llama-3.1-8b",
-        help="a named shape with random weights (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, mistral-7b, "
+        help="a named shape with random weights (llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, mistral-7b, "
         "smollm2-135m, tiny-llama) or a local HF directory / .gguf (default llama-3.1-8b)",
     )
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of a named shape")
@@ -91,16 +94,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA if available)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="tensor-parallel over N GPUs of this host (heads and MLP split; each rank its own cache and CPU "
+        "cores): starts N processes under torchrun (default 1). With --device cpu, N ranks over gloo",
+    )
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1)")
     p.add_argument("--out", default="tandem_bench", help="output folder (bench.json, bench.md, PNGs)")
     p.add_argument("--seed", type=int, default=0)
 
 
-def _load(args, device, dtype, longest: int):
+def _load(args, device, dtype, longest: int, rank=None):
     from . import shapes
 
     if args.model in shapes.SHAPES:
-        model = shapes.build_random_model(args.model, device, dtype, num_layers=args.layers, seed=args.seed)
+        if rank is None:
+            model = shapes.build_random_model(
+                args.model, device, dtype, num_layers=args.layers, seed=args.seed
+            )
+        else:
+            from ..distributed.tensor_parallel import random_shard
+
+            model = random_shard(args.model, rank, dtype, num_layers=args.layers, seed=args.seed)
         # random weights: let "128k" mean 131072 context tokens plus the decoded ones
         needed = longest + args.warmup + args.steps + 1
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, needed)
@@ -114,17 +131,44 @@ def _load(args, device, dtype, longest: int):
 
     model, _ = load_model(
         str(path),
-        device=str(device),
+        device="cpu" if rank is not None else str(device),  # only a rank's shard goes to its GPU
         dtype=str(dtype).removeprefix("torch."),
         cache=False if args.no_model_cache else None,
     )
+    if rank is not None:
+        from ..distributed.tensor_parallel import shard_model_
+
+        model = shard_model_(model, rank).to(device)
     return model, {"name": str(path), "weights": "checkpoint", "layers": model.config.num_hidden_layers}
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..distributed import launch
+
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpus > 1 and not launch.in_launch():
+        if getattr(args, "argv", None) is None:
+            raise ValueError(
+                "--gpus N starts N processes from the command line: run `tandem bench --gpus N ...`"
+            )
+        return launch.relaunch(args.gpus, args.argv)
+    if not launch.in_launch():
+        return _run(args)
+    code = 2
+    try:
+        code = _run(args)
+    except BaseException as err:  # a rank's error, printed as `tandem` prints errors, then the rank ends
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr)
+    launch.exit_rank(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from ..config import TandemConfig
+    from ..distributed import launch
     from ..engine.runner import FORWARDS, HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
@@ -153,49 +197,66 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
+    rank = launch.init_ranks(device.type, args.gpus) if launch.in_launch() else None
+    agree = None
+    if rank is not None:
+        device = rank.device
+        threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
+        variants = make_variants(policies, args.set, threads)  # the rank's share of the cores
+        agree = functools.partial(launch.all_ok, rank)
+        if rank.rank != 0:  # one voice: rank 0 prints and writes
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
     machine = bandwidth.machine_info(threads)
     print(
         f"machine: {machine.get('gpu') or 'no GPU'}; {machine['cpu_model']} ({machine['cores']} cores)",
         flush=True,
     )
+    launch.barrier()  # ranks measure together: each gets its share of the host's bandwidth
     bw = {"host_read_gbps": bandwidth.host_read_bandwidth(threads)}
     if device.type == "cuda":
         bw["hbm_gbps"] = bandwidth.hbm_bandwidth(device)
         bw["pcie_h2d_gbps"] = bandwidth.pcie_h2d_bandwidth(device)
     print("bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bw.items()), flush=True)
 
-    model, model_info = _load(args, device, dtype, max(contexts))
-    from .shapes import weight_bytes_per_step
+    model, model_info = _load(args, device, dtype, max(contexts), rank)
+    from .shapes import model_weight_bytes_per_step
 
-    weight_bytes = weight_bytes_per_step(model.config, dtype)
-    model_info.update(weight_bytes=weight_bytes, dtype=args.dtype)
+    weight_bytes = model_weight_bytes_per_step(model)  # per GPU for a shard
+    model_info.update(weight_bytes=weight_bytes, dtype=args.dtype, gpus=args.gpus)
     out_dir = Path(args.out)
     result = {"machine": machine, "bandwidth": bw, "model": model_info, "args": vars(args), "rows": []}
     if model_info["weights"] == "random":
-        result["fluxion_replay"] = _replay_fluxion(variants, model, out_dir)
+        result["fluxion_replay"] = _replay_fluxion(variants, model, out_dir, rank)
     # the first configuration timed in a process runs slow on every step (allocator, kernel selection): pay
     # that once on a throwaway run
-    baselines.run_hf_baseline(model, "dynamic", 1, min(contexts), 3, 2, seed=args.seed)
-    kv_token_bytes = _kv_bytes_per_token(model, dtype)
+    baselines.run_hf_baseline(model, "dynamic", 1, min(contexts), 3, 2, seed=args.seed, agree=agree)
+    kv_token_bytes = _kv_bytes_per_token(model, dtype) * args.gpus  # the host holds every rank's tier
     for context in contexts:
         for batch in batches:
             for system in hf_systems:
-                row = _host_memory_check(system, batch, context, args, kv_token_bytes, baselines)
+                row = _agreed_check(system, batch, context, args, kv_token_bytes, baselines, agree)
                 if row is None:
                     row = baselines.run_hf_baseline(
-                        model, system[3:], batch, context, args.steps, args.warmup, seed=args.seed
+                        model,
+                        system[3:],
+                        batch,
+                        context,
+                        args.steps,
+                        args.warmup,
+                        seed=args.seed,
+                        agree=agree,
                     )
-                _add(result, row, out_dir)
+                _add(result, row, out_dir, rank)
             for variant, handoff, forward in itertools.product(variants, handoffs, forwards):
                 label = variant.label if len(handoffs) == 1 else f"{variant.label}@{handoff}"
                 label = label if len(forwards) == 1 else f"{label}/{forward}"
                 token_bytes = kv_token_bytes
                 if variant.config.host_dtype:  # one byte per element (the block scales are ~0.2% more)
                     token_bytes = kv_token_bytes // _dtype_size(dtype)
-                row = _host_memory_check(f"tandem-{label}", batch, context, args, token_bytes, baselines)
+                row = _agreed_check(f"tandem-{label}", batch, context, args, token_bytes, baselines, agree)
                 if row is not None:
-                    _add(result, row, out_dir)
+                    _add(result, row, out_dir, rank)
                     continue
                 row = run_tandem(
                     model,
@@ -211,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     handoff=handoff,
                     forward=forward,
+                    agree=agree,
                 )
                 bandwidths = (bw.get("hbm_gbps"), bw["host_read_gbps"], bw.get("pcie_h2d_gbps"))
                 row["bound_ms"] = bound_ms(row, weight_bytes, *bandwidths)
@@ -221,14 +283,16 @@ def run(args: argparse.Namespace) -> int:
                 ):
                     if row[bound]:
                         row[ratio] = row["tpot_median_ms"] / row[bound]
-                _add(result, row, out_dir)
+                _add(result, row, out_dir, rank)
+    if rank is not None and rank.rank != 0:
+        return 0
     paths = report.write_report(result, out_dir) + [manifest.write(out_dir)]
     print(report.format_table(result["rows"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
-def _replay_fluxion(variants, model, out_dir: Path) -> dict:
+def _replay_fluxion(variants, model, out_dir: Path, rank=None) -> dict:
     """Random weights make fluxion's predictor meaningless: each fluxion variant instead replays the static
     per-head budgets and streaming labels its profile measured on a real model, mapped onto this shape
     (`calibration.replay`). Says so, and returns what was replayed."""
@@ -244,6 +308,7 @@ def _replay_fluxion(variants, model, out_dir: Path) -> dict:
             continue
         source = load_profile(config.profile)
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in variant.label)
+        safe += f"_rank{rank.rank}" if rank is not None else ""  # a shard's heads: its own profile
         path = out_dir / f"replayed_profile_{safe}.pt"
         replayed = replay_profile(source, *shape)
         replayed.save(path)
@@ -280,6 +345,17 @@ def _kv_bytes_per_token(model, dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * _dtype_size(dtype)
 
 
+def _agreed_check(system, batch, context, args, kv_token_bytes, baselines, agree) -> dict | None:
+    """`_host_memory_check`, the same on every tensor-parallel rank: a row runs only where every rank's check
+    let it (each reads the host's free memory at its own moment)."""
+    row = _host_memory_check(system, batch, context, args, kv_token_bytes, baselines)
+    if agree is None or agree(row is None) or row is not None:
+        return row
+    row = baselines.empty_row(system, batch, context, args.steps, args.warmup)
+    row.update(status="oom", error="host memory: another rank's check found too little free (see its row)")
+    return row
+
+
 def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) -> dict | None:
     """An OOM row, without running, when the configuration's host memory cannot fit: the kernel's OOM killer
     would end the whole benchmark instead of raising."""
@@ -299,8 +375,21 @@ def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) 
     return row
 
 
-def _add(result: dict, row: dict, out_dir: Path) -> None:
+def _add(result: dict, row: dict, out_dir: Path, rank=None) -> None:
+    if rank is not None:
+        if row["status"] != "ok" and row.get("filled"):
+            # failed past the agreed fill (a decode step): the other ranks are inside a collective this rank
+            # will not join, so no later row could run; the rows so far stay in bench.partial.json
+            raise RuntimeError(
+                f"{row['system']} b{row['batch']} {row['context']} failed on rank {rank.rank} after the ranks filled "
+                f"their caches ({row.get('error')}); the ranks' collectives are out of step, so the run ends here"
+            )
+        from ..distributed.launch import merged_row
+
+        row = merged_row(rank, row)
     result["rows"].append(row)
+    if rank is not None and rank.rank != 0:
+        return
     shown = (
         "OOM"
         if row["status"] == "oom"

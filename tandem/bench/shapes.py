@@ -42,6 +42,21 @@ SHAPES: dict[str, dict] = {
         "rope_parameters": _LLAMA3_ROPE,
         "tie_word_embeddings": False,
     },
+    # meta-llama/Llama-3.1-70B
+    "llama-3.1-70b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": _LLAMA3_ROPE,
+        "tie_word_embeddings": False,
+    },
     # meta-llama/Llama-3.2-1B
     "llama-3.2-1b": {
         "model_type": "llama",
@@ -207,6 +222,21 @@ def weight_bytes_per_step(config, dtype: torch.dtype) -> int:
     hidden, *_, vocab = _dims(config)
     untied_table = 0 if config.get_text_config(decoder=True).tie_word_embeddings else vocab * hidden
     return (param_count(config) - untied_table) * _itemsize(dtype)
+
+
+def model_weight_bytes_per_step(model) -> int:
+    """`weight_bytes_per_step` of a built model, from its parameters: what a tensor-parallel shard's GPU reads
+    per step (its slices, plus the embeddings and norms every rank holds), without the input embedding table
+    unless the LM head shares it."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    table = model.get_input_embeddings().weight
+    if table.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        total -= table.numel() * table.element_size()
+    return total
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -13,7 +13,7 @@ from ..attention.hybrid import _observe
 from ..config import TandemConfig
 from ..engine import TandemRunner
 from ..integrations.hf import TandemCache
-from .baselines import KV_STD, empty_row, kv_shape, record_failure, record_times, release_memory
+from .baselines import KV_STD, empty_row, fill_agreed, kv_shape, record_failure, record_times, release_memory
 from .cli import FILLS
 
 
@@ -108,10 +108,11 @@ def run_tandem(
     seed: int = 0,
     handoff: str = "auto",
     forward: str = "auto",
+    agree=None,
 ) -> dict:
     """Fill (synthetic K/V, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
     and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
-    failure "error"; neither raises."""
+    failure "error"; neither raises. agree: for tensor-parallel shards, as in `baselines.run_hf_baseline`."""
     if fill not in FILLS:
         raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
     row = empty_row(f"tandem-{label}", batch, context, steps, warmup)
@@ -130,11 +131,15 @@ def run_tandem(
         if fill == "synthetic":
             for layer in cache.tandem_layers():
                 layer.capacity_hint = context + warmup + steps + 1
-            fill_tandem_synthetic(cache, model, batch, context, seed)
+            fill_agreed(agree, lambda: fill_tandem_synthetic(cache, model, batch, context, seed))
+            row["filled"] = True
             runner.set_positions(torch.full((batch,), context))
             first = torch.randint(0, vocab, (batch,), generator=gen)
         else:
             ids = torch.randint(0, vocab, (batch, context), generator=gen)
+            row["filled"] = (
+                True  # a prefill runs the collectives: a rank failing in it leaves the others there
+            )
             logits = runner.prefill(ids, chunk_tokens=chunk_tokens, max_new_tokens=warmup + steps + 1)
             first = logits.argmax(-1)
         if device.type == "cuda":

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
+    args.argv = argv + (["--debug"] if debug else [])  # what `--gpus N` starts again under torchrun
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -136,8 +136,11 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
         )
     flat = {field: float(bandwidth[key]) for key, field in BENCH_BANDWIDTHS.items()}
     flat["device"] = f"{machine.get('gpu', 'GPU')} host ({file.parent.name or file.name})"
+    # a tensor-parallel bench's ranks measured the host together, each on its own cores: the host is the sum
+    gpus = int((data.get("model") or {}).get("gpus") or 1)
+    flat["host_read_gbs"] *= gpus
     if machine.get("cores"):
-        flat["host_cores"] = int(machine["cores"])
+        flat["host_cores"] = int(machine["cores"]) * gpus
     if machine.get("memory_gb"):
         flat["host_memory_gib"] = float(machine["memory_gb"]) * GIB_PER_GB
     if machine.get("gpu_memory_gb"):
@@ -160,6 +163,7 @@ def bench_comparison(
     data = read_bench(path)
     host = _host_of(data, Path(path))
     model = (data.get("model") or {}).get("name")
+    gpus = int((data.get("model") or {}).get("gpus") or 1)
     if not data.get("rows") or model is None:
         raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
     floors = {
@@ -176,7 +180,7 @@ def bench_comparison(
             continue  # the model prices a host tier in the model's dtype
         pred = predict_host(
             host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
-            device_share=device_share, gpu_selection=True,
+            device_share=_share_of(system, device_share), gpu_selection=True, gpus=gpus,
         )  # fmt: skip
         predicted = pred.result.step.step_s * 1e3
         measured = row["tpot_median_ms"]
@@ -190,6 +194,18 @@ def bench_comparison(
             entry.update(floor_predicted_ms=with_floor, floor_error=with_floor / measured - 1)
         out.append(entry)
     return out
+
+
+def _share_of(system: str, default: float) -> float:
+    """The gpu_share a bench row's label names (`tandem-quest[gpu_share=0.7]`), else `default`."""
+    for part in system.partition("[")[2].rstrip("]").split(","):
+        key, _, value = part.partition("=")
+        if key.strip() == "gpu_share":
+            try:
+                return float(value)
+            except ValueError:
+                break
+    return default
 
 
 def comparison_table(rows: list[dict]) -> str:
@@ -221,8 +237,9 @@ def host_system(
     page_size: int = 16,
     device_share: float = 0.0,
     gpu_selection: bool = False,
+    gpus: int = 1,
 ) -> SystemConfig:
-    """A one-GPU + host-tier configuration running Tandem's layout (PnG-KV with a fixed hot set).
+    """`gpus` GPUs (tensor-parallel) + the host tier, running Tandem's layout (PnG-KV with a fixed hot set).
 
     sparsity: fraction of the offloaded tokens the CPU attends per step. Efficiencies are 1 because the
     bandwidths are measured; 85% of host RAM is assumed usable for KV (OS, pinned staging buffers).
@@ -258,7 +275,7 @@ def host_system(
         link_eff=1.0,
         layer_overhead_us=host.layer_sync_us / 2,  # two hops per layer: q out, (o, lse) back
     )
-    return SystemConfig(get_model(model), gpu, 1, 1, "pnkv", workload, platform, tier)
+    return SystemConfig(get_model(model), gpu, gpus, 1, "pnkv", workload, platform, tier)
 
 
 @dataclass(frozen=True)

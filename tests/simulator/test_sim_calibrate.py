@@ -134,6 +134,28 @@ def test_bench_comparison_puts_each_quest_row_beside_the_prediction(tmp_path):
     assert "| 64K | 1 | tandem-quest | 13.00 |" in comparison_table(out)
 
 
+def test_a_tensor_parallel_bench_is_predicted_on_its_gpus_and_its_ranks_host_share(tmp_path):
+    rows = [_row("tandem-quest", 131072, 50.8), _row("tandem-quest[gpu_share=0.7]", 131072, 49.9)]
+    path = _tandem_bench(tmp_path, BANDWIDTH, rows)
+    data = json.loads(path.read_text())
+    data["model"] = {"name": "llama-3.1-70b", "gpus": 2}
+    path.write_text(json.dumps(data))
+    host = load_bench(path)
+    assert (
+        host.host_read_gbs == pytest.approx(2 * 107.9) and host.host_cores == 32
+    )  # each rank measured its share
+    out = bench_comparison(path)
+    for row, share in zip(out, (0.4, 0.7), strict=True):
+        pred = predict_host(
+            host, "llama-3.1-70b", 131072, 1, hot_tokens=320, device_share=share, gpu_selection=True, gpus=2
+        )
+        assert row["predicted_ms"] == pytest.approx(pred.result.step.step_s * 1e3)
+    one_gpu = predict_host(
+        host, "llama-3.1-70b", 131072, 1, hot_tokens=320, device_share=0.4, gpu_selection=True
+    )
+    assert not one_gpu.result.feasible and out[0]["predicted_ms"] > 0  # 141 GB of weights need both GPUs
+
+
 def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsys):
     from tandem.simulator.cli import main
 

@@ -1,0 +1,161 @@
+"""Tensor-parallel decode: the sharding rules, and ranks over gloo (CPU) or NCCL (2 GPUs) against one device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.bench import shapes
+from tandem.distributed import launch
+from tandem.distributed.tensor_parallel import Rank, check_shardable, random_shard, shard_config
+
+
+def _torchrun(*args: str, ranks: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def _reports(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_split_that_does_not_divide_names_the_allowed_gpus():
+    config = shapes.shape_config("smollm2-135m")  # 9 query heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"gpus=2: the model's num_key_value_heads=3 .* allowed gpus: 1, 3"):
+        check_shardable(config, 2)
+    with pytest.raises(ValueError, match="gpus: expected a positive integer"):
+        check_shardable(config, 0)
+
+
+def test_a_model_outside_the_family_is_refused():
+    config = shapes.shape_config("tiny-llama")
+    config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="supports model types llama, qwen2, mistral"):
+        check_shardable(config, 2)
+
+
+def test_the_shard_config_divides_heads_and_mlp_and_keeps_head_dim():
+    config = shapes.shape_config("llama-3.1-70b")
+    shard = shard_config(config, 4)
+    assert (shard.num_attention_heads, shard.num_key_value_heads) == (16, 2)
+    assert shard.intermediate_size == 28672 // 4 and shard.head_dim == 128
+    assert shard.hidden_size == config.hidden_size and shard.vocab_size == config.vocab_size
+    assert config.num_attention_heads == 64  # the model's own config is left alone
+
+
+def test_a_shard_holds_its_slices_and_the_whole_embeddings():
+    world = 2
+    shard = random_shard("tiny-llama", Rank(1, world, torch.device("cpu")), torch.float32)
+    whole = shapes.build_random_model("tiny-llama", "cpu", torch.float32)
+    layer, full = shard.model.layers[0], whole.model.layers[0]
+    assert layer.self_attn.q_proj.weight.shape[0] * world == full.self_attn.q_proj.weight.shape[0]
+    assert layer.self_attn.o_proj.weight.shape[1] * world == full.self_attn.o_proj.weight.shape[1]
+    assert layer.mlp.down_proj.weight.shape[1] * world == full.mlp.down_proj.weight.shape[1]
+    assert shard.lm_head.weight.shape[0] * world == whole.lm_head.weight.shape[0]
+    assert shard.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape
+    # per GPU: the layers' and the LM head's shares, the norms whole (the input table is a lookup)
+    layers = sum(p.numel() for p in whole.model.layers.parameters() if p.dim() == 2) // world
+    norms = sum(p.numel() for p in whole.parameters() if p.dim() == 1)
+    expected = 4 * (layers + norms + whole.lm_head.weight.numel() // world)
+    assert shapes.model_weight_bytes_per_step(shard) == expected
+    assert shapes.model_weight_bytes_per_step(whole) == shapes.weight_bytes_per_step(
+        whole.config, torch.float32
+    )
+
+
+def test_rank_cores_are_disjoint_shares():
+    first = launch.rank_cores(0, 2, torch.device("cpu"))
+    second = launch.rank_cores(1, 2, torch.device("cpu"))
+    if not first:
+        pytest.skip("fewer than 2 usable cores")
+    assert not set(first) & set(second) and len(first) == len(second)
+
+
+def test_two_ranks_on_the_cpu_reproduce_one_device():
+    """gloo ranks, biases on every projection: tokens equal, logits within the fp32 tolerance."""
+    result = _torchrun(
+        "-m", "tandem.distributed.check", "--device", "cpu", "--model", "tiny-llama", "--bias", "--steps", "6"
+    )
+    reports = _reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert [r["policy"] for r in reports] == ["full", "quest"]
+    assert all(r["tokens_equal"] and r["logits_close"] and r["ranks"] == 2 for r in reports)
+    assert all(r["decode_logits_rel_diff"] is not None for r in reports)
+
+
+def test_bench_gpus_runs_every_row_on_the_ranks(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "tandem.cli", "bench", "--device", "cpu", "--gpus", "2", "--model", "tiny-llama",
+            "--contexts", "256", "--steps", "2", "--warmup", "3", "--policies", "quest", "--hf", "hf-dynamic",
+            "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["model"]["gpus"] == 2
+    assert [(r["system"], r["status"], r["ranks"]) for r in bench["rows"]] == [
+        ("hf-dynamic", "ok", 2),
+        ("tandem-quest", "ok", 2),
+    ]
+    assert result.stdout.count("tandem-quest b1") == 1  # one voice: rank 0's
+
+
+def test_bench_refuses_a_gpu_count_below_one(tmp_path):
+    from tandem.cli import main
+
+    assert main(["bench", "--gpus", "0", "--model", "tiny-llama", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_two_gpus_reproduce_one_gpu(graphs):
+    """The issue's check: a Llama-3.1-8B shape cut to 2 layers, fp32, on 2 GPUs against 1."""
+    args = ["-m", "tandem.distributed.check", "--model", "llama-3.1-8b", "--layers", "2", "--bias"]
+    result = _torchrun(*args, *([] if graphs else ["--no-graphs"]), timeout=600)
+    reports = _reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert len(reports) == 2 and all(r["tokens_equal"] and r["logits_close"] for r in reports)
+
+
+def test_a_row_failing_after_the_fill_ends_a_tensor_parallel_bench(tmp_path):
+    """A decode step that fails on one rank leaves the others inside a collective: no later row can run."""
+    from tandem.bench import baselines
+    from tandem.bench.cli import _add
+
+    row = baselines.empty_row("tandem-quest", 1, 1024, 4, 3)
+    row.update(status="oom", error="OutOfMemoryError: CUDA out of memory", filled=True)
+    with pytest.raises(RuntimeError, match="failed on rank 1 after the ranks filled .* the run ends here"):
+        _add({"rows": []}, row, tmp_path, Rank(1, 2, torch.device("cpu")))
+
+
+def test_a_host_memory_check_one_rank_fails_skips_the_row_on_every_rank():
+    import argparse
+
+    from tandem.bench import baselines
+    from tandem.bench.cli import _agreed_check
+
+    args = argparse.Namespace(steps=4, warmup=3)
+    votes = []
+
+    def agree(ok):  # this rank's check passed; another rank's did not
+        votes.append(ok)
+        return False
+
+    row = _agreed_check("tandem-quest", 1, 1024, args, 1, baselines, agree)
+    assert votes == [True] and row["status"] == "oom" and "another rank" in row["error"]
+    assert _agreed_check("tandem-quest", 1, 1024, args, 1, baselines, lambda ok: True) is None
