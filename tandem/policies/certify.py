@@ -15,10 +15,11 @@ With `certify_bound="sketch"` (`TandemConfig`) the bound is per row instead: eve
 int8 sketch k~_i = s_i c_i (a symmetric scale s_i per row, codes c_i in [-127, 127]) with its error radius
 e_i = ||k_i - k~_i|| (`key_sketch`), so that q.k_i <= q.k~_i + ||q|| e_i (Cauchy-Schwarz); a block's mass bound is
 the sum of its rows' exp(scaled bound) (`sketch_mass_bounds`), not n_b times its largest. On the default model
-it over-states the mass ~1.1-1.7x where the block digests over-state it 10^4-10^8x (docs/certified.md).
+it over-states the skipped probability ~1.3x at the median, the block digests 24-215x (docs/certified.md).
 
-`certified_blocks` picks, per query head, the fewest best blocks (ranked by log n_b + u_b) whose tail certifies
-p <= epsilon against the hot tier's mass alone (a lower bound of W known before the host part runs), capped at
+`certified_blocks` picks, per query head, the fewest best blocks (ranked by their mass bound) whose tail certifies
+p <= epsilon against a lower bound of W known before the host part runs (the hot tier's mass, plus the kept
+blocks' lower mass bounds: the sketch's q.k~_i - ||q|| e_i, or the ball's q.c_b - ||q|| r_b), capped at
 `max_blocks`; each KV head attends the union of its group's picks. `certificate` gives, after the step, the tighter
 bound with W the exact attended mass. Everything here is plain torch on the compute device (graph-safe: no host
 reads).
@@ -30,7 +31,7 @@ import math
 
 import torch
 
-SLACK_ABS = 2e-3  # logit units added to every upper bound: fp32 rounding of the kernels' dot products
+SLACK_ABS = 2e-3  # logit units widening every bound (lower ones down): fp32 rounding in the kernels
 SLACK_REL = 1e-4
 SKETCH_TOP = 127  # int8 codes are symmetric: [-127, 127]
 # fp32 bytes of codes converted at a time on a CPU (`sketch_logit_bounds`): 8B layer at 128K, 2-core CPU, one
