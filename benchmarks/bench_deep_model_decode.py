@@ -17,8 +17,8 @@ import torch
 from transformers import LlamaConfig
 
 from tandem import TandemCache, TandemConfig
-from tandem.bench.shapes import build_random_model
 from tandem.engine.runner import TandemRunner
+from tandem.shapes import build_random_model
 
 
 def main(layers: int, context: int, timeout_s: int) -> None:

@@ -21,10 +21,10 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.bench.baselines import release_memory
-from tandem.bench.shapes import build_random_model
 from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.kernels import cpu
+from tandem.shapes import build_random_model
 
 
 def _context(text: str) -> int:

@@ -24,9 +24,9 @@ from torch.nn.attention import sdpa_kernel
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import hybrid
 from tandem.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
-from tandem.bench.shapes import build_random_model
 from tandem.engine import TandemRunner
 from tandem.integrations.hf import restore_attention
+from tandem.shapes import build_random_model
 
 PATHS = ("flash", "reference", "hf-dynamic")
 

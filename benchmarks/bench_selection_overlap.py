@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--random", default=None, help="a named shape with random weights (4 layers) instead")
     args = parser.parse_args()
     if args.random:
-        from tandem.bench.shapes import build_random_model
+        from tandem.shapes import build_random_model
 
         model = build_random_model(args.random, "cpu", torch.float32, num_layers=4)
         gen = torch.Generator().manual_seed(0)

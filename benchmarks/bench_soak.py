@@ -50,7 +50,7 @@ def kv_bytes_per_token(cache: TandemCache) -> int:
 
 def soak(args, policy: str) -> dict:
     if args.model and not Path(args.model).exists():
-        from tandem.bench.shapes import build_random_model
+        from tandem.shapes import build_random_model
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_random_model(args.model, device, torch.bfloat16, num_layers=args.layers)

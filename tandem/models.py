@@ -171,29 +171,7 @@ def load_model(
     device = resolve_device(device)  # before the (slow) load
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy import, only when loading
 
-    target = Path(path).expanduser() if path is not None else default_model_path()
-    if not target.exists():
-        raise FileNotFoundError(
-            f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory or a .gguf file"
-        )
-    entry = None
-    if target.is_file():
-        if target.suffix.lower() != ".gguf":
-            raise ValueError(
-                f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory"
-            )
-        location, extra = str(target.parent), {"gguf_file": target.name}
-        if cache is None:
-            cache = os.environ.get("TANDEM_MODEL_CACHE", "on").lower() not in ("0", "off", "false", "no")
-        entry = _cache_entry(target) if cache else None
-        if entry is not None and _complete(entry):
-            location, extra = str(entry), {}
-    else:
-        if not (target / "config.json").is_file():
-            raise ValueError(
-                f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model"
-            )
-        location, extra = str(target), {}
+    target, location, extra, entry = locate_model(path, cache)
     kwargs = dict(extra, local_files_only=True)
     chosen = DTYPES[dtype] if dtype != "auto" else auto_dtype(device)
     # a GGUF file converted now is stored as transformers gives it (float32), then cast to the dtype asked for
@@ -217,3 +195,33 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # decoder-only batching pads on the left
     return model, tokenizer
+
+
+def locate_model(path: str | os.PathLike | None = None, cache: bool | None = None):
+    """Where `load_model` reads a model from: (target, location, extra from_pretrained arguments, model-cache
+    entry or None). A .gguf file with a complete converted copy is read from the copy (a directory); without one,
+    from the file itself (extra = {"gguf_file": name}). Raises as `load_model` documents."""
+    target = Path(path).expanduser() if path is not None else default_model_path()
+    if not target.exists():
+        raise FileNotFoundError(
+            f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory or a .gguf file"
+        )
+    entry = None
+    if target.is_file():
+        if target.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"model file {str(target)!r} is not a .gguf file: pass a .gguf file or a model directory"
+            )
+        location, extra = str(target.parent), {"gguf_file": target.name}
+        if cache is None:
+            cache = os.environ.get("TANDEM_MODEL_CACHE", "on").lower() not in ("0", "off", "false", "no")
+        entry = _cache_entry(target) if cache else None
+        if entry is not None and _complete(entry):
+            location, extra = str(entry), {}
+    else:
+        if not (target / "config.json").is_file():
+            raise ValueError(
+                f"model directory {str(target)!r} has no config.json: it is not a Hugging Face model"
+            )
+        location, extra = str(target), {}
+    return target, location, extra, entry

@@ -1,12 +1,12 @@
 """The package's layers: every import of a Tandem module (at module level or inside a function) goes down or
 sideways, never up, and no two groups of modules import each other.
 
-    0  config, manifest, models, kernels          (no Tandem imports above them)
+    0  config, manifest, models, shapes, kernels  (no Tandem imports above them)
     1  calibration's model-free math              (features, predictor, profile, search, replay)
     2  policies
     3  cache
     4  attention
-    5  integrations, engine
+    5  integrations, engine, distributed
     6  bench, evaluation, calibration's collection and command, simulator, serve, cli, the package itself
 """
 
@@ -18,8 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tandem"
 CALIBRATION_MATH = ("features", "predictor", "profile", "search", "replay")
 LEVELS = {
-    "config": 0, "manifest": 0, "models": 0, "kernels": 0,
-    "policies": 2, "cache": 3, "attention": 4, "integrations": 5, "engine": 5,
+    "config": 0, "manifest": 0, "models": 0, "shapes": 0, "kernels": 0,
+    "policies": 2, "cache": 3, "attention": 4, "integrations": 5, "engine": 5, "distributed": 5,
     "bench": 6, "evaluation": 6, "simulator": 6, "cli": 6, "calibration": 6, "serve": 6,
 }  # fmt: skip
 

@@ -107,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, device, dtype, longest: int, rank=None):
-    from . import shapes
+    from .. import shapes
 
     if args.model in shapes.SHAPES:
         if rank is None:
@@ -127,41 +127,24 @@ def _load(args, device, dtype, longest: int, rank=None):
         raise FileNotFoundError(
             f"--model {args.model!r} is neither a named shape ({', '.join(shapes.SHAPES)}) nor an existing path"
         )
+    from ..distributed.loading import load_shard
     from ..models import load_model
 
-    model, _ = load_model(
+    load = load_model if rank is None else functools.partial(load_shard, rank=rank)  # a rank reads its slices
+    kwargs = {} if rank is not None else {"device": str(device)}
+    model, _ = load(
         str(path),
-        device="cpu" if rank is not None else str(device),  # only a rank's shard goes to its GPU
         dtype=str(dtype).removeprefix("torch."),
         cache=False if args.no_model_cache else None,
+        **kwargs,
     )
-    if rank is not None:
-        from ..distributed.tensor_parallel import shard_model_
-
-        model = shard_model_(model, rank).to(device)
     return model, {"name": str(path), "weights": "checkpoint", "layers": model.config.num_hidden_layers}
 
 
 def run(args: argparse.Namespace) -> int:
     from ..distributed import launch
 
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
-    if args.gpus > 1 and not launch.in_launch():
-        if getattr(args, "argv", None) is None:
-            raise ValueError(
-                "--gpus N starts N processes from the command line: run `tandem bench --gpus N ...`"
-            )
-        return launch.relaunch(args.gpus, args.argv)
-    if not launch.in_launch():
-        return _run(args)
-    code = 2
-    try:
-        code = _run(args)
-    except BaseException as err:  # a rank's error, printed as `tandem` prints errors, then the rank ends
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr)
-    launch.exit_rank(code)
+    return launch.run_on_ranks(args, _run, "bench")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -220,7 +203,7 @@ def _run(args: argparse.Namespace) -> int:
     print("bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bw.items()), flush=True)
 
     model, model_info = _load(args, device, dtype, max(contexts), rank)
-    from .shapes import model_weight_bytes_per_step
+    from ..shapes import model_weight_bytes_per_step
 
     weight_bytes = model_weight_bytes_per_step(model)  # per GPU for a shard
     model_info.update(weight_bytes=weight_bytes, dtype=args.dtype, gpus=args.gpus)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help="print one JSON object with `text` and `stats` instead of streaming",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="tensor-parallel over N GPUs of this host: N processes under torchrun, each reading its slices of "
+        "the checkpoint (greedy, through the engine; default 1). With --device cpu, N ranks over gloo",
     )
 
 
@@ -252,6 +260,23 @@ def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
     return torch.cat(tokens)
 
 
+def _start_rank(args):
+    """This process's `Rank` under `--gpus N` (None on one device): its cores bound and its group joined; ranks
+    other than 0 stay silent. Tensor-parallel generation is greedy, through the engine."""
+    from ..distributed import launch
+
+    if not launch.in_launch():
+        return None
+    from ..models import resolve_device
+
+    rank = launch.init_ranks(resolve_device(args.device).type, args.gpus)
+    args.engine = "on"
+    if rank.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    return rank
+
+
 def build_config(args: argparse.Namespace) -> TandemConfig:
     """The `TandemConfig` of parsed `tandem generate` arguments; ValueError names the bad field."""
     return TandemConfig(
@@ -304,6 +329,14 @@ def stats_line(stats: dict) -> str:
 
 
 def run(args) -> int:
+    from ..distributed import launch
+
+    if args.gpus > 1 and (args.do_sample or args.engine == "off"):
+        raise ValueError("--gpus N decodes greedily with the engine: drop --do-sample and --engine off")
+    return launch.run_on_ranks(args, _run, "generate")
+
+
+def _run(args) -> int:
     import torch
 
     from ..integrations.hf import TandemCache, generate_cache_kwargs
@@ -320,9 +353,14 @@ def run(args) -> int:
         raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
     config = build_config(args)
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(
-        args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
-    )
+    rank = _start_rank(args)
+    model_cache = False if args.no_model_cache else None
+    if rank is None:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, cache=model_cache)
+    else:
+        from ..distributed.loading import load_shard
+
+        model, tokenizer = load_shard(args.model, rank, dtype=args.dtype, cache=model_cache)
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
@@ -397,7 +435,8 @@ def run(args) -> int:
     generated = int(new_tokens.numel())
     decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
     stats = dict(
-        cache.stats(),
+        cache.stats(),  # a rank's: its heads' tiers
+        gpus=1 if rank is None else rank.world,
         prompt_tokens=prompt_tokens,
         generated_tokens=generated,
         prefill_seconds=round(first - start, 3),

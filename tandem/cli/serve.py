@@ -126,8 +126,8 @@ def model_name(path: str | None) -> str:
 def _random_model(args):
     import torch
 
-    from ..bench.shapes import SHAPES, build_random_model
     from ..models import DTYPES, load_model, resolve_device
+    from ..shapes import SHAPES, build_random_model
 
     if args.random_weights not in SHAPES:
         raise ValueError(

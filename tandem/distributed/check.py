@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node 2 -m tandem.distributed.check --device cpu --model tiny-llama
 
 Every rank builds the whole model (a named shape with seeded random weights, the same on every rank, or a local
-checkpoint), runs the reference on its own device, then cuts the model to its shard in place and runs again:
+checkpoint), runs the reference on its own device, then runs its shard (the model cut in place; for a checkpoint,
+read slice by slice with `load_shard`):
 a prefill of a random prompt through transformers' forward, greedy decode steps through the engine (Tandem's
 own forward and, on CUDA, one CUDA graph per step holding the collectives), and one more eager decode step.
 Rank 0 prints one JSON line per policy; the exit status is 0 only if, for every policy, the tokens are equal
@@ -19,10 +20,12 @@ import sys
 
 import torch
 
+from .. import shapes
 from ..config import TandemConfig
 from ..engine import TandemRunner
 from ..integrations.hf import TandemCache
 from . import launch
+from .loading import load_shard
 from .tensor_parallel import shard_model_
 
 # largest |logit difference| allowed, relative to the largest |logit|: the shards' partial sums add in another
@@ -58,8 +61,6 @@ def _difference(ours: torch.Tensor | None, reference: torch.Tensor | None) -> fl
 
 
 def _build(args, device, dtype):
-    from ..bench import shapes
-
     if args.model in shapes.SHAPES:
         config = shapes.shape_config(args.model, args.layers)
         if (
@@ -104,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, vocab, (args.batch, args.prompt_tokens), generator=gen)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     reference = {policy: _run(model, policy, prompt, args.steps, use_graphs) for policy in policies}
-    shard_model_(model, rank)
+    if args.model in shapes.SHAPES:
+        shard_model_(model, rank)
+    else:  # a checkpoint: the shard read slice by slice, as `tandem generate --gpus` reads it
+        model = load_shard(args.model, rank, dtype=args.dtype)[0]
     agree = True
     tolerance = TOLERANCE[args.dtype]
     for policy in policies:

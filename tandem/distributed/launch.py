@@ -33,6 +33,29 @@ TIMEOUT_S = 600  # a collective waiting longer than this ends the run (a 128K pr
 EXIT_GRACE_S = 10
 
 
+def run_on_ranks(args, body, command: str) -> int:
+    """`body(args)` for a command with `--gpus`: on one GPU as it is; with `--gpus N` outside torchrun, the
+    command again as N ranks (`relaunch`); on a rank, then `exit_rank` with its status, an error printed as
+    `tandem` prints errors (a rank's traceback would interleave with the others')."""
+    if isinstance(args.gpus, bool) or not isinstance(args.gpus, int) or args.gpus < 1:
+        raise ValueError(f"--gpus must be an integer >= 1, got {args.gpus!r}")
+    if args.gpus > 1 and not in_launch():
+        if getattr(args, "argv", None) is None:
+            raise ValueError(
+                f"--gpus N starts N processes from the command line: run `tandem {command} --gpus N`"
+            )
+        return relaunch(args.gpus, args.argv)
+    if not in_launch():
+        return body(args)
+    code = 2
+    try:
+        code = body(args)
+    except BaseException as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr)
+    exit_rank(code)
+
+
 def in_launch() -> bool:
     """Whether this process is one of torchrun's ranks."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ

@@ -135,7 +135,7 @@ def random_shard(
     """`rank`'s shard of a model of a named shape (or config) with random weights, built on the rank's device
     without the whole model ever existing: only the LM head is made whole first, then cut. Shards of different
     ranks hold different random weights (seed + rank); the step reads what a real shard's would."""
-    from ..bench import shapes
+    from .. import shapes
 
     config = (
         shapes.shape_config(name_or_config, num_layers) if isinstance(name_or_config, str) else name_or_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from tandem import generate_cache_kwargs
-from tandem.bench import bandwidth, baselines, report, shapes
+from tandem import generate_cache_kwargs, shapes
+from tandem.bench import bandwidth, baselines, report
 
 CONTEXT, STEPS, WARMUP = 61, 4, 1  # not a multiple of any block size
 

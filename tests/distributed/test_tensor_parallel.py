@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tandem.bench import shapes
+from tandem import shapes
 from tandem.distributed import launch
 from tandem.distributed.tensor_parallel import Rank, check_shardable, random_shard, shard_config
 
@@ -114,10 +114,11 @@ def test_bench_gpus_runs_every_row_on_the_ranks(tmp_path):
     assert result.stdout.count("tandem-quest b1") == 1  # one voice: rank 0's
 
 
-def test_bench_refuses_a_gpu_count_below_one(tmp_path):
+def test_bench_refuses_a_gpu_count_below_one(tmp_path, capsys):
     from tandem.cli import main
 
     assert main(["bench", "--gpus", "0", "--model", "tiny-llama", "--out", str(tmp_path)]) == 2
+    assert "--gpus must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
@@ -159,3 +160,62 @@ def test_a_host_memory_check_one_rank_fails_skips_the_row_on_every_rank():
     row = _agreed_check("tandem-quest", 1, 1024, args, 1, baselines, agree)
     assert votes == [True] and row["status"] == "oom" and "another rank" in row["error"]
     assert _agreed_check("tandem-quest", 1, 1024, args, 1, baselines, lambda ok: True) is None
+
+
+def _checkpoint(path, tied: bool):
+    """A tiny Llama checkpoint (safetensors + a word-level tokenizer): tied embeddings, or a bias on every
+    projection."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    config = shapes.shape_config("tiny-llama")
+    config.tie_word_embeddings = tied
+    if not tied:
+        config.attention_bias = config.mlp_bias = True
+    model = shapes.build_random_model(config, "cpu", torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "biases"])
+def test_a_checkpoint_read_slice_by_slice_reproduces_the_whole_model(tmp_path, tied):
+    path = _checkpoint(tmp_path / "model", tied)
+    result = _torchrun(
+        "-m", "tandem.distributed.check", "--device", "cpu", "--model", str(path), "--steps", "5"
+    )
+    reports = _reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert len(reports) == 2 and all(r["tokens_equal"] and r["logits_close"] for r in reports)
+
+
+def test_generate_on_two_ranks_writes_the_one_rank_text(tmp_path):
+    path = _checkpoint(tmp_path / "model", tied=False)
+    texts = []
+    for gpus in ("1", "2"):
+        result = subprocess.run(
+            [
+                sys.executable, "-m", "tandem.cli", "generate", "--device", "cpu", "--gpus", gpus, "--model",
+                str(path), "--prompt", "w3 w4 w5 w6", "--max-new-tokens", "6", "--dtype", "float32", "--json",
+            ],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out["stats"]["gpus"] == int(gpus) and out["stats"]["generated_tokens"] == 6
+        texts.append(out["text"])
+    assert texts[0] == texts[1]
+
+
+def test_generate_on_several_gpus_refuses_sampling(capsys):
+    from tandem.cli import main
+
+    assert main(["generate", "--gpus", "2", "--prompt", "hi", "--do-sample"]) == 2
+    assert "--gpus N decodes greedily with the engine" in capsys.readouterr().err

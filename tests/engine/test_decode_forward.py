@@ -164,7 +164,7 @@ def test_logits_match_transformers_at_real_layer_shapes_on_cuda(shape):
     - float32: the logits agree within float32's tolerance (relative to their scale);
     - bfloat16: the concatenated matmuls round differently from the separate ones, so the check is against the
       float32 logits: Tandem's bfloat16 forward is as close to them as transformers' bfloat16 code is."""
-    from tandem.bench.shapes import build_random_model
+    from tandem.shapes import build_random_model
 
     model = build_random_model(shape, "cuda", torch.float32, num_layers=2)
     vocab = model.config.vocab_size

@@ -4,7 +4,7 @@ The shapes are the Hugging Face config fields of public checkpoints (their confi
 transformers 5 form (`rope_parameters` instead of `rope_theta` + `rope_scaling`). Random weights carry no
 information, but a decode step over them costs what it costs over real ones: the same matrices are read.
 
->>> from tandem.bench.shapes import build_random_model, param_count, shape_config
+>>> from tandem.shapes import build_random_model, param_count, shape_config
 >>> param_count(shape_config("llama-3.1-8b")) / 1e9  # 8.03
 >>> model = build_random_model("tiny-llama", "cpu", torch.float32)
 """
@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from ..models import attention_shape
+from .models import attention_shape
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -280,7 +280,7 @@ def build_random_model(
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own storage, which unties shared weights
     _fill_random(model, device, seed, std)
-    _rebuild_rotary(model, device)
+    rebuild_rotary(model, device)
     return model.eval()
 
 
@@ -302,7 +302,9 @@ def _fill_random(model, device: torch.device, seed: int, std: float) -> None:
                 param.normal_(0.0, std, generator=gen)
 
 
-def _rebuild_rotary(model, device: torch.device) -> None:
+def rebuild_rotary(model, device: torch.device) -> None:
+    """Recompute the rotary embeddings' `inv_freq` buffers of a model given uninitialized storage (`to_empty`)
+    by rebuilding those modules from the config; refuse any other buffer."""
     rebuilt = set()
     for name, module in list(model.named_modules()):
         if "inv_freq" not in dict(module.named_buffers(recurse=False)):
