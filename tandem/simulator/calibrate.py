@@ -154,8 +154,9 @@ def bench_comparison(
     """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
     prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
     with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (TandemConfig's 64 + 256);
-    device_share: quest's gpu_share on CUDA (the engine's default). Selection is priced on the GPU, as the engine
-    runs it (the digests mirrored in GPU memory).
+    device_share: quest's gpu_share on CUDA (the engine's default), or the one a row's label names. Selection is
+    priced on the GPU, as the engine runs it (the digests mirrored in GPU memory). The recall cache's hit share is
+    the row's own (`cache_bytes_per_step` of the selected bytes); a tensor-parallel file is priced on its GPUs.
 
     Where the file also measured `streaming` at the same context and batch (the step without host attention),
     `floor_predicted_ms` / `floor_error` replace the model's weight-streaming time by that measured floor: the
@@ -181,6 +182,7 @@ def bench_comparison(
         pred = predict_host(
             host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
             device_share=_share_of(system, device_share), gpu_selection=True, gpus=gpus,
+            recall_hit=_recall_hit(row),
         )  # fmt: skip
         predicted = pred.result.step.step_s * 1e3
         measured = row["tpot_median_ms"]
@@ -194,6 +196,14 @@ def bench_comparison(
             entry.update(floor_predicted_ms=with_floor, floor_error=with_floor / measured - 1)
         out.append(entry)
     return out
+
+
+def _recall_hit(row: dict) -> float:
+    """The share of a bench row's selected bytes that its recall cache served (0 without one): measured, since
+    how often a step re-selects last steps' blocks depends on the model, not the host."""
+    cached = row.get("cache_bytes_per_step") or 0.0
+    total = cached + (row.get("cpu_bytes_per_step") or 0.0) + (row.get("pcie_bytes_per_step") or 0.0)
+    return cached / total if total > 0 else 0.0
 
 
 def _share_of(system: str, default: float) -> float:
@@ -238,6 +248,7 @@ def host_system(
     device_share: float = 0.0,
     gpu_selection: bool = False,
     gpus: int = 1,
+    recall_hit: float = 0.0,
 ) -> SystemConfig:
     """`gpus` GPUs (tensor-parallel) + the host tier, running Tandem's layout (PnG-KV with a fixed hot set).
 
@@ -253,6 +264,7 @@ def host_system(
         hot_tokens=min(hot_tokens, ctx),
         device_share=device_share,
         gpu_selection=gpu_selection,
+        recall_hit=recall_hit,
     )
     tier = MemoryDeviceSpec(
         name=f"host DRAM + {host.host_cores} cores",

@@ -80,6 +80,8 @@ class Workload:
         by the GPU itself over the link, in place, while the memory side attends the rest (0: all by the latter).
     gpu_selection: with ``hot_tokens``, the page digests are mirrored in GPU memory and scored there (Tandem's
         quest on CUDA): the selection reads HBM instead of the memory tier.
+    recall_hit: with ``hot_tokens``, the fraction of each step's selected tokens found in Tandem's recall cache
+        (`gpu_cache`) and attended from HBM; ``device_share`` then splits the rest.
     """
 
     context_tokens: int
@@ -93,6 +95,7 @@ class Workload:
     hot_tokens: int | None = None
     device_share: float = 0.0
     gpu_selection: bool = False
+    recall_hit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.context_tokens <= 0:
@@ -113,6 +116,8 @@ class Workload:
             raise ValueError(f"--hot-tokens: must be in [0, context], got {self.hot_tokens}")
         if not 0.0 <= self.device_share <= 1.0:
             raise ValueError(f"--device-share: must be in [0, 1], got {self.device_share}")
+        if not 0.0 <= self.recall_hit <= 1.0:
+            raise ValueError(f"--recall-hit: must be in [0, 1], got {self.recall_hit}")
         if self.mapping not in MAPPINGS:
             raise ValueError(f"--mapping: unknown mapping {self.mapping!r}; allowed: {', '.join(MAPPINGS)}")
 

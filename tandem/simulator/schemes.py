@@ -313,15 +313,19 @@ def pnkv_step(cfg: SystemConfig) -> StepResult:
     batch, n, kv = layout.batch, cfg.num_gpus, m.kv_bytes_per_token
     steady, ratio, steady_limit = steady_tokens(cfg, layout)
     selected = w.budget_tokens - steady
-    shared = round(w.device_share * selected) if w.hot_tokens is not None else 0  # Tandem's gpu_share
-    select, pnm_attend, pnm_bytes = _pnm_attention(cfg, layout, selected - shared)
+    hits = round(w.recall_hit * selected) if w.hot_tokens is not None else 0  # in Tandem's recall cache
+    shared = (
+        round(w.device_share * (selected - hits)) if w.hot_tokens is not None else 0
+    )  # Tandem's gpu_share
+    select, pnm_attend, pnm_bytes = _pnm_attention(cfg, layout, selected - hits - shared)
     if w.gpu_selection and w.hot_tokens is not None:  # digests mirrored on the GPU: scored from HBM
         digest_bytes = batch * w.context_tokens * m.digest_bytes_per_token(w.page_size)
         pnm_bytes -= layout.work_per_device * w.context_tokens * m.digest_bytes_per_token(w.page_size)
         select = _gpu_roofline(
             cfg, digest_bytes / n, batch * w.context_tokens * m.score_flops_per_token(w.page_size) / n
         )
-    gpu_attend = _gpu_roofline(cfg, batch * steady * kv / n, batch * steady * m.attention_flops_per_token / n)
+    on_gpu = steady + hits  # attended from HBM
+    gpu_attend = _gpu_roofline(cfg, batch * on_gpu * kv / n, batch * on_gpu * m.attention_flops_per_token / n)
     share_bytes = batch * shared * kv  # read by the GPU from the memory tier in place, over the link
     if share_bytes:
         gpu_attend += share_bytes / cxl_gpu_bandwidth(cfg, cfg.num_pnm, cfg.memory)
@@ -356,6 +360,7 @@ def pnkv_step(cfg: SystemConfig) -> StepResult:
             "exchange": exchange_bytes,
             "pnm": pnm_bytes,
             "device_share": share_bytes,
+            "recall_hits": batch * hits * kv,
         },
         info={
             "budget_tokens": w.budget_tokens,

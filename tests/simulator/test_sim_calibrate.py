@@ -156,6 +156,27 @@ def test_a_tensor_parallel_bench_is_predicted_on_its_gpus_and_its_ranks_host_sha
     assert not one_gpu.result.feasible and out[0]["predicted_ms"] > 0  # 141 GB of weights need both GPUs
 
 
+def test_the_recall_caches_measured_hits_are_attended_from_hbm(tmp_path):
+    row = _row("tandem-quest", 131072, 16.4)
+    row.update(
+        cpu_bytes_per_step=3e8, pcie_bytes_per_step=2e8, cache_bytes_per_step=5e8
+    )  # half the reads hit
+    path = _tandem_bench(tmp_path, BANDWIDTH, [row])
+    host = load_bench(path)
+    kwargs = dict(hot_tokens=320, device_share=0.4, gpu_selection=True)
+    hits = predict_host(host, "llama-3.1-8b", 131072, 1, recall_hit=0.5, **kwargs).result.step
+    none = predict_host(host, "llama-3.1-8b", 131072, 1, **kwargs).result.step
+    assert bench_comparison(path)[0]["predicted_ms"] == pytest.approx(hits.step_s * 1e3)
+    assert hits.traffic["recall_hits"] > 0 and none.traffic["recall_hits"] == 0
+    assert (
+        hits.traffic["pnm"] < none.traffic["pnm"]
+        and hits.traffic["device_share"] < none.traffic["device_share"]
+    )
+    assert hits.step_s < none.step_s
+    with pytest.raises(ValueError, match="--recall-hit"):
+        predict_host(host, "llama-3.1-8b", 131072, 1, recall_hit=1.5, **kwargs)
+
+
 def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsys):
     from tandem.simulator.cli import main
 
