@@ -118,6 +118,12 @@ def markdown(result: dict) -> str:
         *_machine_lines(result),
         "- Model: " + ", ".join(f"{k} {v}" for k, v in model.items()) + ".",
     ]
+    if (model.get("gpus") or 1) > 1:
+        out.append(
+            f"- Tensor-parallel over {model['gpus']} GPUs: the machine line, the bandwidths and every row's bytes "
+            "and GPU peak are one rank's (rank 0's; the ranks measured the host together, each on its own cores); "
+            "weight_bytes is one GPU's."
+        )
     if result.get("settings"):
         out.append("- Settings: " + ", ".join(f"{k} {v}" for k, v in result["settings"].items()) + ".")
     for label, replay in (result.get("fluxion_replay") or {}).items():

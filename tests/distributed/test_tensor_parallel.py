@@ -112,6 +112,7 @@ def test_bench_gpus_runs_every_row_on_the_ranks(tmp_path):
         ("tandem-quest", "ok", 2),
     ]
     assert result.stdout.count("tandem-quest b1") == 1  # one voice: rank 0's
+    assert "Tensor-parallel over 2 GPUs" in (out / "bench.md").read_text()
 
 
 def test_bench_refuses_a_gpu_count_below_one(tmp_path, capsys):
