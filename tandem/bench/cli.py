@@ -191,10 +191,8 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
     machine = bandwidth.machine_info(threads)
-    print(
-        f"machine: {machine.get('gpu') or 'no GPU'}; {machine['cpu_model']} ({machine['cores']} cores)",
-        flush=True,
-    )
+    cores = f"{machine['cores']} cores" + (f" a rank, {rank.world} ranks" if rank is not None else "")
+    print(f"machine: {machine.get('gpu') or 'no GPU'}; {machine['cpu_model']} ({cores})", flush=True)
     launch.barrier()  # ranks measure together: each gets its share of the host's bandwidth
     bw = {"host_read_gbps": bandwidth.host_read_bandwidth(threads)}
     if device.type == "cuda":

@@ -52,7 +52,8 @@ def run_on_ranks(args, body, command: str) -> int:
         code = body(args)
     except BaseException as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.stderr)
+        # sys.__stderr__: a rank other than 0 may have silenced sys.stderr, not its errors
+        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.__stderr__)
     exit_rank(code)
 
 
@@ -68,7 +69,9 @@ def relaunch(num_ranks: int, argv: list[str]) -> int:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}",
         "-m", "tandem.cli", *argv,
     ]  # fmt: skip
-    return subprocess.call(command)
+    # set, torchrun prints no banner about it; each rank then sets its own (init_ranks)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(command, env=env)
 
 
 def init_ranks(device_type: str, expected_world: int | None = None) -> Rank:
@@ -203,8 +206,9 @@ def exit_rank(code: int):
     """End this rank's process with `code`: output flushed, the process group left, then `os._exit`. Tearing
     down an NCCL group whose collectives CUDA graphs recorded can block for good (seen with torch 2.11 on 2
     H100s), as can the interpreter's own exit then: the group gets `EXIT_GRACE_S` to leave."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
     if dist.is_initialized():
         leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
         leaving.start()
