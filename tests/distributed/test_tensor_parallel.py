@@ -220,3 +220,17 @@ def test_generate_on_several_gpus_refuses_sampling(capsys):
 
     assert main(["generate", "--gpus", "2", "--prompt", "hi", "--do-sample"]) == 2
     assert "--gpus N decodes greedily with the engine" in capsys.readouterr().err
+
+
+def test_a_rank_attends_with_three_quarters_of_its_cores_less_one(monkeypatch):
+    from tandem.config import CPU_THREADS_ENV, TandemConfig
+
+    assert (
+        launch.rank_threads(16, 1) == 15
+        and launch.rank_threads(16, 4) == 11
+        and launch.rank_threads(1, 2) == 1
+    )
+    monkeypatch.setenv(CPU_THREADS_ENV, "11")
+    assert TandemConfig().cpu_threads == 11
+    monkeypatch.setenv(CPU_THREADS_ENV, "many")  # not a count: the cores decide
+    assert TandemConfig().cpu_threads >= 1
