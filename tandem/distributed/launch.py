@@ -17,8 +17,8 @@ with an error instead of a hang. A rank ends with `exit_rank`.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -35,8 +35,9 @@ EXIT_GRACE_S = 10
 
 def run_on_ranks(args, body, command: str) -> int:
     """`body(args)` for a command with `--gpus`: on one GPU as it is; with `--gpus N` outside torchrun, the
-    command again as N ranks (`relaunch`); on a rank, then `exit_rank` with its status, an error printed as
-    `tandem` prints errors (a rank's traceback would interleave with the others')."""
+    command again as N ranks (`relaunch`), once the GPU count and the model's split are checked here; on a rank,
+    then `exit_rank` with its status, an error printed as `tandem` prints errors (a rank's traceback would
+    interleave with the others')."""
     if isinstance(args.gpus, bool) or not isinstance(args.gpus, int) or args.gpus < 1:
         raise ValueError(f"--gpus must be an integer >= 1, got {args.gpus!r}")
     if args.gpus > 1 and not in_launch():
@@ -44,6 +45,7 @@ def run_on_ranks(args, body, command: str) -> int:
             raise ValueError(
                 f"--gpus N starts N processes from the command line: run `tandem {command} --gpus N`"
             )
+        check_launch(args.gpus, args.device, args.model)
         return relaunch(args.gpus, args.argv)
     if not in_launch():
         return body(args)
@@ -62,16 +64,47 @@ def in_launch() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def check_launch(world: int, device: str | None, model: str | None) -> None:
+    """Refuse, before any rank starts, more ranks than the host has GPUs and a model that does not split over
+    `world` of them (ValueError naming the allowed values)."""
+    from ..models import resolve_device
+
+    if resolve_device(device).type == "cuda" and torch.cuda.device_count() < world:
+        count = torch.cuda.device_count()
+        raise ValueError(f"--gpus {world}: this host has {count} CUDA device(s); allowed 1-{count}")
+    from transformers import AutoConfig
+
+    from .. import shapes
+    from ..models import locate_model
+    from .tensor_parallel import check_shardable
+
+    if model in shapes.SHAPES:
+        config = shapes.shape_config(model)
+    else:
+        _, location, extra, _ = locate_model(model)
+        config = AutoConfig.from_pretrained(location, local_files_only=True, **extra)
+    check_shardable(config, world)
+
+
 def relaunch(num_ranks: int, argv: list[str]) -> int:
-    """Run `tandem <argv>` as `num_ranks` processes under torchrun on this host (a free port is picked);
-    returns the exit status of the run (non-zero if any rank failed)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}",
-        "-m", "tandem.cli", *argv,
-    ]  # fmt: skip
+    """Run `tandem <argv>` as `num_ranks` processes under torchrun's launcher on this host (a free port is
+    picked); returns the exit status of the run: 0, or the largest a failed rank returned. The ranks print their
+    own errors; the launcher's report of them, a traceback, is not printed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     # set, torchrun prints no banner about it; each rank then sets its own (init_ranks)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(command, env=env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    launch_args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={num_ranks}", "-m", "tandem.cli", *argv]
+    )
+    try:
+        run(launch_args)
+    except ChildFailedError as err:
+        codes = [failure.exitcode for failure in err.failures.values()]
+        return max((code for code in codes if code > 0), default=1)
+    return 0
 
 
 def init_ranks(device_type: str, expected_world: int | None = None) -> Rank:

@@ -234,3 +234,33 @@ def test_a_rank_attends_with_three_quarters_of_its_cores_less_one(monkeypatch):
     assert TandemConfig().cpu_threads == 11
     monkeypatch.setenv(CPU_THREADS_ENV, "many")  # not a count: the cores decide
     assert TandemConfig().cpu_threads >= 1
+
+
+def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(tmp_path, capsys):
+    from tandem.cli import main
+
+    assert (
+        main(["bench", "--device", "cpu", "--gpus", "3", "--model", "tiny-llama", "--out", str(tmp_path)])
+        == 2
+    )
+    assert "gpus=3: the model's num_key_value_heads=2 does not split over 3 ranks; allowed gpus: 1, 2" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_rank_error_is_one_line_per_rank_without_the_launchers_traceback(tmp_path):
+    path = _checkpoint(tmp_path / "model", tied=True)
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "tandem.cli", "generate", "--device", "cpu", "--gpus", "2", "--model", str(path),
+            "--prompt-file", str(tmp_path / "missing.txt"),
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert sorted(lines) == [
+        f"tandem: error (rank {r}): --prompt-file {str(tmp_path / 'missing.txt')!r} cannot be read: No such file or "
+        "directory"
+        for r in (0, 1)
+    ]
