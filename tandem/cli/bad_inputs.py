@@ -168,7 +168,9 @@ def command_line_cases() -> list[Case]:
                         ("--chunk-tokens", "0"), ("--gpus", "0"), ("--gpus", "3")):  # fmt: skip
         cases.append(Case("command line", f"bench {flag} {value}", _cli(*bench, f"{flag}={value}")))
     cases.append(Case("command line", "generate --gpus 0", _cli(*g, "--gpus", "0")))
-    cases.append(Case("command line", "generate --gpus 2 --do-sample", _cli(*g, "--gpus", "2", "--do-sample")))
+    cases.append(
+        Case("command line", "generate --gpus 2 --do-sample", _cli(*g, "--gpus", "2", "--do-sample"))
+    )
     ev = ("eval", "--device", "cpu")
     for flag, value in (("--policies", "dense"), ("--tasks", "sudoku"), ("--lengths", "-1k"), ("--lengths", "0"),
                         ("--samples", "0"), ("--samples", "-3"), ("--set", "quest.budget=0"),

@@ -24,6 +24,7 @@ SETTABLE = (
     "skip_streaming",
     "epsilon",
     "max_budget",
+    "certify_bound",
 )
 # of those, the knobs only `fluxion` reads: without 'POLICY.' a sweep of one changes the fluxion variants alone
 FLUXION_SETTABLE = ("tau", "profile", "fluxion_mode", "granularity", "skip_streaming")

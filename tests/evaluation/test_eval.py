@@ -97,6 +97,10 @@ def test_lengths_sweeps_and_model_maximum():
     assert variants[-1].config.block_size == 32 and variants[-1].config.budget == 0.05
     everywhere = make_variants(["full", "hgca"], ["window_tokens=128"])
     assert all(v.config.window_tokens == 128 for v in everywhere)
+    bounds = make_variants(["quest"], ["quest.epsilon=0.05", "quest.certify_bound=digest,sketch"])
+    assert [v.config.certify_bound for v in bounds] == ["digest", "sketch"]
+    with pytest.raises(ValueError, match="certify_bound"):
+        make_variants(["quest"], ["quest.epsilon=0.05", "quest.certify_bound=box"])
     check_lengths([1024, 8192], 8192)
     with pytest.raises(ValueError, match="--lengths: 16384 tokens exceed the model's maximum of 8192"):
         check_lengths([1024, 16384], 8192)
