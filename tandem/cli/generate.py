@@ -313,6 +313,8 @@ def stats_line(stats: dict) -> str:
         f"hot {stats['hot_bytes'] / 2**20:.1f} MiB | host {stats['host_bytes'] / 2**20:.1f} MiB | "
         f"host entries attended {_percent(stats['mean_fraction_attended'])} ({stats['policy']})"
     )
+    if stats.get("gpus", 1) > 1:
+        line += f" | {stats['gpus']} GPUs, tensor-parallel (hot / host: one rank's)"
     if stats["policy"] == "fluxion":
         line += (
             f" | streaming heads {_percent(stats.get('streaming_head_share'))} | "

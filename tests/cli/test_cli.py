@@ -218,3 +218,7 @@ def test_stats_line_adds_fluxion_statistics():
         "host entries attended 4.2% (fluxion) | streaming heads 37.5% | mean head budget 3.1%"
     )
     assert "streaming heads n/a" in generate.stats_line(dict(fluxion, streaming_head_share=None))
+    assert generate.stats_line(dict(stats, gpus=2)).endswith(
+        "(quest) | 2 GPUs, tensor-parallel (hot / host: one rank's)"
+    )
+    assert "GPUs" not in generate.stats_line(dict(stats, gpus=1))
