@@ -14,7 +14,7 @@ with these keys:
     required: host_read_gbs (host memory read, GB/s), pcie_gbs (pinned host->GPU, GB/s),
               hbm_gbs (GPU attention/weights streaming, GB/s)
     optional: device (str), host_cores (16), host_memory_gib (128), gpu_memory_gib (80),
-              gpu_tflops (989), cpu_gflops_per_core (100), layer_sync_us (20)
+              gpu_tflops (989), cpu_gflops_per_core (100), layer_sync_us (60)
 
 `bench_comparison` puts a bench.json's measured quest rows beside the model's prediction for the same host.
 """
@@ -38,8 +38,10 @@ class HostMeasurements:
     """Measured facts of a GPU host (units in the names; GB = 1e9 bytes).
 
     Defaults for optional fields are the lent H100 host of DESIGN.md; ``cpu_gflops_per_core`` (bf16 dot
-    products with fp32 accumulation on AVX-512) and ``layer_sync_us`` (per layer: hand q to the CPU
-    workers, wait, copy (o, lse) back) are assumptions until a benchmark measures them.
+    products with fp32 accumulation on AVX-512) is an assumption until a benchmark measures it. ``layer_sync_us``
+    (per layer: hand q to the CPU workers, wait, copy (o, lse) back, merge) is the engine's measured round trip
+    on the H100: ~50 us a layer even with nothing to attend (a streaming step with and without hand-offs,
+    `2026-11-27_h100_decode_forward/`) and 60-70 us on a small model (`2026-11-27_h100_handoff_server/`).
 
     Example:
         >>> HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900).host_cores
@@ -55,7 +57,7 @@ class HostMeasurements:
     gpu_memory_gib: float = 80
     gpu_tflops: float = 989
     cpu_gflops_per_core: float = 100
-    layer_sync_us: float = 20
+    layer_sync_us: float = 60
 
     def __post_init__(self) -> None:
         for name in (
@@ -149,7 +151,11 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
 
 
 def bench_comparison(
-    path: str | Path, sparsity: float = 0.05, hot_tokens: int = 320, device_share: float = DEFAULT_GPU_SHARE
+    path: str | Path,
+    sparsity: float = 0.05,
+    hot_tokens: int = 320,
+    device_share: float = DEFAULT_GPU_SHARE,
+    host: HostMeasurements | None = None,
 ) -> list[dict]:
     """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
     prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
@@ -162,7 +168,7 @@ def bench_comparison(
     `floor_predicted_ms` / `floor_error` replace the model's weight-streaming time by that measured floor: the
     model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
     data = read_bench(path)
-    host = _host_of(data, Path(path))
+    host = host or _host_of(data, Path(path))  # given: the file's host with the command line's overrides
     model = (data.get("model") or {}).get("name")
     gpus = int((data.get("model") or {}).get("gpus") or 1)
     if not data.get("rows") or model is None:

@@ -135,7 +135,7 @@ def _run_host(args: argparse.Namespace) -> int:
         print(prediction_table(host, args.model, args.sparsity, args.hot_tokens))
         if args.from_bench and read_bench(args.from_bench).get("rows"):  # tandem bench's file: measured rows
             print(f"\nThe bench's quest rows beside the prediction ({args.from_bench}):")
-            print(comparison_table(bench_comparison(args.from_bench, args.sparsity)))
+            print(comparison_table(bench_comparison(args.from_bench, args.sparsity, host=host)))
         return 0
     pred = predict_host(
         host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens

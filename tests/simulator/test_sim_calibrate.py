@@ -177,6 +177,18 @@ def test_the_recall_caches_measured_hits_are_attended_from_hbm(tmp_path):
         predict_host(host, "llama-3.1-8b", 131072, 1, recall_hit=1.5, **kwargs)
 
 
+def test_the_command_lines_host_flags_reach_the_comparison(tmp_path, capsys):
+    from tandem.simulator.cli import main
+
+    path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 13.0)])
+    predicted = []
+    for sync in ("0", "200"):
+        assert main(["--from-bench", str(path), "--layer-sync-us", sync]) == 0
+        row = capsys.readouterr().out.strip().splitlines()[-1]
+        predicted.append(float(row.split("|")[5]))
+    assert predicted[1] - predicted[0] == pytest.approx(32 * 0.2, rel=0.02)  # 32 layers x 200 us
+
+
 def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsys):
     from tandem.simulator.cli import main
 
