@@ -174,21 +174,20 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
-    variants = make_variants(policies, args.set, threads)
     from ..models import resolve_device
 
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
+    # a rank first binds its cores: the default thread count below is then the rank's share
     rank = launch.init_ranks(device.type, args.gpus) if launch.in_launch() else None
     agree = None
     if rank is not None:
         device = rank.device
-        threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
-        variants = make_variants(policies, args.set, threads)  # the rank's share of the cores
         agree = functools.partial(launch.all_ok, rank)
         if rank.rank != 0:  # one voice: rank 0 prints and writes
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
+    variants = make_variants(policies, args.set, threads)
 
     machine = bandwidth.machine_info(threads)
     cores = f"{machine['cores']} cores" + (f" a rank, {rank.world} ranks" if rank is not None else "")

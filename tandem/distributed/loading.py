@@ -14,10 +14,16 @@ from pathlib import Path
 import torch
 
 from ..models import DTYPES, auto_dtype, load_model, locate_model
-from .tensor_parallel import Rank, attach_collectives, shard_config, shard_model_
-
-ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
-COLUMNS = ("o_proj", "down_proj")  # split by input columns; their bias is rank 0's
+from .tensor_parallel import (
+    COLUMNS,
+    ROWS,
+    Rank,
+    attach_collectives,
+    rank_slice,
+    shard_config,
+    shard_model_,
+    splits_vocab,
+)
 
 
 def load_shard(path, rank: Rank, dtype: str = "auto", cache: bool | None = None):
@@ -65,15 +71,12 @@ def _fill_from(model, files: list[Path], rank: Rank, config) -> None:
         with safe_open(str(file), framework="pt") as f:
             where.update({name: file for name in f.keys()})
     params = dict(model.named_parameters())
-    vocab = config.get_text_config(decoder=True).vocab_size
-    head = model.lm_head
-    vocab_split = rank.world > 1 and vocab % rank.world == 0 and head.bias is None
+    vocab_split = splits_vocab(model, rank)
     if vocab_split:
-        head.tandem_vocab_shard = True
-        model.config.tie_word_embeddings = False
-        model.config.get_text_config(decoder=True).tie_word_embeddings = False
         # the head's own rows (a head tied to the embeddings is untied: the table stays whole)
-        head.weight = torch.nn.Parameter(head.weight.new_empty(vocab // rank.world, head.weight.shape[1]))
+        head = model.lm_head
+        vocab, hidden = head.weight.shape
+        head.weight = torch.nn.Parameter(head.weight.new_empty(vocab // rank.world, hidden))
         params["lm_head.weight"] = head.weight
     seen = set()
     for name, param in params.items():
@@ -93,16 +96,15 @@ def _tied_source(name: str, where: dict) -> str:
 
 
 def _slice_of(stored, name: str, param: torch.Tensor, rank: Rank, vocab_split: bool) -> torch.Tensor:
-    """The rank's part of checkpoint tensor `stored` (a safetensors slice) for shard parameter `name`."""
+    """The rank's part of checkpoint tensor `stored` (a safetensors slice) for shard parameter `name`: the rule
+    of `shard_model_`, read from the file."""
     module, _, kind = name.rpartition(".")
     leaf = module.rpartition(".")[2]
-    r = rank.rank
+    whole = stored.get_shape()
     if leaf in ROWS or (name.startswith("lm_head.") and vocab_split):
-        rows = param.shape[0]
-        return stored[r * rows : (r + 1) * rows]
+        return stored[rank_slice(rank, whole[0])]
     if leaf in COLUMNS:
         if kind == "bias":
-            return stored[:] if r == 0 else torch.zeros(param.shape)
-        columns = param.shape[1]
-        return stored[:, r * columns : (r + 1) * columns]
+            return stored[:] if rank.rank == 0 else torch.zeros(param.shape)
+        return stored[:, rank_slice(rank, whole[1])]
     return stored[:]

@@ -34,6 +34,14 @@ import torch.distributed as dist
 from ..models import attention_shape
 
 FAMILY = ("llama", "qwen2", "mistral")
+# each layer's linears, and how they split: by output rows (heads, MLP columns) or by input columns (the ones whose
+# partial sums the all-reduce completes; their bias is rank 0's)
+LINEARS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMNS = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -99,27 +107,19 @@ def shard_model_(model, rank: Rank):
     divide."""
     if getattr(model, "tandem_rank", None) is not None:
         raise ValueError("the model is already a tensor-parallel shard")
-    text = model.config.get_text_config(decoder=True)
     _check_layout(model)
-    _, num_q_heads, num_kv_heads, head_dim = attention_shape(text)
     sharded_text = shard_config(model.config, rank.world).get_text_config(decoder=True)
-    r, world = rank.rank, rank.world
-    q_rows = _slice(r, num_q_heads // world * head_dim)
-    kv_rows = _slice(r, num_kv_heads // world * head_dim)
-    mlp_rows = _slice(r, text.intermediate_size // world)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.q_proj, q_rows)
-        _keep_rows(attn.k_proj, kv_rows)
-        _keep_rows(attn.v_proj, kv_rows)
-        _keep_columns(attn.o_proj, q_rows, r)
-        _keep_rows(mlp.gate_proj, mlp_rows)
-        _keep_rows(mlp.up_proj, mlp_rows)
-        _keep_columns(mlp.down_proj, mlp_rows, r)
+        for part, names in LINEARS.items():
+            for name in names:
+                linear = getattr(getattr(layer, part), name)
+                (_keep_rows if name in ROWS else _keep_columns)(linear, rank)
+    text = model.config.get_text_config(decoder=True)
     for name in ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
         setattr(text, name, getattr(sharded_text, name))
-    text.tensor_parallel_world = world
-    _shard_lm_head(model, rank)
+    text.tensor_parallel_world = rank.world
+    if splits_vocab(model, rank):
+        _keep_rows(model.lm_head, rank)
     attach_collectives(model, rank)
     return model
 
@@ -149,7 +149,8 @@ def random_shard(
         std=std,
     )
     _check_layout(model)
-    _shard_lm_head(model, rank)
+    if splits_vocab(model, rank):
+        _keep_rows(model.lm_head, rank)
     attach_collectives(model, rank)
     return model
 
@@ -193,13 +194,9 @@ def _check_layout(model) -> None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} lacks the Llama layout (model.layers, lm_head)")
-    names = {
-        "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-        "mlp": ("gate_proj", "up_proj", "down_proj"),
-    }
     for layer in inner.layers:
-        for part, linears in names.items():
-            for name in linears:
+        for part, names in LINEARS.items():
+            for name in names:
                 linear = getattr(getattr(layer, part, None), name, None)
                 if type(linear) is not torch.nn.Linear or not linear.weight.is_floating_point():
                     raise ValueError(
@@ -208,33 +205,37 @@ def _check_layout(model) -> None:
                     )
 
 
-def _slice(rank: int, width: int) -> slice:
-    return slice(rank * width, (rank + 1) * width)
+def rank_slice(rank: Rank, whole: int) -> slice:
+    """`rank`'s part of a dimension of `whole` entries (a multiple of the world)."""
+    width = whole // rank.world
+    return slice(rank.rank * width, (rank.rank + 1) * width)
 
 
-def _keep_rows(linear: torch.nn.Linear, rows: slice) -> None:
+def _keep_rows(linear: torch.nn.Linear, rank: Rank) -> None:
+    rows = rank_slice(rank, linear.weight.shape[0])
     linear.weight = torch.nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
     linear.out_features = linear.weight.shape[0]
 
 
-def _keep_columns(linear: torch.nn.Linear, columns: slice, rank: int) -> None:
+def _keep_columns(linear: torch.nn.Linear, rank: Rank) -> None:
+    columns = rank_slice(rank, linear.weight.shape[1])
     linear.weight = torch.nn.Parameter(linear.weight[:, columns].contiguous(), requires_grad=False)
-    if linear.bias is not None and rank != 0:  # the all-reduce adds rank 0's bias once
+    if linear.bias is not None and rank.rank != 0:  # the all-reduce adds rank 0's bias once
         linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
     linear.in_features = linear.weight.shape[1]
 
 
-def _shard_lm_head(model, rank: Rank) -> None:
-    """Keep the LM head's rows of `rank`'s vocabulary slice (an embedding tied to it stays whole); a vocabulary
-    that does not divide, or a head with a bias, stays whole on every rank."""
+def splits_vocab(model, rank: Rank) -> bool:
+    """Whether `rank`'s LM head keeps only its vocabulary slice: the vocabulary divides over the ranks and the
+    head has no bias (else it stays whole on every rank, and an embedding tied to it too). When it splits, the
+    head is marked for the gather and the config untied: re-tying would give the head the whole table back."""
     head = model.lm_head
-    vocab = head.weight.shape[0]
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     if rank.world == 1 or vocab % rank.world or head.bias is not None:
-        return
-    _keep_rows(head, _slice(rank.rank, vocab // rank.world))
+        return False
     head.tandem_vocab_shard = True
-    # the head now owns its rows: re-tying would give it the whole embedding back
     model.config.get_text_config(decoder=True).tie_word_embeddings = False
     model.config.tie_word_embeddings = False
+    return True
