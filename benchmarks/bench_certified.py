@@ -285,6 +285,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _report(out, name: str, rows: list[dict], title: str, how: str, header: str, row_line) -> None:
+    """Print a markdown table of `rows` under `title` and the machine, and save it (with the rows as JSON) to
+    `out` as `name` when given."""
+    machine = manifest.machine()
+    lines = [title, "", f"Machine: {machine.get('cpu', machine)}. {how}", "", header]
+    lines += ["|" + "---|" * (header.count("|") - 1)] + [row_line(r) for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out is not None:
+        manifest.save_results(out, name, {"machine": machine, "rows": rows}, text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,4096")
@@ -303,26 +315,16 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="--cost: device")
     args = p.parse_args()
     if args.cost:
-        machine = manifest.machine()
         rows = [selection_cost(int(c), 1, args.device) for c in args.contexts.split(",")]
-        lines = [
+        _report(
+            args.out, "certified_cost", rows,
             f"# Certified selection against quest's selection, one Llama-3.1-8B layer ({args.device}, random keys)",
-            "",
-            f"Machine: {machine.get('cpu', machine)}. Median of 20 calls each, batch 1, side by side in one run.",
-            "",
+            "Median of 20 calls each, batch 1, side by side in one run.",
             "| context | quest selection (ms) | certified, digest bound (ms) | digest / quest | "
             "certified, sketch bound (ms) | sketch / quest |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x | "
-            f"{r['sketch_ms']:.3f} | {r['sketch_ratio']:.1f}x |"
-            for r in rows
-        ]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.out is not None:
-            manifest.save_results(args.out, "certified_cost", {"machine": machine, "rows": rows}, text)
+            lambda r: f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x | "
+            f"{r['sketch_ms']:.3f} | {r['sketch_ratio']:.1f}x |",
+        )  # fmt: skip
         return
     torch.manual_seed(0)
     model, tokenizer = load_model(device="cpu", dtype="float32")
@@ -330,25 +332,15 @@ def main() -> None:
     if args.gaps:
         length = int(args.lengths.split(",")[0])
         rows = bound_gaps(model, builder.samples("niah", length, 1)[0])
-        machine = manifest.machine()
-        lines = [
+        _report(
+            args.out, "certified_gaps", rows,
             f"# How far the certificate's bounds lie above the truth (default model, one {length}-token niah prompt)",
-            "",
-            f"Machine: {machine.get('cpu', machine)}. One decode step; means over requests, heads and 16-token blocks.",
-            "",
+            "One decode step; means over requests, heads and 16-token blocks.",
             "| layer | box bound - block max (logits) | ball bound - block max | mass bound / mass (box+ball) | "
             "8-bit sketch: bound / mass | 4-bit sketch: bound / mass |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['layer']} | {r['box_gap']:.1f} | {r['ball_gap']:.1f} | {r['mass_factor']:.3g} | "
-            f"{r['sketch8_mass_factor']:.2f} | {r['sketch4_mass_factor']:.3g} |"
-            for r in rows
-        ]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.out is not None:
-            manifest.save_results(args.out, "certified_gaps", {"machine": machine, "rows": rows}, text)
+            lambda r: f"| {r['layer']} | {r['box_gap']:.1f} | {r['ball_gap']:.1f} | {r['mass_factor']:.3g} | "
+            f"{r['sketch8_mass_factor']:.2f} | {r['sketch4_mass_factor']:.3g} |",
+        )  # fmt: skip
         return
     rows = []
     for length in map(int, args.lengths.split(",")):
