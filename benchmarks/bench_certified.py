@@ -1,4 +1,4 @@
-"""Tightness of quest's certified selection (`TandemConfig(epsilon=...)`) on the default model: for every layer,
+"""Tightness of the certified selection (`TandemConfig(epsilon=...)`, quest's or fluxion's) on the default model: for every layer,
 decode step and (request, query head), the certified probability of the skipped entries beside the measured one,
 full attention over the same cache in float64. Each cell selects with one `certify_bound` (`--bounds`: the int8
 key sketch, or the block digests), and every bound's certificate of that same selection is recorded: the
@@ -30,6 +30,7 @@ rounding each row to its largest magnitude):
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -54,8 +55,18 @@ def _quantiles(values: list[float]) -> dict:
 BOUNDS = ("sketch", "digest", "box")  # the certificates recorded for every selection (`trace_certificates`)
 
 
-def cell(model, samples, epsilon: float, bound: str, max_budget: float, steps: int, window: int) -> dict:
-    """Every head-step of `samples` decoded with certified selection at `epsilon` with `bound`."""
+def cell(
+    model,
+    samples,
+    epsilon: float,
+    bound: str,
+    max_budget: float,
+    steps: int,
+    window: int,
+    policy: str = "quest",
+) -> dict:
+    """Every head-step of `samples` decoded with `policy`'s certified selection at `epsilon` with `bound` (fluxion:
+    its default profile and tau, the certificate adding blocks to its own selection)."""
     heads: dict[str, list[float]] = {
         k: [] for k in ("p_measured", "p_certified", "deviation", "bound", *(f"p_{b}" for b in BOUNDS))
     }
@@ -63,7 +74,8 @@ def cell(model, samples, epsilon: float, bound: str, max_budget: float, steps: i
     start = time.perf_counter()
     for sample in samples:
         config = TandemConfig(
-            policy="quest", sink_tokens=16, window_tokens=window, epsilon=epsilon, max_budget=max_budget,
+            # fluxion's default profile was calibrated with 64 sinks, and needs at least those
+            policy=policy, sink_tokens=64 if policy == "fluxion" else 16, window_tokens=window, epsilon=epsilon, max_budget=max_budget,
             certify_bound=bound,
         )  # fmt: skip
         cache = TandemCache.for_model(model, config)
@@ -83,6 +95,7 @@ def cell(model, samples, epsilon: float, bound: str, max_budget: float, steps: i
             violations += sum(d > b * (1 + 1e-3) + 1e-4 for d, b in zip(r["deviation"], r["bound"]))
     measured = heads["p_measured"]
     return {
+        "policy": policy,
         "epsilon": epsilon,
         "certify_bound": bound,
         "head_steps": len(met),
@@ -234,21 +247,21 @@ def markdown(rows: list[dict], machine: dict, args) -> str:
         "# Certified selection: certificate against measurement (default model)",
         "",
         f"Machine: {machine.get('cpu', machine)}. SmolLM2-135M-Instruct (real weights), niah prompts, {args.samples} "
-        f"samples per cell, {args.steps} decode steps each, sinks 16, window {args.window}, max_budget "
+        f"samples per cell, {args.steps} decode steps each, sinks 16 (fluxion 64), window {args.window}, max_budget "
         f"{args.max_budget}. Quantiles are over (layer, step, request, query head); blocks kept (the union a KV "
         "head attends) over (layer, step, request, KV head); blocks a head needs: what its certificate asked "
         "for, before max_budget, as a share of the live host blocks. Each over-statement is that bound's certificate of the cell's selection over "
         "the measured p.",
         "",
-        "| length | selects with | epsilon | head-steps | violations | met epsilon | blocks kept (mean / median) | "
+        "| length | policy | selects with | epsilon | head-steps | violations | met epsilon | blocks kept (mean / median) | "
         "blocks a head needs (mean / median) | "
         "measured p (median / p90) | certified p (median / p90) | over-statement: sketch / digest / box "
         "(median) | deviation / bound (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['length']} | {r['certify_bound']} | {r['epsilon']} | {r['head_steps']} | {r['violations']} | "
+            f"| {r['length']} | {r.get('policy', 'quest')} | {r['certify_bound']} | {r['epsilon']} | {r['head_steps']} | {r['violations']} | "
             f"{r['met_share']:.1%} | {r['blocks_kept']:.1%} / {r['blocks_kept_quantiles']['median']:.1%} | "
             f"{r['blocks_needed']:.1%} / {r['blocks_needed_quantiles']['median']:.1%} | "
             f"{r['p_measured']['median']:.2e} / {r['p_measured']['p90']:.2e} | "
@@ -276,7 +289,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.loglog(measured, pts[f"p_{name}"], ".", ms=2, label=label)
         ax.plot([1e-12, 1], [1e-12, 1], "k-", lw=0.5)
         ax.set(
-            title=f"{r['length']} tokens, {r['certify_bound']}, eps {r['epsilon']}",
+            title=f"{r['length']} tokens, {r.get('policy', 'quest')}, {r['certify_bound']}, eps {r['epsilon']}",
             xlabel="measured p",
             ylabel="certified p",
         )
@@ -302,6 +315,9 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--epsilons", default="0.01,0.05,0.1")
     p.add_argument("--bounds", default="sketch,digest", help="the certify_bound each cell selects with")
+    p.add_argument(
+        "--policies", default="quest", help="quest, fluxion: whose certified selection each cell runs"
+    )
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
@@ -345,14 +361,15 @@ def main() -> None:
     rows = []
     for length in map(int, args.lengths.split(",")):
         samples = builder.samples("niah", length, args.samples)
-        for bound in args.bounds.split(","):
-            for epsilon in map(float, args.epsilons.split(",")):
-                row = {
-                    "length": length,
-                    **cell(model, samples, epsilon, bound, args.max_budget, args.steps, args.window),
-                }
-                rows.append(row)
-                print({k: v for k, v in row.items() if k != "points"}, flush=True)
+        for policy, bound, epsilon in itertools.product(
+            args.policies.split(","), args.bounds.split(","), map(float, args.epsilons.split(","))
+        ):
+            row = {
+                "length": length,
+                **cell(model, samples, epsilon, bound, args.max_budget, args.steps, args.window, policy),
+            }
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "points"}, flush=True)
     machine = manifest.machine()
     text = markdown(rows, machine, args)
     print(text)

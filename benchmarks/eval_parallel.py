@@ -10,6 +10,11 @@ results.json / results.md.
 
 Each `;`-separated variant is `POLICY [--set ...]`, passed to its own `tandem eval --policies POLICY ...`; the
 arguments after `--` go to every shard. A shard that fails is reported with its log and left out of the merge.
+
+`--split-tasks` makes one shard per task as well (the `--tasks` list after `--`), longest contexts first, and
+every variant of a (length, task) cell next to each other, so that cells finish whole. A shard whose folder
+already holds results.json is not run again, and `--deadline` stops the grid after that many seconds (running
+shards are ended, none is started): a grid too long for one sitting is finished by running it again.
 """
 
 from __future__ import annotations
@@ -35,29 +40,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=4)
     p.add_argument("--out", required=True)
     p.add_argument("--merge-only", action="store_true", help="only merge the shards already in --out")
+    p.add_argument("--split-tasks", action="store_true", help="one shard per task too (see the module doc)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds after which the grid stops")
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit(f"--jobs={args.jobs}: allowed >= 1")
     out = Path(args.out)
-    shards = []
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
-    # variant by variant, so the first ones listed finish first when the grid outlasts its time
-    for i, variant in enumerate(variants):
-        for length in [x.strip() for x in args.lengths.split(",") if x.strip()]:
-            policy, *rest = shlex.split(variant)
-            folder = out / "shards" / f"{length}_{i}_{policy}"
-            command = [*TANDEM, "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
-                       "--no-plots", "--no-progress", *common]  # fmt: skip
-            shards.append((folder, command))
+    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+    shards = []
+
+    def add(i, variant, length, task=None):
+        policy, *rest = shlex.split(variant)
+        folder = out / "shards" / (f"{length}_{i}_{policy}" + (f"_{task}" if task else ""))
+        extra = ["--tasks", task] if task else []
+        command = [*TANDEM, "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
+                   "--no-plots", "--no-progress", *common, *extra]  # fmt: skip
+        shards.append((folder, command))
+
+    if args.split_tasks:
+        if "--tasks" not in common:
+            raise SystemExit("--split-tasks: pass --tasks after '--'")
+        at = common.index("--tasks")
+        tasks = common[at + 1].split(",")
+        del common[at : at + 2]
+
+        def tokens(length: str) -> float:
+            return float(length.lower().rstrip("k")) * (1024 if length.lower().endswith("k") else 1)
+
+        for length in sorted(lengths, key=tokens, reverse=True):  # longest first: they set the grid's end
+            for task in tasks:
+                for i, variant in enumerate(variants):
+                    add(i, variant, length, task)
+    else:
+        # variant by variant, so the first ones listed finish first when the grid outlasts its time
+        for i, variant in enumerate(variants):
+            for length in lengths:
+                add(i, variant, length)
     start = time.perf_counter()
 
     def run(shard):
         folder, command = shard
+        if (folder / "results.json").is_file():
+            return folder, 0  # finished by an earlier run
+        left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
+        if left is not None and left <= 0:
+            return folder, None
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(folder / "log.txt", "w") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        print(f"[{time.perf_counter() - start:6.0f} s] {folder.name}: exit {code} in {time.perf_counter() - t0:.0f} s",
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                code = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = None
+        state = "cut at the deadline" if code is None else f"exit {code}"
+        print(f"[{time.perf_counter() - start:6.0f} s] {folder.name}: {state} in {time.perf_counter() - t0:.0f} s",
               flush=True)  # fmt: skip
         return folder, code
 
@@ -66,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(args.jobs) as pool:
             done = list(pool.map(run, shards))
         for folder, code in done:
-            if code:
+            if code:  # None: cut or never started, reported above
                 print(f"--- {folder.name} failed:\n" + (folder / "log.txt").read_text()[-3000:], flush=True)
     parts = [str(f) for f, _ in shards if (f / "results.json").is_file()]
     if not parts:

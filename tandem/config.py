@@ -122,13 +122,16 @@ class TandemConfig:
             and half the bytes each step reads from it (the CPU kernels and the GPU's reads decode in registers;
             quest's digests are taken before quantizing and stay exact). With it, `full` no longer equals dense
             attention: the rows it reads are the quantized ones. Its quality cost is measured in docs/evaluation.md.
-        epsilon: for `quest`, certified selection instead of the fixed `budget`: each step, every query head keeps
-            the fewest of its best host blocks (ranked by a sound upper bound of their attention mass) for which
-            the mass it skips provably stays at most `epsilon` of its attention (`policies.certify`). In (0, 1);
-            None (default): the fixed budget. Needs the host tier in the model's dtype (no `host_dtype`) and no
-            device share (gpu_share None or 0). `cache.stats()` reports the certificate of every step.
-        max_budget: with `epsilon`, the most of a head's host blocks one step may keep, in (0, 1]: the cost stays
-            bounded, and a step where it binds is reported as not meeting `epsilon`, with its certified bound.
+        epsilon: certified selection, for `quest` and `fluxion`. With quest it replaces the fixed `budget`: each
+            step, every query head keeps the fewest of its best host blocks (ranked by a sound upper bound of their
+            attention mass) for which the mass it skips provably stays at most `epsilon` of its attention
+            (`policies.certify`). With fluxion its own selection comes first and the certificate adds blocks only
+            to the heads it leaves above `epsilon`. In (0, 1); None (default): no certificate. Needs the host tier
+            in the model's dtype (no `host_dtype`) and no device share (gpu_share None or 0). `cache.stats()`
+            reports the certificate of every step.
+        max_budget: with `epsilon`, the most of a head's host blocks one step may keep, in (0, 1] (fluxion's own
+            selection is kept even past it): the cost stays bounded, and a step where it binds is reported as not
+            meeting `epsilon`, with its certified bound.
         certify_bound: with `epsilon`, the upper bound of the skipped logits: "sketch" (default) per row, from
             an int8 sketch of each host key and its error radius (q.k <= q.k~ + ||q|| ||k - k~||), kept beside
             the host tier on the compute device; "digest" per block, from Quest's key min / max and a centre +
@@ -279,11 +282,11 @@ class TandemConfig:
         self._check_float("epsilon", 0.0, 1.0, "None or a fraction in (0, 1)", low_open=True)
         if self.epsilon >= 1.0:
             _fail("epsilon", self.epsilon, "None or a fraction in (0, 1)")
-        if self.policy != "quest":
+        if self.policy not in ("quest", "fluxion"):
             _fail(
                 "epsilon",
                 self.epsilon,
-                "None unless policy='quest' (certified selection ranks Quest's blocks)",
+                "None unless policy is 'quest' or 'fluxion' (certified selection ranks their host blocks)",
             )
         if self.host_dtype is not None:
             _fail(

@@ -35,7 +35,8 @@ class HostTier:
     key_radius_dev / value_norm_dev [B, Hkv, nb], block_rows_dev [B, nb], all float32
     (`policies.certify.block_digest`; nb = cap // block_size, blocks past the live ones have 0 rows), and per
     row the int8 key sketch: key_codes_dev [B, Hkv, cap, D] int8, key_code_scale_dev / key_code_error_dev
-    [B, Hkv, cap] float32 (`policies.certify.key_sketch`), row_valid_dev [B, cap] bool (False past the live rows).
+    [B, Hkv, cap] float32 (`policies.certify.key_sketch`), row_valid_dev [B, cap] bool (False past the live rows),
+    unless `keep_sketch` is False (the digest bound needs no sketch).
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
@@ -57,6 +58,7 @@ class HostTier:
         huge_pages: bool = True,
         quant: str | None = None,
         bounds_device: torch.device | None = None,
+        keep_sketch: bool = True,
     ) -> None:
         if quant is not None and quant not in QUANT_DTYPES:
             raise ValueError(f"quant: must be None or one of {', '.join(QUANT_DTYPES)}, got {quant!r}")
@@ -81,6 +83,7 @@ class HostTier:
         self.mirror_device = mirror_device if keep_digest else None
         self.key_min_dev = self.key_max_dev = self.block_valid_dev = None
         self.bounds_device = bounds_device
+        self.keep_sketch = bounds_device is not None and keep_sketch
         self.key_centre_dev = self.key_radius_dev = self.value_norm_dev = self.block_rows_dev = None
         self.key_codes_dev = self.key_code_scale_dev = self.key_code_error_dev = self.row_valid_dev = None
         self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
@@ -130,6 +133,8 @@ class HostTier:
                 grown["key_radius_dev"] = torch.zeros(b, hkv, nb, device=dev)
                 grown["value_norm_dev"] = torch.zeros(b, hkv, nb, device=dev)
                 grown["block_rows_dev"] = torch.zeros(b, nb, device=dev)
+            if self.keep_sketch:
+                dev = self.bounds_device
                 grown["key_codes_dev"] = torch.zeros(b, hkv, new_cap, d, dtype=torch.int8, device=dev)
                 grown["key_code_scale_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
                 grown["key_code_error_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
@@ -188,6 +193,8 @@ class HostTier:
             for name, digest_part in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), bounds):
                 getattr(self, name)[:, :, b0:b1].copy_(digest_part.to(dev))
             self.block_rows_dev[:, b0:b1].copy_(bounds[3].to(dev))
+        if self.keep_sketch:
+            dev = self.bounds_device
             sketch = key_sketch(keys, valid)
             for name, sketch_part in zip(SKETCH_ROWS[:3], sketch):
                 getattr(self, name)[:, :, first : first + n].copy_(sketch_part.to(dev))

@@ -127,6 +127,7 @@ class LayerKV:
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
             bounds_device=keys.device if self.policy.needs_bounds else None,
+            keep_sketch=cfg.certify_bound == "sketch",
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
@@ -182,6 +183,8 @@ class LayerKV:
         reset = getattr(self.policy, "reset_statistics", None)
         if reset is not None:
             reset()
+        if self.policy.certifier is not None:
+            self.policy.certifier.reset_statistics()
 
     # ---- appends -------------------------------------------------------------------------------------------
     def check_continues(self, keys: torch.Tensor) -> None:

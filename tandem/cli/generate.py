@@ -112,15 +112,15 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "--epsilon",
         type=float,
         default=None,
-        help="quest: certified selection instead of --budget: each head keeps the fewest host blocks for which "
-        "the attention it skips provably stays at most this fraction, in (0, 1); the stats line reports the "
-        "certificate",
+        help="quest, fluxion: certified selection: each head keeps the fewest host blocks for which the "
+        "attention it skips provably stays at most this fraction, in (0, 1) (quest: instead of --budget; "
+        "fluxion: added to its own selection where that falls short); the stats line reports the certificate",
     )
     p.add_argument(
         "--max-budget",
         type=float,
         default=0.5,
-        help="quest with --epsilon: the most of a head's host blocks one step may keep, in (0, 1] (default 0.5)",
+        help="with --epsilon: the most of a head's host blocks one step may keep, in (0, 1] (default 0.5)",
     )
     p.add_argument(
         "--gpu-share",

@@ -1,5 +1,5 @@
-"""Certificates against measurement: while a model decodes with quest's certified selection
-(`TandemConfig(epsilon=...)`), record each layer's certificate at every step beside the measured truth, full
+"""Certificates against measurement: while a model decodes with a certified selection (quest's or fluxion's,
+`TandemConfig(epsilon=...)`), record each layer's certificate at every step beside the measured truth, full
 attention over every row the layer holds, in float64. Used by the soundness tests and by
 `benchmarks/bench_certified.py` (tightness).
 
@@ -22,8 +22,7 @@ import math
 import torch
 
 from ..policies import certify
-from ..policies.fluxion import _digests
-from ..policies.quest import QuestPolicy, certified_mass
+from ..policies.certified import Certifier, certified_mass, host_digests
 from .metrics import layer_full_attention_lse
 
 
@@ -47,30 +46,55 @@ def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.T
     return p, (full_out - out.double().cpu()).norm(dim=-1)
 
 
+def sketch_mass(host, q: torch.Tensor, scale: float, nb: int) -> torch.Tensor:
+    """The sketch bound's block mass [B, Hq, nb] (`certified_mass`), from the host tier's own sketch, or, where it
+    keeps none (`certify_bound="digest"`), from one made here of its live keys (blocks past them: -inf)."""
+    if host.key_codes_dev is not None:
+        return certified_mass(host, q, scale, "sketch")[0]
+    keys, _, valid = host.live()
+    codes, row_scale, error = (t.to(q.device) for t in certify.key_sketch(keys, valid))
+    upper, _ = certify.sketch_logit_bounds(q, codes, row_scale, error, valid.to(q.device), scale)
+    mass = certify.sketch_mass_bounds(upper, host.block_size)
+    return torch.nn.functional.pad(mass, (0, nb - mass.shape[-1]), value=-math.inf)
+
+
 @contextlib.contextmanager
 def trace_certificates(on_select=None):
-    """Record every certified decode step of every quest layer (see the module doc) while the block runs.
+    """Record every certified decode step of every layer (see the module doc) while the block runs.
     `on_select(layer, q)`, if given, sees each layer's decode query as its selection starts (analysis tools)."""
     records: list[dict] = []
     queries: dict[int, torch.Tensor] = {}
-    select, after = QuestPolicy._certified_select, QuestPolicy.after_attention
+    select, after = Certifier.select, Certifier.after_attention
 
-    def keep_query(self, layer, q):
+    def keep_query(self, layer, q, forced=None):
         queries[id(layer)] = q.clone()
         if on_select is not None:
             on_select(layer, queries[id(layer)])
-        return select(self, layer, q)
+        return select(self, layer, q, forced)
 
     def record(self, layer, out, lse):
-        if self._step is not None:
-            mass, union, value_norm, rows, met, kept, live, needed = self._step
+        if self.step is not None:
+            mass, union, value_norm, rows, met, kept, live, needed = self.step
             q = queries[id(layer)]
             p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
             alternatives = {}  # each bound's certificate over the same selection
-            for name in ("digest", "sketch"):
-                other, _, _ = certified_mass(layer.host, q, layer.attention_scale, name)
-                alternatives[name], _ = certify.certificate(other, union, value_norm, rows, lse, out)
-            key_min, key_max, _ = _digests(layer.host, q.device)
+            alternatives["digest"], _ = certify.certificate(
+                certified_mass(layer.host, q, layer.attention_scale, "digest")[0],
+                union,
+                value_norm,
+                rows,
+                lse,
+                out,
+            )
+            alternatives["sketch"], _ = certify.certificate(
+                sketch_mass(layer.host, q, layer.attention_scale, rows.shape[1]),
+                union,
+                value_norm,
+                rows,
+                lse,
+                out,
+            )
+            key_min, key_max, _ = host_digests(layer.host, q.device)
             nb = rows.shape[1]
             host = layer.host
             box = certify.logit_bounds(
@@ -91,8 +115,8 @@ def trace_certificates(on_select=None):
             })  # fmt: skip
         return after(self, layer, out, lse)
 
-    QuestPolicy._certified_select, QuestPolicy.after_attention = keep_query, record
+    Certifier.select, Certifier.after_attention = keep_query, record
     try:
         yield records
     finally:
-        QuestPolicy._certified_select, QuestPolicy.after_attention = select, after
+        Certifier.select, Certifier.after_attention = select, after

@@ -239,7 +239,7 @@ class TandemCache(Cache):
             stats.update(fluxion_statistics([kv.policy.statistics() for kv in kvs]))
         if self.config.epsilon is not None:
             stats["certified"] = certified_statistics(
-                [kv.policy.statistics() for kv in kvs], self.config.epsilon
+                [kv.policy.certifier.statistics() for kv in kvs], self.config.epsilon
             )
         return stats
 
@@ -262,7 +262,7 @@ def fluxion_statistics(per_layer: list[dict]) -> dict:
 
 
 def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
-    """quest's certified selection over layers and decode steps, per (request, query head) of each layer and step:
+    """The certified selection over layers and decode steps, per (request, query head) of each layer and step:
     the certified skipped probability p and output bound (mean, max), the share that met epsilon when selected,
     the largest excess of p over epsilon where the max_budget cap bound, and the share of live host blocks kept."""
     total = {

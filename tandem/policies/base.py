@@ -75,6 +75,8 @@ class Policy:
     needs_anchor = False
     # per-block key centres / radii, value norms and row counts on the compute device (`certify.block_digest`)
     needs_bounds = False
+    # the certified selection (`certified.Certifier`) of a policy run with epsilon, else None
+    certifier = None
 
     def __init__(self, config) -> None:
         self.config = config
@@ -107,3 +109,8 @@ class Policy:
 
     def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
         return None
+
+    @property
+    def last_certificate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(p [B, Hq], output bound [B, Hq]) of the last decode step's certificate (epsilon), else None."""
+        return None if self.certifier is None else self.certifier.last_certificate

@@ -171,9 +171,10 @@ def certified_blocks(
     mass: torch.Tensor,
     known_lse: torch.Tensor,
     epsilon: float,
-    max_blocks: int,
+    max_blocks,
     num_kv_heads: int,
     lower: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
 ):
     """The certified selection: (union [B, Hkv, nb] bool, needed [B, Hq], kept [B, Hq]).
 
@@ -182,10 +183,21 @@ def certified_blocks(
     blocks by `mass`, the fewest whose tail certifies p <= epsilon against the attended mass they give at least
     (the hot tier's plus, with `lower`, the kept blocks' lower bounds), at most `max_blocks` (`kept`; a head
     with kept < needed does not meet epsilon this step). A KV head attends the union of its group's blocks, so
-    each head's certificate holds for the union too.
+    each head's certificate holds for the union too. max_blocks: an int, or a tensor broadcasting to [B, Hq].
+
+    forced: [B, Hkv, nb] bool, blocks each KV head attends in any case (another rule's selection), or None.
+    They rank first for every head of the group and are always kept, even past `max_blocks`; `needed` and `kept`
+    count them too, and the union holds them all.
     """
     batch, num_q_heads, nb = mass.shape
-    ordered, order = mass.sort(dim=-1, descending=True)
+    group = num_q_heads // num_kv_heads
+    if forced is None:
+        ordered, order = mass.sort(dim=-1, descending=True)
+    else:
+        first = forced[:, :, None].expand(-1, -1, group, -1).reshape(batch, num_q_heads, nb)
+        order = mass.masked_fill(first, math.inf).argsort(dim=-1, descending=True)
+        ordered = mass.gather(-1, order)
+        max_blocks = torch.maximum(torch.as_tensor(max_blocks, device=mass.device), first.sum(-1))
     tail = ordered.flip(-1).logcumsumexp(-1).flip(-1)  # tail[i]: the bound of every block ranked i or later
     tail = torch.cat([tail, torch.full_like(tail[..., :1], -math.inf)], -1)  # [B, Hq, nb + 1]: keeping i
     known = known_lse[..., None].expand(-1, -1, nb + 1)
@@ -197,7 +209,9 @@ def certified_blocks(
     kept = needed.clamp(max=max_blocks)
     take = torch.arange(nb, device=mass.device) < kept[..., None]
     picked = torch.zeros_like(take).scatter_(-1, order, take)
-    union = picked.view(batch, num_kv_heads, num_q_heads // num_kv_heads, nb).any(dim=2)
+    union = picked.view(batch, num_kv_heads, group, nb).any(dim=2)
+    if forced is not None:
+        union = union | forced
     return union, needed, kept
 
 

@@ -12,6 +12,11 @@ Every decode step, on the compute device:
 
 The KV head's pass over its union serves every query head of the group (the CPU kernels' GQA rule): a streaming
 head in a mixed group attends its group's selection, never less than sinks + window.
+
+With `epsilon` (`certified`), fluxion's selection becomes a floor that the certificate checks: its blocks rank
+first, and where they do not certify p <= epsilon for a head (a streaming head that still looks far back, a
+budget the predictor set too low), the head's best blocks by their mass bound are added until they do, while
+its blocks stay within `max_budget` of the live ones (fluxion's own are kept in any case).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ..calibration.predictor import predictor_from_state, streaming_logit_thresh
 from ..calibration.profile import Profile, load_profile
 from ..calibration.search import SELECTION_BLOCKS, min_budgets
 from .base import NONE, Policy, Selection
+from .certified import Certifier, host_digests
 from .granularity import choose_granularity, head_budgets, ids_selection, mask_to_ids, select_blocks
 
 BASE_BLOCK = 16  # the host tier's digest block: every logical block size is a multiple of it
@@ -65,6 +71,8 @@ class FluxionPolicy(Policy):
         # budget sum, groups per block size (len(SELECTION_BLOCKS)), groups with no CPU work
         self._counters: torch.Tensor | None = None
         self._constants: dict = {}  # per device: what a step reads, made before any graph records it
+        self.needs_bounds = config.epsilon is not None
+        self.certifier = Certifier(config) if self.needs_bounds else None
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     def _ensure_profile(self, layer) -> None:
@@ -164,7 +172,7 @@ class FluxionPolicy(Policy):
         if host is None or host.rows == 0:
             return None
         self._ensure_profile(layer)
-        key_min, key_max, block_valid = _digests(host, q.device)
+        key_min, key_max, block_valid = host_digests(host, q.device)
         host_rows = block_valid.sum(-1) * host.block_size  # [B]: whole blocks (a padded block counts whole)
         with torch.no_grad():
             const = self._on(q.device, layer)
@@ -180,6 +188,8 @@ class FluxionPolicy(Policy):
             choice = choose_granularity(budgets, host_rows, const["block_sizes"], layer.num_kv_heads)
             mask = select_blocks(q, key_min, key_max, budgets, choice, host_rows, blocks, BASE_BLOCK)
             self._count(layer, budgets, choice, streaming, active, const)
+        if self.certifier is not None:
+            mask = self.certifier.select(layer, q, forced=mask)
         return mask_to_ids(mask)
 
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
@@ -188,6 +198,10 @@ class FluxionPolicy(Policy):
             if from_device is None:
                 return NONE
         return ids_selection(from_device, layer.host.block_size)
+
+    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.certifier is not None:
+            self.certifier.after_attention(layer, out, lse)
 
     # ---- statistics -------------------------------------------------------------------------------------------
     def _count(self, layer, budgets, choice, streaming, active, const) -> None:
@@ -244,19 +258,3 @@ def host_segment(layer, device):
     host.wait()
     keys, values, valid = host.live()
     return keys.to(device), values.to(device), valid.to(device)
-
-
-def _digests(host, device):
-    """(key_min, key_max, block_valid) of the host blocks on `device`: the device mirror where there is one
-    (capacity-wide), else the host tier's own digests of its live blocks; empty blocks as (+inf, -inf)."""
-    if host.key_min_dev is not None and host.key_min_dev.device == device:
-        valid = host.block_valid_dev
-        kmin, kmax = host.key_min_dev, host.key_max_dev
-    else:
-        host.wait()
-        nblk = host.rows // host.block_size
-        valid = host.valid[:, : nblk * host.block_size].view(host.batch, nblk, host.block_size).any(-1)
-        kmin, kmax = (t.to(device) for t in host.digest())
-        valid = valid.to(device)
-    empty = ~valid[:, None, :, None]
-    return kmin.masked_fill(empty, float("inf")), kmax.masked_fill(empty, float("-inf")), valid

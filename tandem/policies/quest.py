@@ -20,36 +20,9 @@ import math
 import torch
 
 from ..kernels import ops
-from . import certify
 from .base import NONE, Policy, Selection
-from .fluxion import _digests
+from .certified import Certifier
 from .granularity import ids_selection, mask_to_ids
-
-# device-side counters of the certified selection, summed over steps (`QuestPolicy.statistics`)
-CERT_COUNTERS = (
-    "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "blocks_kept", "blocks_live",
-)  # fmt: skip
-
-
-def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
-    """(mass, lower [B, Hq, nb], rows [B, nb]): the log of an upper and of a lower bound of each host block's
-    mass per query head, and its rows, from the key sketch (`bound` "sketch") or the block digests ("digest");
-    see `certify`. nb covers the device mirror's capacity where there is one (so that a recorded step follows
-    the host tier's growth; the blocks past the live ones have no rows), else the live blocks."""
-    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
-    nb = (host.capacity if mirrored else host.rows) // host.block_size
-    rows = host.block_rows_dev[:, :nb]
-    if bound == "sketch":
-        n = nb * host.block_size
-        upper, lower = certify.sketch_logit_bounds(
-            q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
-            host.row_valid_dev[:, :n], scale,
-        )  # fmt: skip
-        return (*(certify.sketch_mass_bounds(b, host.block_size) for b in (upper, lower)), rows)
-    key_min, key_max, _ = _digests(host, q.device)
-    centre, radius = host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb]
-    upper = certify.mass_bounds(certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows)
-    return upper, certify.ball_lower_mass(q, centre, radius, rows, scale), rows
 
 
 class QuestPolicy(Policy):
@@ -63,11 +36,7 @@ class QuestPolicy(Policy):
         self._k_value: int | None = None
         self.certified = config.epsilon is not None
         self.needs_bounds = self.certified
-        self._step = None  # the certified selection of the step in flight, for after_attention
-        self._counters: torch.Tensor | None = None
-        self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
-        # (p [B, Hq], output bound [B, Hq]) of the last step's certificate, None when it had no host tier
-        self.last_certificate: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.certifier = Certifier(config) if self.certified else None
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
@@ -153,24 +122,9 @@ class QuestPolicy(Policy):
 
     # ---- certified selection (`epsilon`) ------------------------------------------------------------------
     def _certified_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
-        """[B, Hkv, nb] int64: each KV head's certified blocks ascending, then nb (none); see `certify`."""
-        host = layer.host
-        if host is None or host.rows == 0:
-            self._step = None
-            return None
-        scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
-        with torch.no_grad():
-            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
-            value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
-            known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
-            # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
-            live = (rows > 0).sum(-1, keepdim=True)
-            most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
-            union, needed, kept = certify.certified_blocks(
-                mass, known, self.config.epsilon, most, layer.num_kv_heads, lower
-            )
-        self._step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live, needed)
-        return mask_to_ids(union)
+        """[B, Hkv, nb] int64: each KV head's certified blocks ascending, then nb (none); see `certified`."""
+        union = self.certifier.select(layer, q)
+        return None if union is None else mask_to_ids(union)
 
     def _certified_selection(self, layer, q, from_device) -> Selection:
         if from_device is None:
@@ -180,33 +134,5 @@ class QuestPolicy(Policy):
         return ids_selection(from_device, layer.host.block_size)
 
     def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Count this step's certificate (`certify.certificate`) on the device, with the exact attended mass."""
-        self.last_certificate = None
-        if self._step is None:
-            return
-        mass, union, value_norm, rows, met, kept_blocks, live, _ = self._step
-        self._step = None
-        with torch.no_grad():
-            p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
-            self.last_certificate = (p, bound)
-            excess = (p - self.config.epsilon).clamp(min=0)
-            step = torch.stack([
-                torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),
-                met.float().sum(), excess.max(), kept_blocks.float().sum(), (live.float() * layer.num_kv_heads).sum(),
-            ])  # fmt: skip
-            if self._counters is None or self._counters.device != step.device:
-                # made in the eager warm-up steps, updated in place: a recorded step adds to the same tensor
-                self._counters = torch.zeros_like(step)
-                self._maxima = torch.zeros_like(step, dtype=torch.bool)
-                self._maxima[2:7:2] = True  # p_max, bound_max, excess_max
-            counters = self._counters
-            counters.copy_(torch.where(self._maxima, torch.maximum(counters, step), counters + step))
-
-    def statistics(self) -> dict:
-        """The certified selection's counters since the last reset (one device read): see CERT_COUNTERS."""
-        values = self._counters.tolist() if self._counters is not None else [0.0] * len(CERT_COUNTERS)
-        return dict(zip(CERT_COUNTERS, values))
-
-    def reset_statistics(self) -> None:
-        if self._counters is not None:
-            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
+        if self.certifier is not None:
+            self.certifier.after_attention(layer, out, lse)

@@ -84,6 +84,7 @@ def request_bytes(
         # the certified selection's digests on the compute device, float32: key centres [Hkv, nb, D], radii and
         # value norms [Hkv, nb], rows per block [nb]
         device += blocks * (shape.num_kv_heads * (shape.head_dim + 2) + 1) * 4
+    if config.epsilon is not None and config.certify_bound == "sketch":
         # and the int8 key sketch per row: codes [Hkv, rows, D], scale and error radius [Hkv, rows] float32,
         # which rows are live [rows]
         device += rows * (shape.num_kv_heads * (shape.head_dim + 8) + 1)

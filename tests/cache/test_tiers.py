@@ -6,6 +6,7 @@ KV head; values[..., 0] = position + 0.5), so the tests can tell exactly where e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -507,3 +508,28 @@ def test_a_ring_that_cannot_grow_raises_memory_error_and_stays_as_it_was(monkeyp
     layer.append(*feeder.next(1))  # memory is back: the ring grows and keeps every token
     assert hot.allocated_blocks > blocks
     check_layer(layer, feeder, cfg, 64, (-1, None))
+
+
+@pytest.mark.parametrize("bound", ["sketch", "digest"])
+def test_the_key_sketch_is_kept_only_for_the_sketch_bound(bound):
+    cfg = TandemConfig(
+        policy="quest", epsilon=0.05, certify_bound=bound, device="cpu", sink_tokens=4, window_tokens=8,
+        block_size=BLOCK, cpu_threads=1,
+    )  # fmt: skip
+    layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    layer.append(*Feeder([0, 3]).next(61))
+    host = layer.host
+    assert host.rows > 0 and host.key_centre_dev is not None and host.block_rows_dev is not None
+    sketch = [getattr(host, name) for name in ("key_codes_dev", "key_code_scale_dev", "key_code_error_dev")]
+    if bound == "sketch":
+        assert all(t is not None for t in sketch)
+        check_certified_digests(host)
+    else:  # the digest bound reads no sketch: none is allocated, and the device bytes say so
+        assert all(t is None for t in sketch) and host.row_valid_dev is None
+        rows_bytes = host.capacity * (NUM_KV_HEADS * (HEAD_DIM + 8) + 1) * BATCH
+        sketched = LayerKV(
+            dataclasses.replace(cfg, certify_bound="sketch"), 0, num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+        )  # fmt: skip
+        sketched.append(*Feeder([0, 3]).next(61))
+        assert sketched.host.device_nbytes() - host.device_nbytes() == rows_bytes

@@ -1,4 +1,4 @@
-"""quest's certified selection through the engine: the certificate is device work only, so a decode step with
+"""The certified selection (quest's, and fluxion's on top of its own) through the engine: the certificate is device work only, so a decode step with
 it records as a CUDA graph, and the recorded steps select and certify as eager ones do (greedy tokens and the
 certificate statistics equal). On CPU the same steps run eagerly."""
 
@@ -14,9 +14,20 @@ from tests.tiny import tiny_model
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _decode(device: str, use_graphs: bool):
+def _config(policy: str, tmp_path) -> TandemConfig:
+    if policy == "quest":
+        return TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=0.01)
+    from tests.policies.test_fluxion_policy import SINKS, WINDOW, make_profile
+
+    profile = make_profile(tmp_path / "profile.pt", predictor=False, q_heads=8, kv_heads=2, head_dim=8)
+    return TandemConfig(
+        policy="fluxion", tau=0.1, profile=profile, fluxion_mode="static", sink_tokens=SINKS, window_tokens=WINDOW,
+        epsilon=0.01,
+    )  # fmt: skip
+
+
+def _decode(device: str, use_graphs: bool, config: TandemConfig):
     model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2).to(device)
-    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=0.01)
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache, use_graphs=use_graphs)
     ids = torch.randint(0, 128, (2, 180), generator=torch.Generator().manual_seed(0)).to(device)
@@ -25,9 +36,10 @@ def _decode(device: str, use_graphs: bool):
     return tokens, cache.stats()["certified"]
 
 
+@pytest.mark.parametrize("policy", ["quest", "fluxion"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_certified_steps_report_a_certificate_every_step(device):
-    tokens, stats = _decode(device, use_graphs=False)
+def test_certified_steps_report_a_certificate_every_step(device, policy, tmp_path):
+    tokens, stats = _decode(device, False, _config(policy, tmp_path))
     assert tokens.shape == (2, 24)
     assert stats["head_steps"] == 2 * 8 * 2 * 24  # batch x query heads x layers x steps
     assert 0.0 <= stats["mean_p"] <= stats["max_p"] <= 1.0 and stats["mean_output_bound"] >= 0.0
@@ -35,9 +47,10 @@ def test_certified_steps_report_a_certificate_every_step(device):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_recorded_certified_steps_select_and_certify_as_eager_ones():
-    eager_tokens, eager = _decode("cuda", use_graphs=False)
-    graph_tokens, graphs = _decode("cuda", use_graphs=True)
+@pytest.mark.parametrize("policy", ["quest", "fluxion"])
+def test_recorded_certified_steps_select_and_certify_as_eager_ones(policy, tmp_path):
+    eager_tokens, eager = _decode("cuda", False, _config(policy, tmp_path))
+    graph_tokens, graphs = _decode("cuda", True, _config(policy, tmp_path))
     assert torch.equal(eager_tokens, graph_tokens)
     assert graphs["head_steps"] == eager["head_steps"]
     for key in ("mean_p", "max_p", "mean_output_bound", "met_share", "mean_blocks_kept"):

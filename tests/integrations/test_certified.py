@@ -78,3 +78,58 @@ def test_certificates_hold_on_decode_steps_of_the_default_model(smollm, bound):
     cache, checked = _checked_decode(model, ids, config, steps=6)
     assert checked > 0
     assert cache.stats()["certified"]["head_steps"] == checked
+
+
+def _fluxion_config(tmp_path, name: str, epsilon, max_budget=0.5, **profile):
+    from tests.policies.test_fluxion_policy import SINKS, WINDOW, make_profile
+
+    path = make_profile(tmp_path / name, predictor=False, **profile)
+    return TandemConfig(
+        policy="fluxion", tau=0.1, profile=path, fluxion_mode="static", sink_tokens=SINKS, window_tokens=WINDOW,
+        cpu_threads=1, epsilon=epsilon, max_budget=max_budget,
+    )  # fmt: skip
+
+
+def _fluxion_decode(model, config, ids, steps=6):
+    cache = TandemCache.for_model(model, config)
+    model.generate(
+        ids, max_new_tokens=steps, do_sample=False, pad_token_id=0, **generate_cache_kwargs(model, cache)
+    )
+    return cache.stats()
+
+
+def test_fluxion_streaming_heads_get_certified_blocks_only_with_epsilon(tmp_path):
+    """Every head labelled streaming: fluxion alone reads nothing from the host tier; with epsilon the certificate
+    adds the blocks each head needs, and every step's certificate holds against full attention."""
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(3))
+    alone = _fluxion_decode(model, _fluxion_config(tmp_path, "s.pt", None, streaming=True), ids)
+    assert alone["mean_fraction_attended"] == 0.0
+    config = _fluxion_config(tmp_path, "s.pt", 0.01, max_budget=1.0, streaming=True)
+    cache, checked = _checked_decode(model, ids, config, steps=6)
+    stats = cache.stats()
+    assert checked == stats["certified"]["head_steps"] > 0
+    assert stats["mean_fraction_attended"] > 0.0 and stats["streaming_head_share"] == 1.0
+    assert stats["certified"]["met_share"] == 1.0 and stats["certified"]["max_p"] <= 0.01 * (1 + 1e-4)
+
+
+def test_fluxion_selection_that_already_certifies_is_kept_as_it_is(tmp_path):
+    """Budget 1 for every head: fluxion keeps every block, so nothing is skipped (p = 0), and the certificate
+    neither adds nor drops a block."""
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(4))
+    stats = _fluxion_decode(model, _fluxion_config(tmp_path, "one.pt", 0.05, bgt0=1.0, k=0.0), ids)
+    assert stats["mean_fraction_attended"] == 1.0
+    cert = stats["certified"]
+    assert cert["met_share"] == 1.0 and cert["max_p"] == 0.0 and cert["mean_blocks_kept"] == 1.0
+
+
+def test_fluxion_with_epsilon_attends_at_least_what_fluxion_alone_does(tmp_path):
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(5))
+    alone = _fluxion_decode(model, _fluxion_config(tmp_path, "b.pt", None, bgt0=0.2, k=0.05), ids)
+    both = _fluxion_decode(model, _fluxion_config(tmp_path, "b.pt", 0.01, bgt0=0.2, k=0.05), ids)
+    assert both["mean_fraction_attended"] >= alone["mean_fraction_attended"] > 0.0
+    assert both["mean_head_budget"] == pytest.approx(
+        alone["mean_head_budget"]
+    )  # fluxion's own rule unchanged

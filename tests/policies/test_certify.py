@@ -1,6 +1,7 @@
 """Soundness of the certified bounds (`tandem.policies.certify`): over random and adversarial keys and values
 (float32 / bfloat16, GQA groups 1-8, ragged padding), the attention mass a selection skips and the output's
-deviation from full attention never exceed the certificate. One violation fails."""
+deviation from full attention never exceed the certificate, also where another rule's selection is kept first
+(fluxion's, `forced`). One violation fails."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def _measure(q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size,
     pad=st.integers(0, 20),
     bound=st.sampled_from(["digest", "sketch"]),
     use_lower=st.booleans(),
+    forced_share=st.sampled_from([None, 0.0, 0.3, 1.0]),
 )
 def test_the_certificate_bounds_the_measured_skip_and_deviation(
     batch,
@@ -103,6 +105,7 @@ def test_the_certificate_bounds_the_measured_skip_and_deviation(
     pad,
     bound,
     use_lower,
+    forced_share,
 ):
     gen = torch.Generator().manual_seed(seed)
     num_q_heads, n = num_kv_heads * group, num_blocks * block_size
@@ -138,11 +141,20 @@ def test_the_certificate_bounds_the_measured_skip_and_deviation(
     assert torch.all(lower.double() <= block_mass) and torch.all(mass.double() >= block_mass)
     hot = certify.hot_mass(q, hot_k, hot_valid, scale)
     max_blocks = max(1, math.ceil(max_share * num_blocks))
+    # another rule's selection (fluxion's), kept in any case: a random share of each KV head's blocks
+    forced = None
+    if forced_share is not None:
+        forced = torch.rand(batch, num_kv_heads, num_blocks, generator=gen) < forced_share
     union, needed, kept = certify.certified_blocks(
-        mass, hot, epsilon, max_blocks, num_kv_heads, lower if use_lower else None
+        mass, hot, epsilon, max_blocks, num_kv_heads, lower if use_lower else None, forced
     )
-    _, needed_hot_only, _ = certify.certified_blocks(mass, hot, epsilon, max_blocks, num_kv_heads)
-    assert torch.all(needed <= needed_hot_only), "the kept blocks' lower bounds can only lower the need"
+    cap = torch.tensor(max_blocks)
+    if forced is None:
+        _, needed_hot_only, _ = certify.certified_blocks(mass, hot, epsilon, max_blocks, num_kv_heads)
+        assert torch.all(needed <= needed_hot_only), "the kept blocks' lower bounds can only lower the need"
+    else:
+        assert torch.all(union[forced]), "a forced block was dropped"
+        cap = torch.maximum(cap, forced.sum(-1).repeat_interleave(group, dim=1))  # [B, Hq]
 
     p, deviation, attended_lse, out = _measure(
         q, hot_k, hot_v, hot_valid, keys, values, valid, union, block_size, scale
@@ -150,11 +162,11 @@ def test_the_certificate_bounds_the_measured_skip_and_deviation(
     p_cert, bound = certify.certificate(mass, union, value_norm, rows, attended_lse.float(), out.float())
     assert torch.all(p <= p_cert.double() + 1e-6), (p, p_cert)
     assert torch.all(deviation <= bound.double() * (1 + 1e-4) + 1e-5), (deviation, bound)
-    met = needed <= max_blocks
+    met = needed <= cap
     assert torch.all(p_cert[met] <= epsilon * (1 + 1e-4)), (
         "a head that met epsilon at selection has a larger bound"
     )
-    assert torch.all(kept <= max_blocks)
+    assert torch.all(kept <= cap)
 
 
 def test_the_ball_bound_is_tighter_than_the_box_on_isotropic_keys_and_never_looser():

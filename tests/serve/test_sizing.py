@@ -14,6 +14,9 @@ CONFIGS = {
     "hgca": TandemConfig(policy="hgca", sink_tokens=4, window_tokens=16),
     "quest": TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, budget=0.5),
     "quest-certified": TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, epsilon=0.05),
+    "quest-certified-digest": TandemConfig(
+        policy="quest", sink_tokens=4, window_tokens=16, epsilon=0.05, certify_bound="digest"
+    ),
     "full-int8": TandemConfig(policy="full", sink_tokens=4, window_tokens=16, host_dtype="int8"),
     "hgca-int8-fraction": TandemConfig(policy="hgca", sink_tokens=4, window_tokens=0.25, host_dtype="int8"),
 }

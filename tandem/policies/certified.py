@@ -1,0 +1,132 @@
+"""The certified selection of one layer (`TandemConfig(epsilon=...)`), shared by quest and fluxion.
+
+`Certifier.select` runs inside the decode step, on the compute device: it bounds every host block's mass
+(`certified_mass`) and keeps, per query head, the fewest blocks that certify p <= epsilon (`certify`). A policy
+may pass the blocks its own rule chose (`forced`): those are attended in any case, so they are ranked first and
+their lower mass bounds count toward the attended mass; the certified blocks are added where they do not suffice.
+`after_attention` computes the step's certificate with the exact attended mass and adds it to device counters
+(`CERT_COUNTERS`). Both are plain torch with no host reads, so a recorded CUDA graph replays them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import certify
+
+# device-side counters of the certified selection, summed over steps (`Certifier.statistics`)
+CERT_COUNTERS = (
+    "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "blocks_kept", "blocks_live",
+)  # fmt: skip
+_MAXIMA = ("p_max", "bound_max", "excess_max")
+
+
+def host_digests(host, device):
+    """(key_min, key_max, block_valid) of the host blocks on `device`: the device mirror where there is one
+    (capacity-wide), else the host tier's own digests of its live blocks; empty blocks as (+inf, -inf)."""
+    if host.key_min_dev is not None and host.key_min_dev.device == device:
+        valid = host.block_valid_dev
+        kmin, kmax = host.key_min_dev, host.key_max_dev
+    else:
+        host.wait()
+        nblk = host.rows // host.block_size
+        valid = host.valid[:, : nblk * host.block_size].view(host.batch, nblk, host.block_size).any(-1)
+        kmin, kmax = (t.to(device) for t in host.digest())
+        valid = valid.to(device)
+    empty = ~valid[:, None, :, None]
+    return kmin.masked_fill(empty, float("inf")), kmax.masked_fill(empty, float("-inf")), valid
+
+
+def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
+    """(mass, lower [B, Hq, nb], rows [B, nb]): the log of an upper and of a lower bound of each host block's
+    mass per query head, and its rows, from the key sketch (`bound` "sketch") or the block digests ("digest");
+    see `certify`. nb covers the device mirror's capacity where there is one (so that a recorded step follows
+    the host tier's growth; the blocks past the live ones have no rows), else the live blocks."""
+    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
+    nb = (host.capacity if mirrored else host.rows) // host.block_size
+    rows = host.block_rows_dev[:, :nb]
+    if bound == "sketch":
+        n = nb * host.block_size
+        upper, lower = certify.sketch_logit_bounds(
+            q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
+            host.row_valid_dev[:, :n], scale,
+        )  # fmt: skip
+        return (*(certify.sketch_mass_bounds(b, host.block_size) for b in (upper, lower)), rows)
+    key_min, key_max, _ = host_digests(host, q.device)
+    centre, radius = host.key_centre_dev[:, :, :nb], host.key_radius_dev[:, :, :nb]
+    upper = certify.mass_bounds(certify.logit_bounds(q, key_min, key_max, centre, radius, rows, scale), rows)
+    return upper, certify.ball_lower_mass(q, centre, radius, rows, scale), rows
+
+
+class Certifier:
+    """One layer's certified selection and its counters.
+
+    Example (what `QuestPolicy` does each step, on the compute device):
+
+        certifier = Certifier(TandemConfig(policy="quest", epsilon=0.05))
+        union = certifier.select(layer, q)          # [B, Hkv, nb] bool, or None without a host tier
+        ...                                         # attend the hot tier and the union, merge
+        certifier.after_attention(layer, out, lse)  # the step's certificate, counted
+        certifier.statistics()["met"]
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config
+        # the step in flight, for after_attention: (mass, union, value_norm, rows, met, kept blocks, live, needed)
+        self.step: tuple | None = None
+        self._counters: torch.Tensor | None = None
+        self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
+        # (p [B, Hq], output bound [B, Hq]) of the last step's certificate, None when it had no host tier
+        self.last_certificate: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def select(self, layer, q: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, Hkv, nb] bool: the blocks each KV head attends, `forced` [B, Hkv, nb] bool (or None) among them,
+        for q [B, Hq, D] on the compute device; None when the layer has no host rows."""
+        host = layer.host
+        if host is None or host.rows == 0:
+            self.step = None
+            return None
+        scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
+        with torch.no_grad():
+            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
+            value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
+            known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
+            # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
+            live = (rows > 0).sum(-1, keepdim=True)
+            most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
+            union, needed, kept = certify.certified_blocks(
+                mass, known, self.config.epsilon, most, layer.num_kv_heads, lower, forced
+            )
+        self.step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live, needed)
+        return union
+
+    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Count this step's certificate (`certify.certificate`) on the device, with the exact attended mass."""
+        self.last_certificate = None
+        if self.step is None:
+            return
+        mass, union, value_norm, rows, met, kept_blocks, live, _ = self.step
+        self.step = None
+        with torch.no_grad():
+            p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            self.last_certificate = (p, bound)
+            excess = (p - self.config.epsilon).clamp(min=0)
+            step = torch.stack([
+                torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),
+                met.float().sum(), excess.max(), kept_blocks.float().sum(), (live.float() * layer.num_kv_heads).sum(),
+            ])  # fmt: skip
+            if self._counters is None or self._counters.device != step.device:
+                # made in the eager warm-up steps, updated in place: a recorded step adds to the same tensor
+                self._counters = torch.zeros_like(step)
+                self._maxima = torch.tensor([n in _MAXIMA for n in CERT_COUNTERS], device=step.device)
+            counters = self._counters
+            counters.copy_(torch.where(self._maxima, torch.maximum(counters, step), counters + step))
+
+    def statistics(self) -> dict:
+        """The counters since the last reset (one device read): see CERT_COUNTERS."""
+        values = self._counters.tolist() if self._counters is not None else [0.0] * len(CERT_COUNTERS)
+        return dict(zip(CERT_COUNTERS, values))
+
+    def reset_statistics(self) -> None:
+        if self._counters is not None:
+            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
