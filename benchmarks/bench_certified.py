@@ -68,7 +68,14 @@ def cell(
     """Every head-step of `samples` decoded with `policy`'s certified selection at `epsilon` with `bound` (fluxion:
     its default profile and tau, the certificate adding blocks to its own selection)."""
     heads: dict[str, list[float]] = {
-        k: [] for k in ("p_measured", "p_certified", "deviation", "bound", *(f"p_{b}" for b in BOUNDS))
+        k: []
+        for k in (
+            "p_measured",
+            "p_certified",
+            "deviation",
+            "bound",
+            *(f"{x}_{b}" for x in ("p", "bound") for b in BOUNDS),
+        )
     }
     met, kept, needed, violations = [], [], [], 0
     start = time.perf_counter()
@@ -92,7 +99,8 @@ def cell(
             needed += r["needed"]
             for name in ("p_certified", *(f"p_{b}" for b in BOUNDS)):
                 violations += sum(p > c + 1e-6 for p, c in zip(r["p_measured"], r[name]))
-            violations += sum(d > b * (1 + 1e-3) + 1e-4 for d, b in zip(r["deviation"], r["bound"]))
+            for name in ("bound", *(f"bound_{b}" for b in BOUNDS)):
+                violations += sum(d > b * (1 + 1e-3) + 1e-4 for d, b in zip(r["deviation"], r[name]))
     measured = heads["p_measured"]
     return {
         "policy": policy,
@@ -115,9 +123,17 @@ def cell(
         },
         "deviation": _quantiles(heads["deviation"]),
         "bound": _quantiles(heads["bound"]),
+        # each bound's output bound over the measured deviation (floored at 1e-12)
+        **{
+            f"{b}_bound_over_deviation": _quantiles(
+                [c / max(d, 1e-12) for d, c in zip(heads["deviation"], heads[f"bound_{b}"])]
+            )
+            for b in BOUNDS
+        },
         "seconds": time.perf_counter() - start,
         "points": {
-            k: heads[k][:: max(1, len(met) // 2000)] for k in ("p_measured", *(f"p_{b}" for b in BOUNDS))
+            k: heads[k][:: max(1, len(met) // 2000)]
+            for k in ("p_measured", "deviation", *(f"{x}_{b}" for x in ("p", "bound") for b in BOUNDS))
         },
     }
 
@@ -242,6 +258,14 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
             "sketch_ms": sketch_s * 1e3, "sketch_ratio": sketch_s / quest_s}  # fmt: skip
 
 
+def _output_overstatement(row: dict) -> str:
+    if "box_bound_over_deviation" not in row:  # recorded since the output bounds per bound
+        return "n/a"
+    return " / ".join(
+        f"{row[f'{b}_bound_over_deviation']['median']:.3g}" for b in ("sketch", "digest", "box")
+    )
+
+
 def markdown(rows: list[dict], machine: dict, args) -> str:
     lines = [
         "# Certified selection: certificate against measurement (default model)",
@@ -256,8 +280,8 @@ def markdown(rows: list[dict], machine: dict, args) -> str:
         "| length | policy | selects with | epsilon | head-steps | violations | met epsilon | blocks kept (mean / median) | "
         "blocks a head needs (mean / median) | "
         "measured p (median / p90) | certified p (median / p90) | over-statement: sketch / digest / box "
-        "(median) | deviation / bound (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(median) | deviation / bound (median) | output over-statement: sketch / digest / box (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -268,12 +292,14 @@ def markdown(rows: list[dict], machine: dict, args) -> str:
             f"{r['p_certified']['median']:.2e} / {r['p_certified']['p90']:.2e} | "
             f"{r['sketch_over_measured']['median']:.3g} / {r['digest_over_measured']['median']:.3g} / "
             f"{r['box_over_measured']['median']:.3g} | {r['deviation']['median']:.2e} / "
-            f"{r['bound']['median']:.2e} |"
+            f"{r['bound']['median']:.2e} | {_output_overstatement(r)} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Per cell: certified against measured p (top) and each bound's output bound against the measured output
+    deviation (bottom), for the box bound alone, box + ball and the int8 sketch."""
     try:
         import matplotlib
 
@@ -281,19 +307,27 @@ def plot(rows: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 4), squeeze=False)
-    for ax, r in zip(axes[0], rows):
+    fig, axes = plt.subplots(2, len(rows), figsize=(4 * len(rows), 8), squeeze=False)
+    labels = (("box", "box alone"), ("digest", "box + ball"), ("sketch", "int8 sketch"))
+    for column, r in enumerate(rows):
         pts = r["points"]
+        title = f"{r['length']} tokens, {r.get('policy', 'quest')}, {r['certify_bound']}, eps {r['epsilon']}"
+        top, bottom = axes[0][column], axes[1][column]
         measured = [max(p, 1e-12) for p in pts["p_measured"]]
-        for name, label in (("box", "box alone"), ("digest", "box + ball"), ("sketch", "int8 sketch")):
-            ax.loglog(measured, pts[f"p_{name}"], ".", ms=2, label=label)
-        ax.plot([1e-12, 1], [1e-12, 1], "k-", lw=0.5)
-        ax.set(
-            title=f"{r['length']} tokens, {r.get('policy', 'quest')}, {r['certify_bound']}, eps {r['epsilon']}",
-            xlabel="measured p",
-            ylabel="certified p",
-        )
-        ax.legend(fontsize=7)
+        for name, label in labels:
+            top.loglog(measured, pts[f"p_{name}"], ".", ms=2, label=label)
+        top.plot([1e-12, 1], [1e-12, 1], "k-", lw=0.5)
+        top.set(title=title, xlabel="measured p", ylabel="certified p")
+        top.legend(fontsize=7)
+        if "deviation" in pts and "bound_box" in pts:  # recorded since the output bounds per bound
+            deviation = [max(d, 1e-12) for d in pts["deviation"]]
+            for name, label in labels:
+                bottom.loglog(deviation, pts[f"bound_{name}"], ".", ms=2, label=label)
+            bottom.plot([1e-12, 1e3], [1e-12, 1e3], "k-", lw=0.5)
+            bottom.set(xlabel="measured output deviation", ylabel="output bound")
+            bottom.legend(fontsize=7)
+        else:
+            bottom.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

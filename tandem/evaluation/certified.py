@@ -6,10 +6,11 @@ attention over every row the layer holds, in float64. Used by the soundness test
     with trace_certificates() as records:
         model.generate(...)                  # a TandemCache with epsilon
     records[i]: {"layer", "p_measured", "p_certified", "p_digest", "p_sketch", "p_box", "deviation", "bound",
-                 "met", "kept", "needed"}
+                 "bound_digest", "bound_sketch", "bound_box", "met", "kept", "needed"}
 
 "p_certified" is the certificate of the config's `certify_bound`; "p_digest" (box + ball), "p_sketch" (the int8
-key sketch) and "p_box" (the box bound alone) are each bound's certificate over the same selection. "kept" is
+key sketch) and "p_box" (the box bound alone) are each bound's certificate over the same selection, and
+"bound_<name>" its output bound. "kept" is
 the share of the live host blocks each KV head attended, "needed" the share each query head's certificate asked
 for before `max_budget` (above it the head did not meet epsilon).
 """
@@ -77,38 +78,27 @@ def trace_certificates(on_select=None):
             mass, union, value_norm, rows, met, kept, live, needed = self.step
             q = queries[id(layer)]
             p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
-            alternatives = {}  # each bound's certificate over the same selection
-            alternatives["digest"], _ = certify.certificate(
-                certified_mass(layer.host, q, layer.attention_scale, "digest")[0],
-                union,
-                value_norm,
-                rows,
-                lse,
-                out,
-            )
-            alternatives["sketch"], _ = certify.certificate(
-                sketch_mass(layer.host, q, layer.attention_scale, rows.shape[1]),
-                union,
-                value_norm,
-                rows,
-                lse,
-                out,
-            )
             key_min, key_max, _ = host_digests(layer.host, q.device)
-            nb = rows.shape[1]
-            host = layer.host
+            nb, host, scale = rows.shape[1], layer.host, layer.attention_scale
             box = certify.logit_bounds(
                 q, key_min[:, :, :nb], key_max[:, :, :nb], host.key_centre_dev[:, :, :nb],
-                host.key_radius_dev[:, :, :nb], rows, layer.attention_scale, ball=False,
+                host.key_radius_dev[:, :, :nb], rows, scale, ball=False,
             )  # fmt: skip
-            alternatives["box"], _ = certify.certificate(
-                certify.mass_bounds(box, rows), union, value_norm, rows, lse, out
-            )
+            masses = {
+                "digest": certified_mass(host, q, scale, "digest")[0],
+                "sketch": sketch_mass(host, q, scale, nb),
+                "box": certify.mass_bounds(box, rows),
+            }
+            # each bound's certificate of the same selection: (p, output bound)
+            alternatives = {
+                name: certify.certificate(m, union, value_norm, rows, lse, out) for name, m in masses.items()
+            }
             p, deviation = full_attention_gap(layer, q, out, union)
             records.append({
                 "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
                 "p_certified": p_cert.double().flatten().tolist(),
-                **{f"p_{name}": p_alt.double().flatten().tolist() for name, p_alt in alternatives.items()},
+                **{f"p_{name}": p_alt.double().flatten().tolist() for name, (p_alt, _) in alternatives.items()},
+                **{f"bound_{name}": b.double().flatten().tolist() for name, (_, b) in alternatives.items()},
                 "deviation": deviation.flatten().tolist(), "bound": bound.double().flatten().tolist(),
                 "met": met.flatten().tolist(), "kept": (kept.float() / live.float().clamp(min=1)).flatten().tolist(),
                 "needed": (needed.float() / live.float().clamp(min=1)).flatten().tolist(),

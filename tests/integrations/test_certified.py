@@ -31,6 +31,8 @@ def _checked_decode(model, ids, config, steps: int):
         for name in ("box", "digest", "sketch"):  # each bound's certificate of the same selection
             other = torch.tensor(r[f"p_{name}"], dtype=torch.float64)
             assert torch.all(p <= other + 1e-6), f"layer {r['layer']}: the {name} bound is unsound"
+            other_bound = torch.tensor(r[f"bound_{name}"])
+            assert torch.all(deviation <= other_bound * (1 + 1e-3) + 1e-4), f"the {name} output bound is unsound"
         assert torch.all(deviation <= bound * (1 + 1e-3) + 1e-4), (deviation, bound)
         met = torch.tensor(r["met"])
         assert torch.all(p_cert[met] <= config.epsilon * (1 + 1e-4)), "a head that met epsilon is over it"
