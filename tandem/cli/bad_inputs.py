@@ -136,6 +136,8 @@ def command_line_cases() -> list[Case]:
         "--gpu-share": ["-0.1", "1.5", "nan"],
         "--gpu-cache": ["-1", "100", "nan"],
         "--tau": ["-0.1", "1", "inf", "nan"],
+        "--epsilon": ["0", "1", "-0.5", "nan"],
+        "--max-budget": ["0", "2"],
         "--cpu-threads": ["0", "-2", "100000"],
         "--policy": ["dense", ""],
         "--fluxion-mode": ["magic"],
@@ -236,11 +238,15 @@ def config_cases() -> list[Case]:
         "fluxion_mode": ["magic"],
         "granularity": [8, 17, True],
         "skip_streaming": [2, "no"],
+        "epsilon": [0.0, 1.0, -0.1, math.nan, "0.05"],
+        "max_budget": [0.0, 1.5, math.nan],
+        "certify_bound": ["box", None],
     }
+    certified = ("epsilon", "max_budget", "certify_bound")
     cases = []
     for field, values in bad.items():
         for value in values:
-            policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache") else {}
+            policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache", *certified) else {}
             cases.append(
                 Case("TandemConfig", f"TandemConfig({field}={value!r})", make(**policy, **{field: value}))
             )
@@ -259,6 +265,10 @@ def config_cases() -> list[Case]:
             make(policy="fluxion", block_size=32),
         )
     )
+    for fields in ({"policy": "hgca", "epsilon": 0.05}, {"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4},
+                   {"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"}):  # fmt: skip
+        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        cases.append(Case("TandemConfig", f"TandemConfig({shown})", make(**fields)))
     for field, value in (("budget", np.float32(0.25)), ("span", np.int64(4)), ("window_tokens", np.int32(128)),
                          ("window_tokens", 0.25)):  # fmt: skip
         cases.append(

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="POLICY.KEY=V1,V2",
         help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; "
-        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only); values are numbers, "
+        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only, epsilon, max_budget and "
+        "certify_bound to quest and fluxion only); values are numbers, "
         "except profile (a path, or 'default'), fluxion_mode (predictor, static or oracle), host_dtype (none, int8 "
         "or fp8), granularity (16, 32, 64, 128 or 'none': Eq. 3 per group) and the switches huge_pages, "
         "skip_streaming (0 or 1)",

@@ -24,7 +24,15 @@ from ..models import attention_shape
 from ..policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
-from .names import DOCUMENT_TASKS, FLUXION_SETTABLE, GENERATION_TASKS, SETTABLE, TASKS
+from .names import (
+    CERTIFIED_POLICIES,
+    CERTIFIED_SETTABLE,
+    DOCUMENT_TASKS,
+    FLUXION_SETTABLE,
+    GENERATION_TASKS,
+    SETTABLE,
+    TASKS,
+)
 from .tasks import TaskBuilder, score_answer
 
 
@@ -136,8 +144,9 @@ def make_variants(
 ) -> list[Variant]:
     """One variant per policy, or per combination of `--set` values where a policy is swept.
 
-    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy, or only `fluxion` for a key
-    in FLUXION_SETTABLE); key in SETTABLE, values as `parse_setting` reads them.
+    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy, only `fluxion` for a key in
+    FLUXION_SETTABLE, only quest and fluxion for one in CERTIFIED_SETTABLE); key in SETTABLE, values as
+    `parse_setting` reads them.
     """
     sweeps: dict[str, dict[str, list]] = {p: {} for p in policies}
     for item in sets:
@@ -161,11 +170,20 @@ def make_variants(
                     f"({', '.join(policies)})"
                 )
             target, dot = "fluxion", "."
+        targets = [target] if dot else list(policies)
+        if not dot and key in CERTIFIED_SETTABLE:
+            # only quest and fluxion certify their selection; the others would refuse the key
+            targets = [p for p in policies if p in CERTIFIED_POLICIES]
+            if not targets:
+                raise ValueError(
+                    f"--set {item!r}: {key!r} applies only to policies {', '.join(CERTIFIED_POLICIES)}, neither of "
+                    f"which is in --policies ({', '.join(policies)})"
+                )
         try:
             parsed = [parse_setting(key, v.strip()) for v in values.split(",")]
         except ValueError as err:
             raise ValueError(f"--set {item!r}: {err}") from None
-        for policy in [target] if dot else policies:
+        for policy in targets:
             sweeps[policy][key] = parsed
     variants = []
     for policy in policies:

@@ -106,6 +106,16 @@ def test_lengths_sweeps_and_model_maximum():
         check_lengths([1024, 16384], 8192)
 
 
+def test_a_certified_key_without_a_policy_applies_to_quest_and_fluxion_only():
+    variants = make_variants(["full", "quest", "fluxion"], ["epsilon=0.01,0.05"])
+    labels = [v.label for v in variants]
+    assert labels == [
+        "full", "quest[epsilon=0.01]", "quest[epsilon=0.05]", "fluxion[epsilon=0.01]", "fluxion[epsilon=0.05]",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="applies only to policies quest, fluxion"):
+        make_variants(["full", "hgca"], ["max_budget=0.5"])
+
+
 def test_fluxion_sweeps_parse_into_labelled_variants():
     assert [v.label for v in make_plan(policies="full,quest,hgca,fluxion", tasks="niah").variants] == [
         "full",
