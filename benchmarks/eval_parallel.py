@@ -30,6 +30,61 @@ from pathlib import Path
 TANDEM = [sys.executable, "-m", "tandem.cli"]  # works where the package is importable but not installed
 
 
+def _tokens(length: str) -> float:
+    return float(length.lower().rstrip("k")) * (1024 if length.lower().endswith("k") else 1)
+
+
+def plan_shards(
+    variants: list[str], lengths: list[str], common: list[str], out: Path, split_tasks: bool
+) -> list[tuple[Path, list[str]]]:
+    """(folder, command) of every shard, in the order they start (see the module doc)."""
+    common = list(common)
+    shards = []
+
+    def add(i, variant, length, task=None):
+        policy, *rest = shlex.split(variant)
+        folder = out / "shards" / (f"{length}_{i}_{policy}" + (f"_{task}" if task else ""))
+        extra = ["--tasks", task] if task else []
+        command = [*TANDEM, "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
+                   "--no-plots", "--no-progress", *common, *extra]  # fmt: skip
+        shards.append((folder, command))
+
+    if split_tasks:
+        if "--tasks" not in common:
+            raise SystemExit("--split-tasks: pass --tasks after '--'")
+        at = common.index("--tasks")
+        tasks = common[at + 1].split(",")
+        del common[at : at + 2]
+        for length in sorted(lengths, key=_tokens, reverse=True):  # longest first: they set the grid's end
+            for task in tasks:
+                for i, variant in enumerate(variants):
+                    add(i, variant, length, task)
+    else:
+        # variant by variant, so the first ones listed finish first when the grid outlasts its time
+        for i, variant in enumerate(variants):
+            for length in lengths:
+                add(i, variant, length)
+    return shards
+
+
+def run_shard(folder: Path, command: list[str], seconds_left: float | None) -> int | None:
+    """The shard's exit code: 0 at once where an earlier run finished it (results.json is there), None where it
+    was cut at the deadline or not started because the deadline had passed."""
+    if (folder / "results.json").is_file():
+        return 0
+    if seconds_left is not None and seconds_left <= 0:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "log.txt", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=seconds_left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -48,54 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
-    shards = []
-
-    def add(i, variant, length, task=None):
-        policy, *rest = shlex.split(variant)
-        folder = out / "shards" / (f"{length}_{i}_{policy}" + (f"_{task}" if task else ""))
-        extra = ["--tasks", task] if task else []
-        command = [*TANDEM, "eval", "--policies", policy, *rest, "--lengths", length, "--out", str(folder),
-                   "--no-plots", "--no-progress", *common, *extra]  # fmt: skip
-        shards.append((folder, command))
-
-    if args.split_tasks:
-        if "--tasks" not in common:
-            raise SystemExit("--split-tasks: pass --tasks after '--'")
-        at = common.index("--tasks")
-        tasks = common[at + 1].split(",")
-        del common[at : at + 2]
-
-        def tokens(length: str) -> float:
-            return float(length.lower().rstrip("k")) * (1024 if length.lower().endswith("k") else 1)
-
-        for length in sorted(lengths, key=tokens, reverse=True):  # longest first: they set the grid's end
-            for task in tasks:
-                for i, variant in enumerate(variants):
-                    add(i, variant, length, task)
-    else:
-        # variant by variant, so the first ones listed finish first when the grid outlasts its time
-        for i, variant in enumerate(variants):
-            for length in lengths:
-                add(i, variant, length)
+    shards = plan_shards(variants, lengths, common, out, args.split_tasks)
     start = time.perf_counter()
 
     def run(shard):
         folder, command = shard
-        if (folder / "results.json").is_file():
-            return folder, 0  # finished by an earlier run
-        left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
-        if left is not None and left <= 0:
-            return folder, None
-        folder.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        with open(folder / "log.txt", "w") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                code = proc.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                code = None
+        left = None if args.deadline is None else args.deadline - (t0 - start)
+        code = run_shard(folder, command, left)
         state = "cut at the deadline" if code is None else f"exit {code}"
         print(f"[{time.perf_counter() - start:6.0f} s] {folder.name}: {state} in {time.perf_counter() - t0:.0f} s",
               flush=True)  # fmt: skip
