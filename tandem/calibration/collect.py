@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from ..integrations.hf import _sdpa_fallback
+from ..integrations.hf import _sdpa_fallback, generate_cache_kwargs
 from ..models import attention_shape
 from .features import AnchorStats, anchor_stats, join_segments, step_features
 from .search import CALIBRATION_BLOCKS, min_budgets
@@ -125,10 +125,12 @@ def collect_document(
     model.set_attn_implementation(CAPTURE_NAME)
     try:
         cache = DynamicCache(config=model.config)
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        # transformers 5.x renames past_key_values to cache (the old name warns now and goes in 5.40)
+        cache_kwargs = generate_cache_kwargs(model, cache)
+        out = model(ids, use_cache=True, logits_to_keep=1, **cache_kwargs)
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = model(token, use_cache=True, **cache_kwargs)
             token = out.logits[:, -1:].argmax(-1)
     finally:
         model.set_attn_implementation(previous)

@@ -88,7 +88,7 @@ class RowsCache(Cache):
 
     Example:
         >>> rows = RowsCache([cache_a, cache_b])            # each filled by its own prefill
-        >>> out = model(input_ids=next_ids, position_ids=positions, past_key_values=rows)  # ids, positions [2, 1]
+        >>> out = model(input_ids=next_ids, position_ids=positions, **generate_cache_kwargs(model, rows))  # [2, 1]
     """
 
     def __init__(self, caches: list[TandemCache]) -> None:
