@@ -364,10 +364,13 @@ def test_ctrl_c_ends_the_cli_promptly(tmp_path, phase):
     counting = ", ".join(str(i) for i in range(1, 13)) + ","  # the model keeps counting: a long decode
     prompt.write_text(words if phase == "prefill" else counting)
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    # a test run started in the background (`cmd &`) inherits SIGINT ignored, and so would the CLI: give it the
+    # default disposition, as a terminal's foreground job has
     proc = subprocess.Popen(
         [sys.executable, "-u", "-m", "tandem.cli", "generate", "--device", "cpu", "--prompt-file", str(prompt),
          "--max-new-tokens", "2000", "--engine", "on", "--policy", "streaming"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     # wait until the model is loaded and the phase has begun: the progress bar (prefill) or the first text (decode)
     stream = proc.stderr if phase == "prefill" else proc.stdout
