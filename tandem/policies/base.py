@@ -108,7 +108,8 @@ class Policy:
         return None
 
     def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
-        return None
+        if self.certifier is not None:  # the step's certificate, counted on the device
+            self.certifier.after_attention(layer, out, lse)
 
     @property
     def last_certificate(self) -> tuple[torch.Tensor, torch.Tensor] | None:

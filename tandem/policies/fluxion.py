@@ -199,10 +199,6 @@ class FluxionPolicy(Policy):
                 return NONE
         return ids_selection(from_device, layer.host.block_size)
 
-    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.certifier is not None:
-            self.certifier.after_attention(layer, out, lse)
-
     # ---- statistics -------------------------------------------------------------------------------------------
     def _count(self, layer, budgets, choice, streaming, active, const) -> None:
         group = layer.num_q_heads // layer.num_kv_heads

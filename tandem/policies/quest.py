@@ -132,7 +132,3 @@ class QuestPolicy(Policy):
             if from_device is None:
                 return NONE
         return ids_selection(from_device, layer.host.block_size)
-
-    def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.certifier is not None:
-            self.certifier.after_attention(layer, out, lse)
