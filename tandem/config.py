@@ -103,6 +103,14 @@ class TandemConfig:
             layers' caches together would take more than half the device's free memory (`cache.recall.RecallBudget`).
             It costs `gpu_cache * budget` of the host tier's bytes in device memory; a size set here is kept, and a
             `MemoryError` names it if it does not fit.
+        scheduler: for `quest`, how each step's selected host blocks are split between the compute device and the
+            CPU (`tandem.attention.queue`): "share" (default): the device attends `gpu_share` of every (request,
+            KV head) segment's blocks, with the recall cache; "queue": Fluxion's priority queue: the segments,
+            cut into pieces and listed largest first, are taken by the device from the front and the CPU from the
+            back until none is left, so the split follows each side's speed with no tuning (no recall cache);
+            "cpu": the CPU attends everything; "heads": the device takes `gpu_share` of the segments whole
+            (uniform by heads); "volume": the device takes whole segments, largest first, up to `gpu_share` of
+            the blocks (length-based). The last three are the static baselines of `benchmarks/bench_scheduler.py`.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
         tau: for `fluxion`, the attention-output error each head may keep (Fluxion Eq. 2): its output may
             differ from full attention's by `tau` times the layer's largest head output. 0, or one of the
@@ -160,6 +168,7 @@ class TandemConfig:
     cpu_threads: int | None = None
     gpu_share: float | None = None
     gpu_cache: float | None = None
+    scheduler: str = "share"
     device: str = "auto"
     huge_pages: bool = True
     host_dtype: str | None = None
@@ -250,6 +259,7 @@ class TandemConfig:
                 self.gpu_cache,
                 "0 unless policy='quest' with a device share (gpu_share None or > 0): the cache is filled by it",
             )
+        self._check_scheduler()
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -301,6 +311,33 @@ class TandemConfig:
                 "None or 0 with epsilon (the device share splits one top-k by rank; certified selections differ per head)",
             )
 
+    def _check_scheduler(self) -> None:
+        allowed = '"share", "queue", "cpu", "heads" or "volume"'
+        if self.scheduler not in ("share", "queue", "cpu", "heads", "volume"):
+            _fail("scheduler", self.scheduler, allowed)
+        if self.scheduler == "share":
+            return
+        if self.policy != "quest" or self.epsilon is not None:
+            _fail(
+                "scheduler",
+                self.scheduler,
+                "\"share\" unless policy='quest' without epsilon (the queue splits its top-k)",
+            )
+        if self.gpu_cache:
+            _fail(
+                "gpu_cache",
+                self.gpu_cache,
+                f"None or 0 with scheduler={self.scheduler!r} (the recall cache is filled by the device share)",
+            )
+        if self.gpu_share is not None and self.scheduler in ("queue", "cpu"):
+            _fail(
+                "gpu_share", self.gpu_share, f"None with scheduler={self.scheduler!r} (it sets no fraction)"
+            )
+
+    def queue_share(self) -> float:
+        """The device's fraction under the static schedulers "heads" and "volume"."""
+        return self.gpu_share if self.gpu_share is not None else DEFAULT_GPU_SHARE
+
     def _check_fluxion(self) -> None:
         self._check_float(
             "tau", 0.0, 1.0, "0 or a threshold in (0, 1) calibrated in the profile", low_open=False
@@ -349,6 +386,8 @@ class TandemConfig:
     def gpu_share_on(self, device_type: str) -> float:
         """The device share in effect with the hot tier on a device of this type ("cuda", "cpu"): resolves the
         None default."""
+        if self.scheduler != "share":
+            return 0.0  # the queue splits the blocks (`tandem.attention.queue`)
         if self.gpu_share is not None:
             return self.gpu_share
         certified = self.epsilon is not None

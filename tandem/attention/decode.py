@@ -24,6 +24,7 @@ import torch
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
 from ..policies import NONE, Selection
+from . import queue as queue_module
 from .host import _record_counts, _record_selection, all_blocks, host_attention, live_blocks
 
 
@@ -50,6 +51,9 @@ class DecodeBuffers:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
         self.recall_planned = False  # this step's from_device is a recall plan's CPU list
+        self.queue = (
+            None  # this step's task queue (`queue.QueueBuffers`) with scheduler != "share", else None
+        )
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
         self._all_blocks, self._all_key = None, None
@@ -130,9 +134,36 @@ def prepare(layer, q3: torch.Tensor, scale: float):
     if bufs is None or not bufs.matches(q3):
         bufs = layer.decode_buffers = DecodeBuffers(*q3.shape, q3.dtype, q3.device)
     ranked = layer.policy.device_select(layer, q3)
-    plan = _recall_plan(layer, bufs, ranked)
+    bufs.queue = _queue_plan(layer, q3, ranked)
+    plan = _recall_plan(layer, bufs, ranked) if bufs.queue is None else None
     bufs.stage(ranked if plan is None else plan.cpu_ids, q3.is_cuda)
+    if bufs.queue is not None:
+        bufs.queue.stage(q3.is_cuda)
     return bufs, ranked, plan
+
+
+def _queue_plan(layer, q3: torch.Tensor, ranked):
+    """With scheduler != "share", this step's task queue with its plan made on ranked's device
+    (`queue.QueueBuffers`); else None."""
+    scheduler = layer.config.scheduler
+    if scheduler == "share" or ranked is None:
+        return None
+    if not ops.native_cpu_available():
+        raise RuntimeError(
+            f"TandemConfig.scheduler={scheduler!r} needs the compiled CPU kernels (see `tandem.kernels.cpu`); "
+            "use scheduler='share'"
+        )
+    batch, num_q_heads, head_dim = q3.shape
+    group = num_q_heads // layer.num_kv_heads
+    width = ranked.shape[-1]
+    qb = layer.queue_buffers
+    if qb is None or not qb.matches(batch, layer.num_kv_heads, group, head_dim, width, ranked.device):
+        qb = layer.queue_buffers = queue_module.QueueBuffers(
+            batch, layer.num_kv_heads, group, head_dim, width, ranked.device
+        )
+    k = layer.policy.step_blocks(layer, ranked.device)
+    qb.make_plan(ranked, k, ranked_limit(layer.host), scheduler, layer.config.queue_share())
+    return qb
 
 
 def hot_part(layer, q3: torch.Tensor, scale: float):
@@ -161,7 +192,19 @@ def overlapped(
             layer.policy.after_attention(layer, out, lse)
             return out
         bufs.q_host.copy_(q3)
-        cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
+        role = None
+        if bufs.queue is not None:
+            # no GPU: a thread plays its side of the queue with the same protocol (tests, CI); the CPU part
+            # starts once it holds its first piece, so both sides take some
+            role = queue_module.GpuRole(bufs.queue, layer, q3, ranked, scale)
+            role.started.wait(timeout=1.0)
+        try:
+            cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
+        finally:
+            if role is not None:
+                role.join()
+        if role is not None:
+            ops.merge_lse_(out, lse, *queue_module.finish_gpu_role(bufs.queue))
     else:
         bufs.q_host.copy_(q3, non_blocking=True)
         bufs.q_copied.record()
@@ -208,10 +251,16 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, c
     With a recall `plan` (`_recall_plan`) the device's blocks are the plan's instead: the share of the blocks not
     in the recall cache is first copied into it, then attended with the cache's hits, from device memory.
     """
+    host = layer.host
+    if bufs.queue is not None:
+        if q.is_cuda:  # on CPU tensors `overlapped` runs a thread in the GPU's place
+            if count is None and host.last_event is not None:
+                torch.cuda.current_stream(q.device).wait_event(host.last_event)
+            ops.merge_lse_(out, lse, *bufs.queue.gpu_part(layer, q, ranked, scale))
+        return
     width = _share_width(layer, ranked)
     if width == 0:
         return
-    host = layer.host
     if count is None and q.is_cuda and host.last_event is not None:
         # rows evicted this step are still being copied into host memory on the side stream (an engine step
         # made the stream wait for them before it began)
@@ -282,6 +331,10 @@ class CpuPart:
                 self._empty = cpu_ops.empty_task(bufs.out_host, bufs.lse_host)
             return NativePart(self._empty, self._finish_nothing if empty else self._finish_empty)
         host.wait()
+        if bufs.queue is not None:
+            call = _queue_call(layer, bufs, self.scale)
+            task = call.task()
+            return NativePart(task, partial(self._finish_queue, call, task))
         _, call, ranks = _ranked_call(layer, bufs, self.scale)
         if call is None:
             return None
@@ -290,6 +343,10 @@ class CpuPart:
 
     def _finish_ranked(self, call, task, skip: int, count: int) -> None:
         _record_counts(self.layer, *call.result(task.result, skip, count))
+        self._timed(task)
+
+    def _finish_queue(self, call, task) -> None:
+        _record_queue(self.layer, *call.result(task.result))
         self._timed(task)
 
     def _finish_empty(self) -> None:
@@ -358,6 +415,17 @@ def _ranked_call(layer, bufs: DecodeBuffers, scale: float):
     return skip, call, ranks if call is not None else None
 
 
+def _queue_call(layer, bufs: DecodeBuffers, scale: float):
+    """The compiled CPU side of this step's task queue (`cpu.QueueAttention`) for the layer's buffers."""
+    return bufs.queue.cpu_call(layer, bufs.q_host, bufs.from_device, bufs.out_host, bufs.lse_host, scale)
+
+
+def _record_queue(layer, rows: int, cpu_rows: int) -> None:
+    """A queue step's statistics: the rows of every piece, of which the device read those the CPU did not."""
+    host = layer.host
+    _record_counts(layer, rows, rows - cpu_rows, int(host.valid_rows().sum()) * layer.num_kv_heads)
+
+
 def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
@@ -370,6 +438,9 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         return
     if wait:
         host.wait()
+    if bufs.queue is not None:
+        _record_queue(layer, *_queue_call(layer, bufs, scale)())
+        return
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
     skip, call, ranks = _ranked_call(layer, bufs, scale)

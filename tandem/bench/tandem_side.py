@@ -17,8 +17,14 @@ from .baselines import KV_STD, empty_row, fill_agreed, kv_shape, record_failure,
 from .cli import FILLS
 
 
-def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, seed: int = 0) -> None:
+def fill_tandem_synthetic(
+    cache: TandemCache, model, batch: int, context: int, seed: int = 0, lengths: list[int] | None = None
+) -> None:
     """Put `context` tokens of random K/V (as `baselines.fill_synthetic` does for HF caches) into every layer.
+    With `lengths` ([batch] ints <= context) request b holds only its first lengths[b] tokens and rows past them
+    are not valid (a batch of mixed lengths). The first min(lengths) rows go in first, all valid: the hot tier's
+    sinks are sized by the first append's padding, and left padding would keep up to max - min tokens of every
+    layer on the GPU as sinks.
 
     Each layer's KV goes through the cache's own append path: sinks and window stay on the GPU, the rest
     lands in the host tier with its digests. HGCA then observes random queries over it, as it would observe
@@ -32,10 +38,19 @@ def fill_tandem_synthetic(cache: TandemCache, model, batch: int, context: int, s
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, num_kv_heads, context, head_dim)
     valid = torch.ones(batch, context, dtype=torch.bool, device=device)
+    chunks = [(0, context)]
+    if lengths is not None:
+        if len(lengths) != batch or not all(0 < n <= context for n in lengths):
+            raise ValueError(f"lengths must be {batch} ints in [1, {context}], got {lengths}")
+        for b, n in enumerate(lengths):
+            valid[b, n:] = False
+        shortest = min(lengths)
+        chunks = [(0, shortest), (shortest, context)] if shortest < context else chunks
     for layer in cache.tandem_layers():
         keys = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
         values = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
-        layer.append(keys, values, valid)
+        for start, stop in chunks:
+            layer.append(keys[:, :, start:stop], values[:, :, start:stop], valid[:, start:stop])
         if layer.policy.needs_maw:
             obs = (batch, num_q_heads, layer.config.observation_tokens, head_dim)
             _observe(layer, torch.randn(obs, generator=gen, device=device, dtype=dtype), head_dim**-0.5)

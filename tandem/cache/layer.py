@@ -55,6 +55,7 @@ class LayerKV:
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
+        self.queue_buffers = None  # the step's task queue (attention.queue), with scheduler != "share"
         self.attention_scale: float | None = (
             None  # the softmax scale of the decode steps (set by the decode path)
         )
@@ -123,7 +124,9 @@ class LayerKV:
             stream=stream,
             # on the compute device; also on a CPU one when a device share is asked for, so that the split
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
-            mirror_device=keys.device if keys.is_cuda or self.gpu_share > 0 else None,
+            mirror_device=keys.device
+            if keys.is_cuda or self.gpu_share > 0 or cfg.scheduler != "share"
+            else None,
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
             bounds_device=keys.device if self.policy.needs_bounds else None,

@@ -519,3 +519,37 @@ def block_scores_matmul(q, key_min, key_max, block_valid):
 
         return gpu.block_scores(q, key_min, key_max, block_valid)
     return reference.block_scores_matmul(q, key_min, key_max, block_valid)
+
+
+def queue_attention_call(q, k_store, v_store, ids, scale: float, block_size: int, out, lse, key_mask, control,
+                         capacity: int, pieces_max: int, piece_blocks: int, num_threads=None, k_scale=None,
+                         v_scale=None):  # fmt: skip
+    """The CPU's side of a step's task queue prepared for fixed buffers (`cpu.QueueAttention`), or None where the
+    compiled kernels are unavailable. q: [B, Hq, D]; ids [B, Hkv, K] int64; out / lse float32 of q's shape (lse
+    without head_dim); control the plan's int32 buffer; all on the CPU."""
+    _check(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
+    _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
+    _check_store_call(
+        q[:, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, (("ids", ids, "K"),)
+    )
+    _check_block_size(block_size)
+    _check_outputs(q, out, lse)
+    if not native_cpu_available():
+        return None
+    _check_in_host_memory(k_store)
+    return _native.QueueAttention(
+        q, k_store, v_store, ids, scale, block_size, out, lse, key_mask, control, capacity, pieces_max,
+        piece_blocks, num_threads, k_scale, v_scale,
+    )  # fmt: skip
+
+
+def queue_gpu_attention(q, keys, values, valid, ids, plan, control, cursor, part_out, part_lse, first, count,
+                        out, lse, limit, pieces_max, piece_blocks, block_size, scale, programs=None):  # fmt: skip
+    """The GPU's side of a step's task queue (`gpu.queue_attention`); CUDA with Triton only."""
+    from . import gpu
+
+    _check(_triton_on(q.device), f"the task queue's GPU side needs Triton on CUDA, got q on {q.device}")
+    return gpu.queue_attention(
+        q, keys, values, valid, ids, plan, control, cursor, part_out, part_lse, first, count, out, lse,
+        limit, pieces_max, piece_blocks, block_size, scale, programs,
+    )  # fmt: skip

@@ -23,8 +23,11 @@ from tandem.kernels.cpu._library import (
 )
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
+    QueueAttention,
     RankedAttention,
+    claim_probe,
     empty_task,
+    queue_gpu_claim,
     ranked_block_attention,
     serve_handoffs,
     sparse_attention_lse,
@@ -55,7 +58,10 @@ __all__ = [
     "TASK_FAILED",
     "TIMED_OUT",
     "PreparedAttention",
+    "QueueAttention",
     "RankedAttention",
+    "claim_probe",
+    "queue_gpu_claim",
     "block_scores",
     "default_num_threads",
     "prefetch_config",

@@ -140,7 +140,7 @@ class HandoffTask(ctypes.Structure):
     ]
 
 
-EMPTY_TASK, RANKED_TASK = 0, 1  # HandoffTask.kind
+EMPTY_TASK, RANKED_TASK, QUEUE_TASK = 0, 1, 2  # HandoffTask.kind
 SERVED, TASK_FAILED, TIMED_OUT, ABORTED = 0, 1, 2, 3  # tandem_serve_handoffs' return values
 
 
@@ -156,6 +156,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),
         "tandem_read_sum": (ctypes.c_double, [i32, p, i64, i32]),
         "tandem_serve_handoffs": (i64, [p, i64, p, p, i64, p, ctypes.c_double, p]),
+        "tandem_claim_probe": (i64, [p, p, i64, i32]),
+        "tandem_queue_gpu_claim": (ctypes.c_int32, [p, i64, i64, p]),
+        "tandem_queue_attention": (
+            i64,
+            [i32, i32, p, i32, p, i64, i64, i64, p, p, p, p, p, i32, ctypes.c_double],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

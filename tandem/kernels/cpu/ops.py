@@ -337,3 +337,122 @@ def ranked_block_attention(
     )  # fmt: skip
     call(skip, count)
     return out, lse, call.lengths
+
+
+def claim_probe(counter: torch.Tensor, owner: torch.Tensor, n: int, threads: int) -> int:
+    """Claim indices [0, n) from `counter` ([1] int32, pinned or not) with `threads` threads and atomic fetch-adds,
+    writing (1 << 20) + thread into `owner` ([n] int32) at each index taken; returns how many this call took
+    (`benchmarks/bench_queue_claims.py`)."""
+    lib = _native()
+    if lib is None:
+        raise RuntimeError(f"claim_probe needs the compiled CPU kernels: {_library.unavailable_reason()}")
+    return lib.tandem_claim_probe(counter.data_ptr(), owner.data_ptr(), n, threads)
+
+
+def queue_gpu_claim(control: torch.Tensor, capacity: int, nseg: int, cursor: torch.Tensor) -> int:
+    """The GPU's side of a step's queue, taken by a thread that stands in for the GPU (tests, CI): the next piece
+    from the front of the plan in `control` ([2 + P + nseg + 3P] int32, contiguous), or -1 once that side is done.
+    `cursor`: [1] int32, the stand-in's own (zero before the step)."""
+    lib = _native()
+    if lib is None:
+        raise RuntimeError(f"queue_gpu_claim needs the compiled CPU kernels: {_library.unavailable_reason()}")
+    return lib.tandem_queue_gpu_claim(_ptr(control), capacity, nseg, _ptr(cursor))
+
+
+class QueueAttention:
+    """The CPU's side of a decode step's task queue (`tandem.attention.queue`), checked and laid out once for
+    fixed buffers: one layer's q, block lists, plan and out / lse, and its host store. A call reads the plan that
+    the GPU copied into `control` (the pieces, the lengths, the split), takes pieces from the back, settling
+    those the GPU also reaches, and writes the LSE merge of the pieces it took into out / lse (0, -inf where it
+    took none).
+
+    q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
+    k_store:  [B, Hkv, cap, D], v_store the same, last dim contiguous; key_mask [B, cap] bool or None
+    ids:      [B, Hkv, K] int64 contiguous: each segment's blocks, valid ids first
+    control:  [2 + P + B * Hkv + 3P] int32 contiguous (pinned where a GPU shares the queue)
+    Calling returns (rows, cpu_rows): rows of valid blocks in all pieces, and those the CPU took.
+    """
+
+    def __init__(
+        self, q, k_store, v_store, ids, scale, block_size, out, lse, key_mask, control, capacity, pieces_max,
+        piece_blocks, num_threads=None, k_scale=None, v_scale=None,
+    ) -> None:  # fmt: skip
+        batch, num_q_heads, head_dim = q.shape
+        num_kv_heads, cap = k_store.shape[1], k_store.shape[2]
+        _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+        scale_fields = _scale_fields(k_store, k_scale, v_scale)
+        in_place = (
+            ("q", q),
+            ("ids", ids),
+            ("out", out),
+            ("lse", lse),
+            ("key_mask", key_mask),
+            ("control", control),
+        )
+        self.threads, self.lib = _prepare_in_place(in_place, num_threads)
+        nseg = batch * num_kv_heads
+        if control.dtype != torch.int32 or control.numel() != 2 + 4 * capacity + nseg:
+            raise ValueError(
+                f"control must hold 2 + 4 * {capacity} + {nseg} int32, got {control.numel()} {control.dtype}"
+            )
+        self.tensors = (q, k_store, v_store, ids, out, lse, key_mask, control, k_scale, v_scale)
+        self.lengths = torch.zeros(nseg, dtype=torch.int64)
+        self.owner = torch.zeros(capacity, dtype=torch.int8)
+        self.stats = (ctypes.c_int64 * 2)()
+        self.args = AttendArgs(
+            _ptr(q), scale * LOG2E, _ptr(k_store), _ptr(v_store),  # the kernel works in base 2
+            *k_store.stride()[:3], *v_store.stride()[:3],
+            _ptr(ids), None, _ptr(key_mask),
+            batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+            ids.shape[2], cap, block_size, *_library.prefetch_config(), *scale_fields,
+        )  # fmt: skip
+        self.isa, self.dtype, self.q_dtype = (
+            _library.isa_code(),
+            DTYPE_CODES[k_store.dtype],
+            DTYPE_CODES[q.dtype],
+        )
+        self.control, self.capacity, self.pieces_max, self.piece_blocks = (
+            control,
+            capacity,
+            pieces_max,
+            piece_blocks,
+        )
+        self.out, self.lse = out, lse
+        self._task = None
+
+    def __call__(self, timeout: float = 10.0) -> tuple[int, int]:
+        bad = self.lib.tandem_queue_attention(
+            self.isa, self.dtype, ctypes.byref(self.args), self.q_dtype, _ptr(self.control), self.capacity,
+            self.pieces_max, self.piece_blocks, _ptr(self.lengths), _ptr(self.owner), self.stats,
+            _ptr(self.out), _ptr(self.lse), self.threads, float(timeout),
+        )  # fmt: skip
+        return self.result(bad)
+
+    def task(self) -> _library.HandoffTask:
+        """This call as a hand-off task for `serve_handoffs`; once served, `self.result(task.result)` is what the
+        call returns."""
+        task = self._task
+        if task is None:
+            task = self._task = _library.HandoffTask(
+                kind=_library.QUEUE_TASK, args=ctypes.addressof(self.args), isa=self.isa, dtype=self.dtype,
+                q_dtype=self.q_dtype, num_threads=self.threads, ranked=_ptr(self.control),
+                ranked_width=self.capacity, skip=self.pieces_max, count=self.piece_blocks,
+                lengths=_ptr(self.lengths), stats=ctypes.addressof(self.stats), out=_ptr(self.out),
+                lse=_ptr(self.lse),
+            )  # fmt: skip
+        task.result, task.nanoseconds = 0, 0
+        task.keep = (self.args, self.stats, self.tensors, self.lengths)
+        return task
+
+    def result(self, bad: int) -> tuple[int, int]:
+        if bad == -3:
+            raise RuntimeError("the GPU's side of the task queue did not answer within the timeout")
+        if bad == -2:
+            raise ValueError(
+                "the task queue's plan is malformed (pieces out of range or a segment's pieces apart)"
+            )
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.isa} dtype code {self.dtype}")
+        if bad:
+            raise ValueError(f"ids must name blocks of k_store: {bad} selected rows fall outside it")
+        return self.stats[0], self.stats[1]

@@ -1,6 +1,6 @@
 """Triton GPU kernels: hot-tier decode attention (with HGCA's moving average), zero-copy attention over
 selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, quest's recall
-cache, an in-place LSE merge, and the model's fused small layers.
+cache, an in-place LSE merge, the GPU's side of a step's task queue, and the model's fused small layers.
 
 Each concern is a pair: `<concern>_kernels.py` holds only its `@triton.jit` functions, `<concern>.py` their
 launchers, which validate inputs and launch (`attention`, `selection`, `recall`, `layers`). `_common.py` holds
@@ -11,6 +11,7 @@ what the launchers share (the optional triton import, the interpreter's set-up, 
 
 from ._common import interpreted, triton_available
 from .attention import host_block_attention, hot_decode_attention, merge_lse_, prefill_attention
+from .queue import claim_probe, queue_attention
 from .recall import recall_blocks, recall_plan
 from .selection import block_scores, top_blocks
 
@@ -21,6 +22,8 @@ __all__ = [
     "interpreted",
     "merge_lse_",
     "prefill_attention",
+    "claim_probe",
+    "queue_attention",
     "recall_blocks",
     "recall_plan",
     "top_blocks",

@@ -22,8 +22,11 @@ constexpr float kLn2 = 0.69314718055994530942f;
 constexpr int64_t kMinRowsPerChunk = 64;
 constexpr int64_t kChunksPerThread = 8;
 
-// out[seg] / lse[seg] from the pieces in slots [slot0, slot1]; state layout per slot: m, l, acc.
-void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int64_t slot1, int64_t nq,
+}  // namespace
+
+// out[seg] / lse[seg] from the pieces in slots [slot0, slot1]; state layout per slot: m, l, acc. A slot whose
+// m is -inf adds nothing (out 0, lse -inf where every slot is so).
+void merge_slots(const float* scratch, int64_t slot_floats, int64_t slot0, int64_t slot1, int64_t nq,
                    int64_t head_dim, float* out, float* lse) {
   for (int64_t j = 0; j < nq; ++j) {
     float m_max = -INFINITY;
@@ -49,6 +52,8 @@ void merge_segment(const float* scratch, int64_t slot_floats, int64_t slot0, int
     lse[j] = (m_max + std::log2(total)) * kLn2;
   }
 }
+
+namespace {
 
 // The driver of both entry points: `a.q` is the raw fp32 query [B, Hkv, NQ, D] (scaled and laid out here).
 int64_t attend_all(const KernelTable* table, int dtype, AttendArgs a, float* out, float* lse, int num_threads) {
@@ -104,7 +109,7 @@ int64_t attend_all(const KernelTable* table, int dtype, AttendArgs a, float* out
         continue;
       }
       const int64_t c0 = offs[seg] / chunk, c1 = (offs[seg + 1] - 1) / chunk;
-      merge_segment(scratch, slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
+      merge_slots(scratch, slot_floats, c0 + seg, c1 + seg, nq, head_dim, o, l);
       table->layout[dtype](o, nq, head_dim, 1);
     }
   }
@@ -123,6 +128,19 @@ void query_to_f32(const void* src, int src_dtype, int64_t n, float* dst) {
 }
 
 }  // namespace
+
+// q of `q_dtype` data [B, Hkv, NQ, D] as the attend functions read it: fp32, scaled by a.q_scale, laid out for
+// `dtype`'s kernels. The result lives in a per-thread buffer until this thread's next call.
+const float* prepare_query(const KernelTable* table, int dtype, const AttendArgs& a, int q_dtype) {
+  static thread_local std::vector<float> q_prepared;
+  const int64_t n = a.batch * a.num_kv_heads * a.nq * a.head_dim;
+  q_prepared.resize(static_cast<size_t>(n));
+  query_to_f32(static_cast<const void*>(a.q), q_dtype, n, q_prepared.data());
+  for (float& x : q_prepared) x *= a.q_scale;
+  table->layout[dtype](q_prepared.data(), a.batch * a.num_kv_heads * a.nq, a.head_dim, 0);
+  return q_prepared.data();
+}
+
 }  // namespace tandem
 
 extern "C" {

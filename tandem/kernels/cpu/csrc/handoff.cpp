@@ -18,12 +18,18 @@ extern "C" int64_t tandem_ranked_attention(int isa, int dtype, const tandem::Att
                                            int64_t count, int64_t* indices, int64_t* lengths,
                                            const int64_t* available, int64_t* stats, float* out, float* lse,
                                            int num_threads);
+extern "C" int64_t tandem_queue_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
+                                          const int32_t* control, int64_t capacity, int64_t pieces_max,
+                                          int64_t piece_blocks, int64_t* lengths, int8_t* owner, int64_t* stats,
+                                          float* out, float* lse, int num_threads, double timeout_s);
 
 namespace tandem {
 
 // One hand-off's CPU part. Mirrored by a ctypes Structure in tandem/kernels/cpu/_library.py (same order).
 struct HandoffTask {
-  int64_t kind;            // kEmpty: nothing to attend; kRanked: tandem_ranked_attention with the fields below
+  int64_t kind;            // kEmpty: nothing to attend; kRanked: tandem_ranked_attention with the fields below;
+                           // kQueue: tandem_queue_attention, with ranked = the plan (int32), ranked_width = its
+                           // capacity, skip = pieces_max, count = piece_blocks
   const AttendArgs* args;  // kRanked: the prepared call's arguments (RankedAttention)
   int64_t isa, dtype, q_dtype, num_threads;
   const int64_t* ranked;
@@ -39,7 +45,9 @@ struct HandoffTask {
   int64_t nanoseconds;     // set by the server: time spent in the CPU part, flags excluded
 };
 
-enum : int64_t { kEmpty = 0, kRanked = 1 };
+enum : int64_t { kEmpty = 0, kRanked = 1, kQueue = 2 };
+// how long the CPU's side of a queue waits for one decision of the GPU's (it comes within microseconds)
+constexpr double kQueueDecisionTimeout = 10.0;
 enum : int64_t { kServed = 0, kTaskFailed = 1, kTimedOut = 2, kAborted = 3 };
 
 namespace {
@@ -61,6 +69,12 @@ int64_t run(HandoffTask& t) {
     for (int64_t i = 0; i < t.out_numel; ++i) t.out[i] = 0.f;
     for (int64_t i = 0; i < t.lse_numel; ++i) t.lse[i] = -INFINITY;
     return 0;
+  }
+  if (t.kind == kQueue) {
+    return tandem_queue_attention(static_cast<int>(t.isa), static_cast<int>(t.dtype), t.args,
+                                  static_cast<int>(t.q_dtype), reinterpret_cast<const int32_t*>(t.ranked),
+                                  t.ranked_width, t.skip, t.count, t.lengths, nullptr, t.stats, t.out, t.lse,
+                                  static_cast<int>(t.num_threads), kQueueDecisionTimeout);
   }
   if (t.kind != kRanked) return -3;
   return tandem_ranked_attention(static_cast<int>(t.isa), static_cast<int>(t.dtype), t.args,
