@@ -105,7 +105,10 @@ class DecodeStep:
         if share != self._device_blocks_value:
             self.device_blocks.fill_(share)
             self._device_blocks_value = share
-        if share and self.device.type == "cuda":
+        queued = any(
+            layer.config.scheduler != "share" for layer in layers
+        )  # the queue's GPU side reads host rows
+        if (share or queued) and self.device.type == "cuda":
             # the device reads host rows in place: rows evicted just now must have landed in host memory first
             stream = torch.cuda.current_stream(self.device)
             for layer, before in zip(layers, events, strict=True):
