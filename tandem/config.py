@@ -19,6 +19,8 @@ FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # fastest: 2026-11-26_h200_bench_8b_gpu_share.)
 MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the model's own is refused per model
 DEFAULT_GPU_SHARE = 0.4
+# how quest's selected host blocks are split between the compute device and the CPU (`TandemConfig.scheduler`)
+SCHEDULERS = ("share", "queue", "cpu", "heads", "volume")
 # quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
 # batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
 # (474 against 355 tokens/s), 64K within noise (13.24-13.95 against 13.26-13.30); GPU memory +2.6 GB at 1 x 128K,
@@ -312,9 +314,8 @@ class TandemConfig:
             )
 
     def _check_scheduler(self) -> None:
-        allowed = '"share", "queue", "cpu", "heads" or "volume"'
-        if self.scheduler not in ("share", "queue", "cpu", "heads", "volume"):
-            _fail("scheduler", self.scheduler, allowed)
+        if self.scheduler not in SCHEDULERS:
+            _fail("scheduler", self.scheduler, ", ".join(f'"{name}"' for name in SCHEDULERS))
         if self.scheduler == "share":
             return
         if self.policy != "quest" or self.epsilon is not None:
@@ -328,6 +329,12 @@ class TandemConfig:
                 "gpu_cache",
                 self.gpu_cache,
                 f"None or 0 with scheduler={self.scheduler!r} (the recall cache is filled by the device share)",
+            )
+        if self.host_dtype is not None:
+            _fail(
+                "host_dtype",
+                self.host_dtype,
+                f"None with scheduler={self.scheduler!r} (the queue's GPU side reads the model's dtype only)",
             )
         if self.gpu_share is not None and self.scheduler in ("queue", "cpu"):
             _fail(

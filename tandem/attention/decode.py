@@ -253,7 +253,7 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, c
     """
     host = layer.host
     if bufs.queue is not None:
-        if q.is_cuda:  # on CPU tensors `overlapped` runs a thread in the GPU's place
+        if q.is_cuda and layer.config.scheduler != "cpu":  # on CPU tensors `overlapped` runs a thread instead
             if count is None and host.last_event is not None:
                 torch.cuda.current_stream(q.device).wait_event(host.last_event)
             ops.merge_lse_(out, lse, *bufs.queue.gpu_part(layer, q, ranked, scale))

@@ -34,16 +34,15 @@ import threading
 
 import torch
 
+from ..config import SCHEDULERS
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
 
-SCHEDULERS = ("share", "queue", "cpu", "heads", "volume")
-QUEUE_SCHEDULERS = SCHEDULERS[1:]
+QUEUE_SCHEDULERS = SCHEDULERS[1:]  # the ones that run through the queue's plan
 # blocks per piece: 16 blocks of 16 rows are 256 rows, 128 KiB of bf16 K and V at head_dim 128: small enough that
 # what the GPU's programs hold at once is a small part of a layer's reads, large enough that a piece's handshake
 # (a PCIe round trip) is a small part of its time
 PIECE_BLOCKS = 16
-TAKEN, YIELDED = 1, 2  # kernels/cpu/csrc/queue.cpp's decisions
 # the GPU worker's persistent programs (None: one per SM); each holds one piece at a time, so together they hold
 # GPU_PROGRAMS * PIECE_BLOCKS blocks when the two sides meet (`benchmarks/bench_scheduler.py` varies it)
 GPU_PROGRAMS: int | None = None
@@ -232,15 +231,12 @@ def piece_attention(buffers: QueueBuffers, layer, q, ids, u: int, scale: float):
     rows = (blocks[:, None] * host.block_size + torch.arange(host.block_size)).reshape(-1)
     rows = rows[(rows < host.keys.shape[2])]
     g = buffers.group
-    qg = q[b, h * g : (h + 1) * g].float()
-    keys = host.keys[b, h, rows].float()
-    values = host.values[b, h, rows].float()
-    live = host.valid[b, rows]
-    scores = (qg @ keys.T) * scale
-    scores = scores.masked_fill(~live[None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.where(lse[:, None] == float("-inf"), 0.0, torch.exp(scores - lse[:, None]))
-    return weights @ values, lse
+    qg = q[b, h * g : (h + 1) * g]
+    out, lse = ops.attention_lse(
+        qg[None, :, None], host.keys[b, h, rows][None, None], host.values[b, h, rows][None, None], scale,
+        host.valid[b, rows][None],
+    )  # fmt: skip
+    return out[0, :, 0], lse[0, :, 0]
 
 
 def finish_gpu_role(buffers: QueueBuffers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,10 +246,10 @@ def finish_gpu_role(buffers: QueueBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     for seg in range(buffers.nseg):
         b, h = divmod(seg, buffers.num_kv_heads)
         first, count = int(buffers.first[seg]), int(buffers.count[seg])
-        part_lse = buffers.part_lse[first : first + count]  # [count, G]
-        part_out = buffers.part_out[first : first + count]
-        total = torch.logsumexp(part_lse, dim=0) if count else torch.full((g,), float("-inf"))
-        weights = torch.where(part_lse == float("-inf"), 0.0, torch.exp(part_lse - total.clamp(min=-3e38)))
-        out[b, h * g : (h + 1) * g] = (weights[:, :, None] * part_out).sum(dim=0) if count else 0.0
-        lse[b, h * g : (h + 1) * g] = total
+        seg_out = torch.zeros_like(buffers.part_out[0])
+        seg_lse = torch.full_like(buffers.part_lse[0], float("-inf"))
+        for p in range(first, first + count):
+            seg_out, seg_lse = ops.merge_lse(seg_out, seg_lse, buffers.part_out[p], buffers.part_lse[p])
+        out[b, h * g : (h + 1) * g] = seg_out
+        lse[b, h * g : (h + 1) * g] = seg_lse
     return out, lse

@@ -13,7 +13,7 @@ import torch
 
 from tandem import TandemConfig
 from tandem.attention import queue
-from tandem.kernels import cpu
+from tandem.kernels import cpu, ops
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
 from tests.tolerances import assert_close
 
@@ -70,15 +70,6 @@ def _reference(layer, q, ids, lengths, group, scale):
     return out, lse
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = wa + wb
-    out = (out_a * wa[..., None] + out_b * wb[..., None]) / torch.where(total == 0, 1.0, total)[..., None]
-    return out, torch.where(total == 0, float("-inf"), m + torch.log(total))
-
-
 def _step(scheduler, lengths, seed, share=0.4, let_gpu_start=True, batch=2, num_kv_heads=2, group=4):
     """One queue step on CPU tensors: (merged out, reference out, cpu owner, gpu taken, plan n, split)."""
     head_dim, block_size, rows, width = 32, 4, 1024, 120
@@ -99,7 +90,7 @@ def _step(scheduler, lengths, seed, share=0.4, let_gpu_start=True, batch=2, num_
     rows_all, rows_cpu = call()
     role.join()
     out_g, lse_g = queue.finish_gpu_role(buffers)
-    out, _ = _merge(out_c, lse_c, out_g, lse_g)
+    out, _ = ops.merge_lse(out_c, lse_c, out_g, lse_g)
     ref, _ = _reference(layer, q, ids, lengths, group, scale)
     n, split = int(buffers.control[0]), int(buffers.control[1])
     owner = call.owner[:n].bool()
@@ -215,6 +206,8 @@ def test_config_names_the_scheduler_and_what_it_needs():
         TandemConfig(policy="quest", scheduler="queue", epsilon=0.05)
     with pytest.raises(ValueError, match=r"gpu_cache=4\.0 .*scheduler='queue'"):
         TandemConfig(policy="quest", scheduler="queue", gpu_cache=4)
+    with pytest.raises(ValueError, match=r"host_dtype='int8' .*scheduler='heads'"):
+        TandemConfig(policy="quest", scheduler="heads", host_dtype="int8")
     with pytest.raises(ValueError, match=r"gpu_share=0\.4 .*scheduler='queue'"):
         TandemConfig(policy="quest", scheduler="queue", gpu_share=0.4)
     config = TandemConfig(policy="quest", scheduler="volume", gpu_share=0.3)
@@ -257,6 +250,6 @@ def test_triton_worker_with_the_cpu_worker_on_cuda(scheduler):
         assert not (gpu & owner).any() and (gpu | owner).all()
         if scheduler in ("heads", "volume"):
             assert int(gpu.sum()) == split
-        out, _ = _merge(out_c, lse_c, out_g.cpu(), lse_g.cpu())
+        out, _ = ops.merge_lse(out_c, lse_c, out_g.cpu(), lse_g.cpu())
         ref, _ = _reference(layer, q, ids, lengths, group, scale)
         assert_close(out, ref, torch.bfloat16)  # the GPU's p @ V runs in bf16
