@@ -21,6 +21,9 @@ MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the mod
 DEFAULT_GPU_SHARE = 0.4
 # how quest's selected host blocks are split between the compute device and the CPU (`TandemConfig.scheduler`)
 SCHEDULERS = ("share", "queue", "cpu", "heads", "volume")
+# how tensor-parallel ranks divide the host tier and its CPU attention (`TandemConfig.host_split`)
+HOST_SPLITS = ("heads", "requests")
+HOST_SPLIT_POLICIES = ("full", "streaming", "quest")  # those host_split="requests" supports
 # quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
 # batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
 # (474 against 355 tokens/s), 64K within noise (13.24-13.95 against 13.26-13.30); GPU memory +2.6 GB at 1 x 128K,
@@ -113,6 +116,12 @@ class TandemConfig:
             "cpu": the CPU attends everything; "heads": the device takes `gpu_share` of the segments whole
             (uniform by heads); "volume": the device takes whole segments, largest first, up to `gpu_share` of
             the blocks (length-based). The last three are the static baselines of `benchmarks/bench_scheduler.py`.
+        host_split: with tensor parallelism over several GPUs (`tandem.distributed`), how the ranks divide the
+            host tier and its CPU attention: "heads" (default) as the GPUs divide the model, each rank its heads
+            of every request; "requests": PnG-KV's DP mapping, each rank every head of its own requests, with an
+            all-to-all of the queries and of the partial outputs per layer (`distributed.requests`). "requests"
+            supports the policies full, streaming and quest, with no device share (gpu_share None or 0), no
+            `host_dtype` and no `epsilon`; on one GPU both are the same.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
         tau: for `fluxion`, the attention-output error each head may keep (Fluxion Eq. 2): its output may
             differ from full attention's by `tau` times the layer's largest head output. 0, or one of the
@@ -171,6 +180,7 @@ class TandemConfig:
     gpu_share: float | None = None
     gpu_cache: float | None = None
     scheduler: str = "share"
+    host_split: str = "heads"
     device: str = "auto"
     huge_pages: bool = True
     host_dtype: str | None = None
@@ -262,6 +272,7 @@ class TandemConfig:
                 "0 unless policy='quest' with a device share (gpu_share None or > 0): the cache is filled by it",
             )
         self._check_scheduler()
+        self._check_host_split()
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -341,6 +352,32 @@ class TandemConfig:
                 "gpu_share", self.gpu_share, f"None with scheduler={self.scheduler!r} (it sets no fraction)"
             )
 
+    def _check_host_split(self) -> None:
+        if self.host_split not in HOST_SPLITS:
+            _fail("host_split", self.host_split, " or ".join(f'"{name}"' for name in HOST_SPLITS))
+        if self.host_split == "heads":
+            return
+        if self.policy not in HOST_SPLIT_POLICIES:
+            supported = ", ".join(HOST_SPLIT_POLICIES)
+            _fail(
+                "host_split",
+                self.host_split,
+                f'"heads" with policy={self.policy!r} ("requests" supports {supported})',
+            )
+        unread = "(a rank's host tier holds other ranks' heads, which its GPU does not read)"
+        unsupported = "(the split moves K/V in the model's dtype and no per-row bounds)"
+        for name, allowed, why in (
+            ("gpu_share", "None or 0", unread),
+            ("gpu_cache", "None or 0", unread),
+            ("host_dtype", "None", unsupported),
+            ("epsilon", "None", unsupported),
+        ):
+            value = getattr(self, name)
+            if value is not None and value != 0:
+                _fail(name, value, f"{allowed} with host_split='requests' {why}")
+        if self.scheduler != "share":
+            _fail("scheduler", self.scheduler, f"\"share\" with host_split='requests' {unread}")
+
     def queue_share(self) -> float:
         """The device's fraction under the static schedulers "heads" and "volume"."""
         return self.gpu_share if self.gpu_share is not None else DEFAULT_GPU_SHARE
@@ -395,6 +432,8 @@ class TandemConfig:
         None default."""
         if self.scheduler != "share":
             return 0.0  # the queue splits the blocks (`tandem.attention.queue`)
+        if self.host_split == "requests":
+            return 0.0  # the device cannot read the other ranks' heads in this rank's host tier
         if self.gpu_share is not None:
             return self.gpu_share
         certified = self.epsilon is not None

@@ -144,3 +144,35 @@ def test_certified_selection_takes_no_device_share_by_default():
     config = TandemConfig(policy="quest", epsilon=0.05)
     assert config.gpu_share_on("cuda") == 0.0 and config.gpu_cache_on("cuda") == 0.0
     assert TandemConfig(policy="quest").gpu_share_on("cuda") > 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            {"policy": "hgca"},
+            r"host_split='requests' .*\"heads\" with policy='hgca' .*full, streaming, quest",
+        ),
+        ({"policy": "fluxion"}, r"host_split='requests' .*\"heads\" with policy='fluxion'"),
+        ({"policy": "quest", "gpu_share": 0.4}, r"gpu_share=0.4 .*None or 0 with host_split='requests'"),
+        ({"policy": "quest", "gpu_cache": 2.0, "gpu_share": 0.0}, r"gpu_cache=2.0"),
+        ({"policy": "quest", "host_dtype": "int8"}, r"host_dtype='int8' .*None with host_split='requests'"),
+        ({"policy": "quest", "epsilon": 0.05}, r"epsilon=0.05 .*None with host_split='requests'"),
+        (
+            {"policy": "quest", "scheduler": "queue"},
+            r"scheduler='queue' .*\"share\" with host_split='requests'",
+        ),
+    ],
+)
+def test_a_request_split_refuses_what_it_does_not_carry(fields, named):
+    with pytest.raises(ValueError, match=named):
+        TandemConfig(host_split="requests", **fields)
+
+
+def test_a_request_split_has_no_device_share_and_names_its_values():
+    for policy in ("full", "streaming", "quest"):
+        config = TandemConfig(policy=policy, host_split="requests", gpu_share=0)
+        assert config.gpu_share_on("cuda") == 0.0 and config.gpu_cache_on("cuda") == 0.0
+    assert TandemConfig(policy="quest", host_split="requests").gpu_share_on("cuda") == 0.0
+    with pytest.raises(ValueError, match=r"host_split='rows' .*\"heads\" or \"requests\""):
+        TandemConfig(host_split="rows")

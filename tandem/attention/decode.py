@@ -34,6 +34,8 @@ class DecodeBuffers:
     q_host:   [B, Hq, D] model dtype   q on the host (pinned when the hot tier is on CUDA)
     out_host: [B, Hq, D] float32       the CPU part's output, lse_host [B, Hq] its LSE
     out_dev / lse_dev                  the same on the hot tier's device (aliases of the host ones on CPU)
+    q_cpu:    this step's q as the CPU part takes it, on the device: the step's q, or with a request split
+              (`LayerKV.split`) every rank's heads of this rank's requests; B and Hq above are those of q_cpu
     """
 
     def __init__(self, batch: int, num_q_heads: int, head_dim: int, dtype, device: torch.device) -> None:
@@ -50,6 +52,8 @@ class DecodeBuffers:
         else:
             self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
         self.share_count = torch.zeros(1, dtype=torch.long, device=device)  # device share, eager decoding
+        self.q_cpu = None
+        self.split = None  # the layer's request split, or None
         self.recall_planned = False  # this step's from_device is a recall plan's CPU list
         self.queue = (
             None  # this step's task queue (`queue.QueueBuffers`) with scheduler != "share", else None
@@ -111,6 +115,13 @@ class DecodeBuffers:
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
 
+    def cpu_result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the CPU part on the device, in the step's layout: with a request split the other ranks
+        send back this rank's heads of their requests (an all-to-all)."""
+        if self.split is None:
+            return self.out_dev, self.lse_dev
+        return self.split.to_heads(self.out_dev), self.split.to_heads(self.lse_dev)
+
 
 def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool) -> torch.Tensor:
     """Attention of one decode query per request over everything `layer` caches plus the new token, run eagerly
@@ -130,13 +141,20 @@ def prepare(layer, q3: torch.Tensor, scale: float):
     policy's device-side ranking of host blocks (or None), the recall cache's plan (or None), with the ranking's
     (or the plan's CPU list's) copy into host memory queued."""
     layer.attention_scale = scale
-    bufs = layer.decode_buffers
-    if bufs is None or not bufs.matches(q3):
-        bufs = layer.decode_buffers = DecodeBuffers(*q3.shape, q3.dtype, q3.device)
     ranked = layer.policy.device_select(layer, q3)
+    q_cpu, ranked_cpu = q3, ranked
+    split = layer.split if layer.policy.attends_host else None
+    if split is not None:
+        # PnG-KV's DP mapping: this rank's CPU attends every head of its own requests
+        q_cpu = split.to_requests(q3)
+        ranked_cpu = split.to_requests(ranked) if ranked is not None else None
+    bufs = layer.decode_buffers
+    if bufs is None or not bufs.matches(q_cpu):
+        bufs = layer.decode_buffers = DecodeBuffers(*q_cpu.shape, q_cpu.dtype, q_cpu.device)
+    bufs.q_cpu, bufs.split = q_cpu, split
     bufs.queue = _queue_plan(layer, q3, ranked)
     plan = _recall_plan(layer, bufs, ranked) if bufs.queue is None else None
-    bufs.stage(ranked if plan is None else plan.cpu_ids, q3.is_cuda)
+    bufs.stage(ranked_cpu if plan is None else plan.cpu_ids, q3.is_cuda)
     if bufs.queue is not None:
         bufs.queue.stage(q3.is_cuda)
     return bufs, ranked, plan
@@ -189,9 +207,10 @@ def overlapped(
         device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
         if nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
+            # (every rank of a request split agrees: their host tiers hold the same rows)
             layer.policy.after_attention(layer, out, lse)
             return out
-        bufs.q_host.copy_(q3)
+        bufs.q_host.copy_(bufs.q_cpu)
         role = None
         if bufs.queue is not None:
             # no GPU: a thread plays its side of the queue with the same protocol (tests, CI); the CPU part
@@ -206,7 +225,7 @@ def overlapped(
         if role is not None:
             ops.merge_lse_(out, lse, *queue_module.finish_gpu_role(bufs.queue))
     else:
-        bufs.q_host.copy_(q3, non_blocking=True)
+        bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
         bufs.q_copied.record()
         # queued behind q's copy: the GPU attends the hot tier while this thread runs the CPU part
         out, lse = hot_part(layer, q3, scale)
@@ -214,7 +233,7 @@ def overlapped(
         cpu_part(layer, bufs, scale, pool, on_seconds=on_seconds)
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
-    ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+    ops.merge_lse_(out, lse, *bufs.cpu_result())
     layer.policy.after_attention(layer, out, lse)
     return out
 
@@ -394,7 +413,7 @@ def record_device_only(layer) -> None:
         return
     host = layer.host
     host.wait()  # the count reads the valid flags of rows evicted this step
-    _record_counts(layer, 0, 0, int(host.valid_rows().sum()) * layer.num_kv_heads)
+    _record_counts(layer, 0, 0, int(host.valid_rows().sum()) * host.num_kv_heads)
 
 
 def nothing_offloaded(layer) -> bool:
@@ -423,7 +442,7 @@ def _queue_call(layer, bufs: DecodeBuffers, scale: float):
 def _record_queue(layer, rows: int, cpu_rows: int) -> None:
     """A queue step's statistics: the rows of every piece, of which the device read those the CPU did not."""
     host = layer.host
-    _record_counts(layer, rows, rows - cpu_rows, int(host.valid_rows().sum()) * layer.num_kv_heads)
+    _record_counts(layer, rows, rows - cpu_rows, int(host.valid_rows().sum()) * host.num_kv_heads)
 
 
 def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
@@ -453,7 +472,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     keeps = layer.policy.keeps_selection
     if selection.kind == "all" and not skip and ops.native_cpu_available():
         # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
-        selection, keeps = bufs.all_blocks(host, layer.num_kv_heads), True
+        selection, keeps = bufs.all_blocks(host, host.num_kv_heads), True
     call = bufs.prepared_call(layer, selection, scale) if keeps and not skip else None
     if call is not None:
         call()  # attends into out / lse_host

@@ -21,7 +21,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
         )
     threads = layer.config.cpu_threads
     if selection.kind == "all" and q_len == 1 and ops.native_cpu_available():
-        selection = all_blocks(host, layer.num_kv_heads)  # the compiled kernel over every live block
+        selection = all_blocks(host, host.num_kv_heads)  # the compiled kernel over every live block
     if selection.kind != "all" and ops.native_cpu_available():
         # the compiled kernel splits (request, head, chunk) work over its own threads
         return ops.sparse_attention_lse(
@@ -38,7 +38,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
         )
     out = torch.zeros(batch, num_q_heads, q_len, head_dim)
     lse = torch.full((batch, num_q_heads, q_len), float("-inf"))
-    group = num_q_heads // layer.num_kv_heads
+    group = num_q_heads // host.num_kv_heads
     keys, values, valid = host.live()
 
     def piece(b: int, h0: int, h1: int) -> None:
@@ -62,7 +62,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
         out[b : b + 1, h0 * group : h1 * group] = o_part
         lse[b : b + 1, h0 * group : h1 * group] = lse_part
 
-    pool.run(batch, layer.num_kv_heads, piece)
+    pool.run(batch, host.num_kv_heads, piece)
     return out, lse
 
 
@@ -86,7 +86,7 @@ def _record_selection(layer, selection: Selection, device_rows: torch.Tensor | N
     """Count this step's attended host rows: the CPU's `selection`, plus `device_rows` [B, Hkv] read by the
     compute device itself (a device share, counted apart in `rows_attended_device` too)."""
     host = layer.host
-    attended = selection.attended_rows(host.rows, host.batch, layer.num_kv_heads)  # [B, Hkv]
+    attended = selection.attended_rows(host.rows, host.batch, host.num_kv_heads)  # [B, Hkv]
     if device_rows is not None:
         attended = attended + device_rows
         layer.rows_attended_device += int(device_rows.sum())

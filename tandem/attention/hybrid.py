@@ -109,11 +109,12 @@ def _append_exact(layer, q, k_new, v_new, valid_new, scale, pool):
         )
         o_part, lse_part = ops.attention_lse(qc, hot.keys, hot.values, scale, hot.valid)
         out, lse = ops.merge_lse(out, lse, o_part, lse_part)
-        if not on_device:
+        if not on_device and layer.split is None:
             o_part, lse_part = host_attention(layer, qc, ALL, scale, pool)
             out, lse = ops.merge_lse(out, lse, o_part, lse_part)
         outs.append((out, lse))
-    if on_device and layer.host.rows:
+    if (on_device or layer.split is not None) and layer.host.rows:
+        # (with a request split the host rows of this rank's heads come back from the ranks that hold them)
         outs = _host_rows_on_device(layer, q, outs, scale)
     return torch.cat([out for out, _ in outs], dim=2)
 

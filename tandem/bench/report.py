@@ -198,8 +198,8 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
     except ImportError:
         print("tandem bench: matplotlib is not installed; no PNG plots (pip install matplotlib)")
         return []
-    if not rows:
-        return []
+    if not any(r.get("status") == "ok" for r in rows):
+        return []  # nothing measured (every row out of memory): no line to draw, and no log axis of nothing
     systems = list(dict.fromkeys(r["system"] for r in rows))
     palette = plt.get_cmap("tab10")
     styles = {s: {"color": palette(i % 10), "marker": "osD^v<>ph*"[i % 10]} for i, s in enumerate(systems)}

@@ -72,7 +72,7 @@ def cpu_bytes_per_step(cache: TandemCache) -> float:
         if layer.policy.needs_digest and (host.key_min_dev is None or not host.key_min_dev.is_cuda):
             blocks = host.rows // host.block_size
             digest_bytes = 2 * layer.head_dim * host.dtype.itemsize  # key_min + key_max, never quantized
-            total += host.batch * layer.num_kv_heads * blocks * digest_bytes
+            total += host.batch * host.num_kv_heads * blocks * digest_bytes
     return total
 
 

@@ -40,6 +40,11 @@ class HostTier:
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
+
+    With a `split` (`distributed.requests.RequestSplit`, tensor parallelism with host_split="requests") the
+    arguments describe the rank's shard (its KV heads of the whole batch), as appends and the digests' mirror
+    do, while the storage holds every rank's heads of this rank's requests: B = split.size, Hkv and Hq times
+    split.world. Appends cross to that layout on the device (an all-to-all) before their copy to the host.
     """
 
     def __init__(
@@ -59,7 +64,16 @@ class HostTier:
         quant: str | None = None,
         bounds_device: torch.device | None = None,
         keep_sketch: bool = True,
+        split=None,
     ) -> None:
+        if split is not None and (quant is not None or keep_maw or bounds_device is not None):
+            raise ValueError("a host tier split by requests stores no 8-bit codes, MAW or certified bounds")
+        self.split = split
+        # the digests' mirror on the device keeps the shard's layout: the device ranks its own heads' blocks
+        self.mirror_shape = (batch, num_kv_heads)
+        if split is not None:
+            batch = split.size
+            num_kv_heads, num_q_heads = num_kv_heads * split.world, num_q_heads * split.world
         if quant is not None and quant not in QUANT_DTYPES:
             raise ValueError(f"quant: must be None or one of {', '.join(QUANT_DTYPES)}, got {quant!r}")
         self.quant = quant
@@ -123,10 +137,10 @@ class HostTier:
             if self.keep_maw:
                 grown["maw"] = self._empty((b, hq, new_cap), torch.float32)
             if self.mirror_device is not None:
-                dev = self.mirror_device
-                grown["key_min_dev"] = torch.zeros(b, hkv, new_cap // bs, d, dtype=self.dtype, device=dev)
+                dev, (mb, mh) = self.mirror_device, self.mirror_shape
+                grown["key_min_dev"] = torch.zeros(mb, mh, new_cap // bs, d, dtype=self.dtype, device=dev)
                 grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
-                grown["block_valid_dev"] = torch.zeros(b, new_cap // bs, dtype=torch.bool, device=dev)
+                grown["block_valid_dev"] = torch.zeros(mb, new_cap // bs, dtype=torch.bool, device=dev)
             if self.bounds_device is not None:
                 dev, nb = self.bounds_device, new_cap // bs
                 grown["key_centre_dev"] = torch.zeros(b, hkv, nb, d, device=dev)
@@ -170,7 +184,7 @@ class HostTier:
         """Append whole blocks of rows; returns the first new row index.
 
         keys/values: [B, Hkv, n, D] with n a multiple of block_size (any device); valid: [B, n] bool;
-        maw: [B, Hq, n] float32 or None.
+        maw: [B, Hq, n] float32 or None. With a split, the shard's layout (`mirror_shape`).
         """
         n = keys.shape[2]
         bs = self.block_size
@@ -199,6 +213,11 @@ class HostTier:
             for name, sketch_part in zip(SKETCH_ROWS[:3], sketch):
                 getattr(self, name)[:, :, first : first + n].copy_(sketch_part.to(dev))
             self.row_valid_dev[:, first : first + n].copy_(valid.to(dev))
+        if self.split is not None:  # into the storage's layout: every head of this rank's requests
+            split = self.split
+            keys, values, valid = split.to_requests(keys), split.to_requests(values), split.own(valid)
+            if digest is not None:
+                digest = tuple(split.to_requests(part) for part in digest)
         if self.quant:  # after the digest, which stays exact
             keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
             values, value_scale = quantize_blocks(values, valid, bs, self.quant)
@@ -258,9 +277,18 @@ class HostTier:
 
     def pieces(self, device, chunk: int):
         """(keys, values, valid) of the live rows on `device` in the model's dtype, `chunk` rows at a time. Only
-        the stored bytes cross to the device (the codes and their scales with `quant`; decoded there)."""
+        the stored bytes cross to the device (the codes and their scales with `quant`; decoded there). With a
+        split, in the shard's layout (every rank takes part: an all-to-all per piece)."""
         for k0 in range(0, self.rows, chunk):
             k1 = min(self.rows, k0 + chunk)
+            if self.split is not None:
+                split = self.split
+                yield (
+                    split.to_heads(rows_to_device(self.keys, k0, k1, device)),
+                    split.to_heads(rows_to_device(self.values, k0, k1, device)),
+                    split.gather(self.valid[:, k0:k1].to(device, non_blocking=True)),
+                )
+                continue
             yield (
                 self._decoded(self.keys, self.key_scale, k0, k1, device),
                 self._decoded(self.values, self.value_scale, k0, k1, device),

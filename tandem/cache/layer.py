@@ -31,8 +31,13 @@ class LayerKV:
         side_streams: dict | None = None,
         recall_budget: RecallBudget | None = None,
         num_layers: int | None = None,
+        rank=None,
     ) -> None:
         self.config = config
+        # the tensor-parallel rank of a sharded model (`distributed.tensor_parallel.Rank`), or None
+        self.rank = rank
+        # with host_split="requests" over several ranks, this rank's share of the batch (`distributed.requests`)
+        self.split = None
         self.layer_idx = layer_idx
         # the model's layer count, where known (fluxion checks its profile by it)
         self.num_layers = num_layers
@@ -111,6 +116,10 @@ class LayerKV:
         stream = None
         if keys.is_cuda:
             stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
+        if cfg.host_split == "requests" and self.rank is not None and self.rank.world > 1:
+            from ..distributed.requests import RequestSplit
+
+            self.split = RequestSplit(self.rank, batch)
         self.host = HostTier(
             batch,
             num_kv_heads,
@@ -124,13 +133,15 @@ class LayerKV:
             stream=stream,
             # on the compute device; also on a CPU one when a device share is asked for, so that the split
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
+            # (and with a request split: the device's ranking is what crosses to the ranks, on CPU as on CUDA)
             mirror_device=keys.device
-            if keys.is_cuda or self.gpu_share > 0 or cfg.scheduler != "share"
+            if keys.is_cuda or self.gpu_share > 0 or cfg.scheduler != "share" or self.split is not None
             else None,
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
             bounds_device=keys.device if self.policy.needs_bounds else None,
             keep_sketch=cfg.certify_bound == "sketch",
+            split=self.split,
         )
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once

@@ -233,6 +233,7 @@ def config_cases() -> list[Case]:
         "device": ["tpu", "cuda:x", 0],
         "huge_pages": [2, "yes"],
         "host_dtype": ["int4", "bf16", 8],
+        "host_split": ["tensor", None],
         "tau": [-0.1, 1.0, math.inf],
         "profile": [3],
         "fluxion_mode": ["magic"],
@@ -266,7 +267,9 @@ def config_cases() -> list[Case]:
         )
     )
     for fields in ({"policy": "hgca", "epsilon": 0.05}, {"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4},
-                   {"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"}):  # fmt: skip
+                   {"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"},
+                   {"policy": "hgca", "host_split": "requests"},
+                   {"policy": "quest", "host_split": "requests", "gpu_share": 0.4}):  # fmt: skip
         shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
         cases.append(Case("TandemConfig", f"TandemConfig({shown})", make(**fields)))
     for field, value in (("budget", np.float32(0.25)), ("span", np.int64(4)), ("window_tokens", np.int32(128)),

@@ -16,6 +16,7 @@ from ..config import (
     FLUXION_GRANULARITIES,
     FLUXION_MODES,
     HOST_DTYPES,
+    HOST_SPLITS,
     POLICIES,
     TandemConfig,
     parse_number,
@@ -69,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel over N GPUs of this host: N processes under torchrun, each reading its slices of "
         "the checkpoint (greedy, through the engine; default 1). With --device cpu, N ranks over gloo",
+    )
+    p.add_argument(
+        "--host-split",
+        choices=HOST_SPLITS,
+        default="heads",
+        help="with --gpus N: how the ranks divide the host tier and its CPU attention: heads (default, as the "
+        "GPUs divide the model) or requests (each rank every head of its own requests; full, streaming and "
+        "quest, with --gpu-share 0)",
     )
 
 
@@ -289,6 +298,7 @@ def build_config(args: argparse.Namespace) -> TandemConfig:
         gpu_share=args.gpu_share,
         gpu_cache=args.gpu_cache,
         host_dtype=args.host_dtype,
+        host_split=getattr(args, "host_split", "heads"),  # `generate --gpus` only
         cpu_threads=args.cpu_threads,
         tau=args.tau,
         profile=args.profile,

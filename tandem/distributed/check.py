@@ -33,10 +33,10 @@ from .tensor_parallel import shard_model_
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 
-def _run(model, policy: str, prompt: torch.Tensor, steps: int, use_graphs) -> dict:
+def _run(model, policy: str, prompt: torch.Tensor, steps: int, use_graphs, host_split: str = "heads") -> dict:
     """One run over a fresh cache: the prefill's logits [B, V] (transformers' forward), the greedy tokens
     [B, steps] (the engine), and the logits [B, V] of one more decode step of Tandem's own forward, run eagerly."""
-    config = TandemConfig(policy=policy, sink_tokens=16, window_tokens=32, budget=0.25)
+    config = TandemConfig(policy=policy, sink_tokens=16, window_tokens=32, budget=0.25, host_split=host_split)
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache, use_graphs=use_graphs)
     logits = runner.prefill(prompt, chunk_tokens=128, max_new_tokens=steps + 2)
@@ -46,7 +46,9 @@ def _run(model, policy: str, prompt: torch.Tensor, steps: int, use_graphs) -> di
         step_logits = (
             runner.decoder(last, runner.next_position[:, None]) if runner.decoder is not None else None
         )
+    host = cache.tandem_layers()[0].host
     return {
+        "host_tier": [host.batch, host.num_kv_heads],  # requests and KV heads in this rank's host tier
         "prefill": logits.float().cpu(),
         "tokens": tokens,
         "step": None if step_logits is None else step_logits.float().cpu(),
@@ -89,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--policies", default="full,quest", help="comma list of policies to compare")
+    p.add_argument(
+        "--host-splits",
+        default="heads",
+        help="comma list of TandemConfig.host_split values the shard runs with (heads, requests)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
@@ -111,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         model = load_shard(args.model, rank, dtype=args.dtype)[0]
     agree = True
     tolerance = TOLERANCE[args.dtype]
-    for policy in policies:
-        ours, ref = _run(model, policy, prompt, args.steps, use_graphs), reference[policy]
+    splits = [name.strip() for name in args.host_splits.split(",") if name.strip()]
+    for policy, host_split in ((p, s) for s in splits for p in policies):
+        ours, ref = _run(model, policy, prompt, args.steps, use_graphs, host_split), reference[policy]
         same = torch.equal(ours["tokens"], ref["tokens"])
         prefill_diff = _difference(ours["prefill"], ref["prefill"])
         step_diff = _difference(ours["step"], ref["step"])
@@ -120,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         agree &= same and close
         mismatch = (ours["tokens"] != ref["tokens"]).nonzero()
         report = {
-            "policy": policy, "ranks": rank.world, "device": str(rank.device), "dtype": args.dtype,
+            "policy": policy, "host_split": host_split, "ranks": rank.world, "device": str(rank.device), "dtype": args.dtype,
             "model": args.model, "layers": model.config.num_hidden_layers, "graphs": not args.no_graphs,
-            "tokens_equal": same, "logits_close": close, "tolerance": tolerance,
+            "host_tier": ours["host_tier"], "tokens_equal": same, "logits_close": close, "tolerance": tolerance,
             "first_mismatch": mismatch[0].tolist() if len(mismatch) else None,
             "prefill_logits_rel_diff": prefill_diff, "decode_logits_rel_diff": step_diff,
             "tokens": ours["tokens"].tolist(), "reference_tokens": ref["tokens"].tolist(),

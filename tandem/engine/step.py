@@ -148,7 +148,7 @@ class DecodeStep:
             self.after_replay(partial(decode.record_device_only, layer))
             return out[:, :, None]
         # at replay the calling thread runs what `host_work` is given, where the eager path runs the CPU part
-        bufs.q_host.copy_(q3, non_blocking=True)
+        bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
         self.q_ready(bufs.q_copied.record)
         out, lse = decode.hot_part(layer, q3, scale)
         decode.device_part(layer, bufs, q3, ranked, out, lse, scale, self.device_blocks, plan)
@@ -156,7 +156,7 @@ class DecodeStep:
         self.host_work(decode.CpuPart(layer, bufs, scale, pool, self.flags is None, self.add_host_seconds))
         bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
         bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
-        ops.merge_lse_(out, lse, bufs.out_dev, bufs.lse_dev)
+        ops.merge_lse_(out, lse, *bufs.cpu_result())
         layer.policy.after_attention(layer, out, lse)
         return out[:, :, None]
 

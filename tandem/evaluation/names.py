@@ -17,6 +17,7 @@ SETTABLE = (
     "gpu_cache",
     "huge_pages",
     "host_dtype",
+    "host_split",
     "tau",
     "profile",
     "fluxion_mode",

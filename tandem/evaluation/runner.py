@@ -117,7 +117,7 @@ _SWITCHES = ("huge_pages", "skip_streaming")
 
 def parse_setting(key: str, text: str):
     """One `--set` value of TandemConfig field `key`: a path for `profile` ('default': the shipped one), a name for
-    `fluxion_mode`, `certify_bound` and `host_dtype` ('none': the model's dtype), 0 or 1 for a switch, 'none' or a number for
+    `fluxion_mode`, `certify_bound`, `host_split` and `host_dtype` ('none': the model's dtype), 0 or 1 for a switch, 'none' or a number for
     `granularity`, a number otherwise.
 
     Range checks are TandemConfig's; this raises ValueError only for text that cannot be such a value.
@@ -126,7 +126,7 @@ def parse_setting(key: str, text: str):
         raise ValueError("empty value")
     if text.lower() == _WORDS.get(key):
         return None
-    if key in ("profile", "fluxion_mode", "host_dtype", "certify_bound"):
+    if key in ("profile", "fluxion_mode", "host_dtype", "host_split", "certify_bound"):
         return text
     if key in _SWITCHES:
         if text not in ("0", "1"):

@@ -110,7 +110,7 @@ class TandemLayer(CacheLayerMixin):
         kv = self.kv
         self.kv = LayerKV(
             kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams,
-            kv.recall_budget, kv.num_layers,
+            kv.recall_budget, kv.num_layers, kv.rank,
         )  # fmt: skip
         self.pending = False
 
@@ -160,6 +160,7 @@ class TandemCache(Cache):
         head_dim: int,
         max_positions: int | None = None,
         pool: TaskPool | None = None,
+        rank=None,
     ) -> None:
         window = config.window_tokens
         if max_positions is not None and isinstance(window, int) and window > max_positions:
@@ -174,7 +175,7 @@ class TandemCache(Cache):
         budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
         layers = [
             TandemLayer(
-                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget, num_layers),
+                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget, num_layers, rank),
                 self,
                 max_positions,
             )
@@ -209,7 +210,9 @@ class TandemCache(Cache):
         shape = attention_shape(text_config)
         if config.policy == "fluxion":  # a missing or mismatched profile is refused here, before any work
             resolve_profile(config, *shape)
-        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None), pool)
+        # a tensor-parallel shard (`distributed.tensor_parallel`) names its rank: host_split="requests" needs it
+        rank = getattr(model, "tandem_rank", None)
+        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None), pool, rank)
 
     def mark_failed(self, err: BaseException) -> None:
         """A step failed part way (some layers stored its tokens, others not): every layer now refuses further

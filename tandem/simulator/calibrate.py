@@ -188,7 +188,7 @@ def bench_comparison(
         pred = predict_host(
             host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
             device_share=_share_of(system, device_share), gpu_selection=True, gpus=gpus,
-            recall_hit=_recall_hit(row),
+            recall_hit=_recall_hit(row), host_split=_setting_of(system, "host_split") or "heads",
         )  # fmt: skip
         predicted = pred.result.step.step_s * 1e3
         measured = row["tpot_median_ms"]
@@ -213,15 +213,23 @@ def _recall_hit(row: dict) -> float:
 
 
 def _share_of(system: str, default: float) -> float:
-    """The gpu_share a bench row's label names (`tandem-quest[gpu_share=0.7]`), else `default`."""
+    """The gpu_share a bench row's label names (`tandem-quest[gpu_share=0.7]`), else `default`; a request split
+    has none."""
+    if _setting_of(system, "host_split") == "requests":
+        return 0.0
+    try:
+        return float(_setting_of(system, "gpu_share") or default)
+    except ValueError:
+        return default
+
+
+def _setting_of(system: str, name: str) -> str | None:
+    """The value a bench row's label gives setting `name` (`tandem-quest[gpu_share=0.7,host_split=heads]`)."""
     for part in system.partition("[")[2].rstrip("]").split(","):
         key, _, value = part.partition("=")
-        if key.strip() == "gpu_share":
-            try:
-                return float(value)
-            except ValueError:
-                break
-    return default
+        if key.strip() == name:
+            return value.strip()
+    return None
 
 
 def comparison_table(rows: list[dict]) -> str:
@@ -255,11 +263,16 @@ def host_system(
     gpu_selection: bool = False,
     gpus: int = 1,
     recall_hit: float = 0.0,
+    host_split: str = "heads",
 ) -> SystemConfig:
     """`gpus` GPUs (tensor-parallel) + the host tier, running Tandem's layout (PnG-KV with a fixed hot set).
 
     sparsity: fraction of the offloaded tokens the CPU attends per step. Efficiencies are 1 because the
     bandwidths are measured; 85% of host RAM is assumed usable for KV (OS, pinned staging buffers).
+    host_split: how `gpus` ranks divide the host tier (`TandemConfig.host_split`). "heads": every rank takes an
+    equal share of every request, so the host is one memory device with the ranks' summed bandwidth and cores.
+    "requests": the host is one device per rank (its share of the bandwidth, cores and memory) under PnG-KV's
+    DP mapping: whole requests per device, so the busiest one holds ceil(batch / gpus) of them.
     """
     ctx = parse_context(context)
     workload = Workload(
@@ -283,6 +296,15 @@ def host_system(
         hw_cost_per_h=0.0,
         op_cost_per_h=0.0,
     )
+    devices = 1
+    if host_split == "requests" and gpus > 1:
+        devices = gpus
+        tier = replace(
+            tier,
+            capacity_gib=tier.capacity_gib / gpus,
+            bandwidth_gbs=tier.bandwidth_gbs / gpus,
+            tflops=tier.tflops / gpus,
+        )
     gpu = replace(GPUS["h100"], name=host.device, hbm_gib=host.gpu_memory_gib, hbm_gbs=host.hbm_gbs)
     gpu = replace(gpu, bf16_tflops=host.gpu_tflops, pcie_gbs=host.pcie_gbs)
     platform = PlatformSpec(
@@ -293,7 +315,7 @@ def host_system(
         link_eff=1.0,
         layer_overhead_us=host.layer_sync_us / 2,  # two hops per layer: q out, (o, lse) back
     )
-    return SystemConfig(get_model(model), gpu, gpus, 1, "pnkv", workload, platform, tier)
+    return SystemConfig(get_model(model), gpu, gpus, devices, "pnkv", workload, platform, tier)
 
 
 @dataclass(frozen=True)

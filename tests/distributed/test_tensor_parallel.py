@@ -94,6 +94,56 @@ def test_two_ranks_on_the_cpu_reproduce_one_device():
     assert all(r["decode_logits_rel_diff"] is not None for r in reports)
 
 
+@pytest.mark.parametrize("batch", [3, 1], ids=["uneven", "a-rank-without-requests"])
+def test_host_attention_split_by_requests_reproduces_one_device(batch):
+    """PnG-KV's DP mapping on gloo ranks: rank 0's host tier holds every head of its requests (2 of 3, or the
+    only one), and tokens and logits match one device as with the split by heads."""
+    result = _torchrun(
+        "-m", "tandem.distributed.check", "--device", "cpu", "--model", "tiny-llama", "--bias", "--steps", "6",
+        "--host-splits", "requests", "--batch", str(batch), "--no-graphs", "--policies", "full,quest,streaming",
+    )  # fmt: skip
+    reports = _reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert [r["policy"] for r in reports] == ["full", "quest", "streaming"]
+    assert all(r["host_split"] == "requests" for r in reports)
+    kv_heads = shapes.shape_config("tiny-llama").num_key_value_heads
+    assert all(r["host_tier"] == [(batch + 1) // 2, kv_heads] for r in reports)
+    assert all(r["tokens_equal"] and r["logits_close"] for r in reports)
+
+
+_SPLIT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from tandem.distributed.requests import RequestSplit, request_counts
+from tandem.distributed.tensor_parallel import Rank
+dist.init_process_group("gloo")
+r, n = dist.get_rank(), dist.get_world_size()
+rank = Rank(r, n, torch.device("cpu"))
+for batch in (5, 2):
+    split = RequestSplit(rank, batch)
+    assert split.counts == request_counts(batch, n) and sum(split.counts) == batch
+    # rank s's heads are 10 * s + h: after the exchange a rank's requests hold every head in rank order
+    mine = torch.arange(batch)[:, None, None] * 1000 + 10 * r + torch.arange(2)[None, :, None] + torch.zeros(1, 1, 3)
+    theirs = split.to_requests(mine)
+    heads = torch.tensor([10 * s + h for s in range(n) for h in range(2)])
+    requests = torch.arange(batch)[split.requests]
+    assert torch.equal(theirs, requests[:, None, None] * 1000 + heads[None, :, None] + torch.zeros(1, 1, 3))
+    assert torch.equal(split.to_heads(theirs), mine)
+    assert torch.equal(split.gather(split.own(torch.arange(batch) % 2 == 0)), torch.arange(batch) % 2 == 0)
+open(f"{sys.argv[1]}/ok{r}", "w").close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_request_split_exchanges_heads_and_requests_on_three_ranks(tmp_path):
+    """counts [2, 2, 1] and [1, 1, 0]: to_requests puts every rank's heads of a rank's requests in rank order,
+    to_heads undoes it, gather joins the ranges."""
+    script = tmp_path / "split.py"
+    script.write_text(_SPLIT_SCRIPT)
+    result = _torchrun(str(script), str(tmp_path), ranks=3)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert all((tmp_path / f"ok{r}").exists() for r in range(3))
+
+
 def test_bench_gpus_runs_every_row_on_the_ranks(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
@@ -126,12 +176,15 @@ def test_bench_refuses_a_gpu_count_below_one(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_two_gpus_reproduce_one_gpu(graphs):
-    """The issue's check: a Llama-3.1-8B shape cut to 2 layers, fp32, on 2 GPUs against 1."""
-    args = ["-m", "tandem.distributed.check", "--model", "llama-3.1-8b", "--layers", "2", "--bias"]
+    """The issue's check: a Llama-3.1-8B shape cut to 2 layers, fp32, on 2 GPUs against 1, with the host
+    attention split by heads and by requests (a batch of 3: 2 requests on rank 0, 1 on rank 1)."""
+    args = ["-m", "tandem.distributed.check", "--model", "llama-3.1-8b", "--layers", "2", "--bias",
+            "--batch", "3", "--host-splits", "heads,requests"]  # fmt: skip
     result = _torchrun(*args, *([] if graphs else ["--no-graphs"]), timeout=600)
     reports = _reports(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert len(reports) == 2 and all(r["tokens_equal"] and r["logits_close"] for r in reports)
+    assert len(reports) == 4 and all(r["tokens_equal"] and r["logits_close"] for r in reports)
+    assert [r["host_tier"] for r in reports if r["host_split"] == "requests"] == [[2, 8], [2, 8]]
 
 
 def test_a_row_failing_after_the_fill_ends_a_tensor_parallel_bench(tmp_path):
