@@ -119,7 +119,7 @@ class TandemConfig:
         host_split: with tensor parallelism over several GPUs (`tandem.distributed`), how the ranks divide the
             host tier and its CPU attention: "heads" (default) as the GPUs divide the model, each rank its heads
             of every request; "requests": PnG-KV's DP mapping, each rank every head of its own requests, with an
-            all-to-all of the queries and of the partial outputs per layer (`distributed.requests`). "requests"
+            all-to-all of the queries and of the partial outputs per layer (`cache.split`). "requests"
             supports the policies full, streaming and quest, with no device share (gpu_share None or 0), no
             `host_dtype` and no `epsilon`; on one GPU both are the same.
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".

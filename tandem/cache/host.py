@@ -41,7 +41,7 @@ class HostTier:
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
 
-    With a `split` (`distributed.requests.RequestSplit`, tensor parallelism with host_split="requests") the
+    With a `split` (`cache.split.RequestSplit`, tensor parallelism with host_split="requests") the
     arguments describe the rank's shard (its KV heads of the whole batch), as appends and the digests' mirror
     do, while the storage holds every rank's heads of this rank's requests: B = split.size, Hkv and Hq times
     split.world. Appends cross to that layout on the device (an all-to-all) before their copy to the host.

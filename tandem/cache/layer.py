@@ -10,6 +10,7 @@ from ..policies import make_policy
 from .host import HostTier
 from .hot import HotTier
 from .recall import RecallBudget, RecallCache
+from .split import RequestSplit
 
 
 class LayerKV:
@@ -36,7 +37,7 @@ class LayerKV:
         self.config = config
         # the tensor-parallel rank of a sharded model (`distributed.tensor_parallel.Rank`), or None
         self.rank = rank
-        # with host_split="requests" over several ranks, this rank's share of the batch (`distributed.requests`)
+        # with host_split="requests" over several ranks, this rank's share of the batch (`split`)
         self.split = None
         self.layer_idx = layer_idx
         # the model's layer count, where known (fluxion checks its profile by it)
@@ -117,8 +118,6 @@ class LayerKV:
         if keys.is_cuda:
             stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
         if cfg.host_split == "requests" and self.rank is not None and self.rank.world > 1:
-            from ..distributed.requests import RequestSplit
-
             self.split = RequestSplit(self.rank, batch)
         self.host = HostTier(
             batch,

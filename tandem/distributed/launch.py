@@ -54,8 +54,10 @@ def run_on_ranks(args, body, command: str) -> int:
         code = body(args)
     except BaseException as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        # sys.__stderr__: a rank other than 0 may have silenced sys.stderr, not its errors
-        print(f"tandem: error (rank {os.environ.get('RANK')}): {message}", file=sys.__stderr__)
+        # sys.__stderr__: a rank other than 0 may have silenced sys.stderr, not its errors. One write with its
+        # newline: print() writes the two apart, and the ranks' lines then interleave in the shared stderr
+        sys.__stderr__.write(f"tandem: error (rank {os.environ.get('RANK')}): {message}\n")
+        sys.__stderr__.flush()
     exit_rank(code)
 
 

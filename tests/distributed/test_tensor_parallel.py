@@ -113,7 +113,7 @@ def test_host_attention_split_by_requests_reproduces_one_device(batch):
 
 _SPLIT_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from tandem.distributed.requests import RequestSplit, request_counts
+from tandem.cache.split import RequestSplit, request_counts
 from tandem.distributed.tensor_parallel import Rank
 dist.init_process_group("gloo")
 r, n = dist.get_rank(), dist.get_world_size()

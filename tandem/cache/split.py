@@ -28,7 +28,8 @@ def request_counts(batch: int, world: int) -> list[int]:
 
 
 class RequestSplit:
-    """One rank's place in the request split of a batch of `batch` requests over `rank.world` ranks.
+    """One rank's place in the request split of a batch of `batch` requests over `rank.world` ranks. `rank`: a
+    `distributed.tensor_parallel.Rank` (its rank, world and process group).
 
     counts:  requests per rank; `size` = counts[rank], `requests` = this rank's slice of the batch
     """
