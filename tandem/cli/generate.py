@@ -325,6 +325,8 @@ def stats_line(stats: dict) -> str:
     )
     if stats.get("gpus", 1) > 1:
         line += f" | {stats['gpus']} GPUs, tensor-parallel (hot / host: one rank's)"
+        if stats.get("host_split") == "requests":
+            line += ", host attention split by requests"
     if stats["policy"] == "fluxion":
         line += (
             f" | streaming heads {_percent(stats.get('streaming_head_share'))} | "
@@ -449,6 +451,8 @@ def _run(args) -> int:
     stats = dict(
         cache.stats(),  # a rank's: its heads' tiers
         gpus=1 if rank is None else rank.world,
+        # the split in effect: "requests" only where ranks divide the host work by requests (`cache.split`)
+        host_split="requests" if any(kv.split is not None for kv in cache.tandem_layers()) else "heads",
         prompt_tokens=prompt_tokens,
         generated_tokens=generated,
         prefill_seconds=round(first - start, 3),

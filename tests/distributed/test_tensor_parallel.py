@@ -251,21 +251,26 @@ def test_a_checkpoint_read_slice_by_slice_reproduces_the_whole_model(tmp_path, t
 
 
 def test_generate_on_two_ranks_writes_the_one_rank_text(tmp_path):
+    """quest on 1 rank, on 2 ranks, and on 2 ranks with the host attention split by requests."""
     path = _checkpoint(tmp_path / "model", tied=False)
+    prompt = " ".join(f"w{3 + i % 29}" for i in range(40))  # past sinks and window: rows reach the host tier
     texts = []
-    for gpus in ("1", "2"):
+    for gpus, split in (("1", "heads"), ("2", "heads"), ("2", "requests")):
         result = subprocess.run(
             [
                 sys.executable, "-m", "tandem.cli", "generate", "--device", "cpu", "--gpus", gpus, "--model",
-                str(path), "--prompt", "w3 w4 w5 w6", "--max-new-tokens", "6", "--dtype", "float32", "--json",
+                str(path), "--prompt", prompt, "--max-new-tokens", "6", "--dtype", "float32", "--json",
+                "--policy", "quest", "--sink-tokens", "4", "--window-tokens", "8", "--block-size", "4",
+                "--budget", "0.5", "--host-split", split,
             ],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
-        out = json.loads(result.stdout.strip().splitlines()[-1])
-        assert out["stats"]["gpus"] == int(gpus) and out["stats"]["generated_tokens"] == 6
-        texts.append(out["text"])
-    assert texts[0] == texts[1]
+        stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+        assert stats["gpus"] == int(gpus) and stats["generated_tokens"] == 6
+        assert stats["host_split"] == split and stats["host_rows"] > 0  # the host tier is attended
+        texts.append(json.loads(result.stdout.strip().splitlines()[-1])["text"])
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_generate_on_several_gpus_refuses_sampling(capsys):
