@@ -156,6 +156,30 @@ def test_a_tensor_parallel_bench_is_predicted_on_its_gpus_and_its_ranks_host_sha
     assert not one_gpu.result.feasible and out[0]["predicted_ms"] > 0  # 141 GB of weights need both GPUs
 
 
+def test_a_request_split_is_priced_on_the_busiest_ranks_requests(tmp_path):
+    """host_split=requests: one memory device per rank holding whole requests. One request leaves the other rank's
+    CPU idle (slower than the heads split); two requests a rank cost what the heads split does."""
+    rows = [_row(f"tandem-quest[gpu_share=0,host_split={s}]", 131072, 100.0) for s in ("heads", "requests")]
+    path = _tandem_bench(tmp_path, BANDWIDTH, rows)
+    data = json.loads(path.read_text())
+    data["model"] = {"name": "llama-3.1-70b", "gpus": 2}
+    path.write_text(json.dumps(data))
+    host = load_bench(path)
+    kwargs = dict(hot_tokens=320, device_share=0.0, gpu_selection=True, gpus=2)
+
+    def step(batch, split):
+        return predict_host(host, "llama-3.1-70b", 131072, batch, host_split=split, **kwargs).result.step
+
+    one_heads, one_requests = step(1, "heads"), step(1, "requests")
+    assert one_requests.step_s > one_heads.step_s
+    assert one_requests.phases["attention"] == pytest.approx(2 * one_heads.phases["attention"], rel=0.05)
+    assert step(4, "requests").step_s == pytest.approx(step(4, "heads").step_s, rel=0.01)
+    out = bench_comparison(path)
+    assert [r["predicted_ms"] for r in out] == pytest.approx(
+        [one_heads.step_s * 1e3, one_requests.step_s * 1e3]
+    )
+
+
 def test_the_recall_caches_measured_hits_are_attended_from_hbm(tmp_path):
     row = _row("tandem-quest", 131072, 16.4)
     row.update(
