@@ -14,6 +14,7 @@ import torch
 from tandem import TandemConfig
 from tandem.attention import queue
 from tandem.kernels import cpu, ops
+from tests.cache.test_recall_cache import _config, _padded_prompts
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
 from tests.tolerances import assert_close
 
@@ -171,19 +172,13 @@ def test_a_gpu_that_never_decides_is_a_clear_error_not_a_hang():
         call(timeout=0.2)
 
 
-def _config(**extra):
-    return TandemConfig(policy="quest", sink_tokens=4, window_tokens=12, block_size=4, **extra)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scheduler", ["queue", "cpu", "heads", "volume"])
 def test_decode_with_each_scheduler_equals_the_static_share(device, scheduler):
     """A sparse budget and a left-padded batch: the same greedy tokens and rows attended as quest's static split
     (engine on CUDA: CUDA graphs), and at a full budget DynamicCache's tokens."""
     model = _tiny(device=device)
-    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6)).to(device)
-    mask = torch.ones_like(ids)
-    mask[1, :21] = 0
+    ids, mask = _padded_prompts(device)
     base, base_runner = _run(
         model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 24, chunk_tokens=32
     )

@@ -28,6 +28,14 @@ def _config(**extra):
     return TandemConfig(policy="quest", sink_tokens=4, window_tokens=12, block_size=4, **extra)
 
 
+def _padded_prompts(device):
+    """(ids, mask) of 2 random 160-token prompts, the second left-padded by 21 tokens."""
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+    return ids, mask
+
+
 def test_config_refuses_a_cache_without_quest_or_without_a_device_share():
     with pytest.raises(ValueError, match=r"gpu_cache=2\.0 .*policy='quest'"):
         TandemConfig(policy="hgca", gpu_cache=2)
@@ -244,9 +252,7 @@ def test_cache_attends_what_quest_attends_without_it(device, gpu_cache):
     without it, through the engine (CUDA graphs on CUDA) and model.generate; the cache serves rows, the CPU reads
     fewer, and every row is counted once."""
     model = _tiny(device=device)
-    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6)).to(device)
-    mask = torch.ones_like(ids)
-    mask[1, :21] = 0
+    ids, mask = _padded_prompts(device)
     plain, plain_runner = _run(
         model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 24, chunk_tokens=32
     )
