@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pydoc_data.topics
+import random
 
 import pytest
 import torch
@@ -38,3 +39,29 @@ def smollm():
 def prose():
     """Real English prose available on every Python install (the pydoc topic texts)."""
     return " ".join(list(pydoc_data.topics.topics.values())[5:90])
+
+
+def pytest_collection_modifyitems(config, items):
+    """TANDEM_TEST_ORDER=reverse | shuffle[:SEED] runs the collected tests in another order, so that state one test
+    leaves in the process (a cache, a graph, an allocator's recycled memory) cannot hide behind file order."""
+    order = os.environ.get("TANDEM_TEST_ORDER", "").strip()
+    if not order or order == "file":
+        return
+    if order == "reverse":
+        items.reverse()
+    elif order.split(":")[0] == "shuffle":
+        seed = order.partition(":")[2] or "0"
+        if not seed.isdigit():
+            raise pytest.UsageError(
+                f"TANDEM_TEST_ORDER={order!r}: the seed after 'shuffle:' must be an integer"
+            )
+        random.Random(int(seed)).shuffle(items)
+    else:
+        raise pytest.UsageError(
+            f"TANDEM_TEST_ORDER={order!r}: allowed values are file, reverse, shuffle and shuffle:SEED"
+        )
+
+
+def pytest_report_header(config):
+    order = os.environ.get("TANDEM_TEST_ORDER", "").strip()
+    return f"test order: {order}" if order else None

@@ -243,7 +243,7 @@ def test_host_memory_exhausted_mid_run_is_a_clear_error_and_the_cache_refuses_fu
     def exhausted(shape, dtype, *, pin, huge=True):
         raise MemoryError("simulated: the host has no memory left")
 
-    monkeypatch.setattr(host_module, "host_empty", exhausted)
+    monkeypatch.setattr(host_module, "host_zeros", exhausted)
     longer = torch.randint(0, 128, (1, capacity + 64), generator=torch.Generator().manual_seed(1))
     follow = torch.cat([ids, longer], dim=1)  # a continuation that makes the host tier grow
     with pytest.raises(

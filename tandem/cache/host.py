@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
-from tandem.cache.memory import host_empty
+from tandem.cache.memory import host_zeros
 from tandem.kernels.reference import QUANT_DTYPES, dequantize, quantize_blocks
 from tandem.policies.certify import block_digest, key_sketch
 
@@ -105,7 +105,7 @@ class HostTier:
     # ---- storage -------------------------------------------------------------------------------------------
     def _empty(self, shape, dtype) -> torch.Tensor:
         try:
-            return host_empty(shape, dtype, pin=self.pin, huge=self.huge_pages)
+            return host_zeros(shape, dtype, pin=self.pin, huge=self.huge_pages)
         except (RuntimeError, MemoryError) as err:  # CUDA's pinned allocator raises RuntimeError
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             raise HostMemoryError(

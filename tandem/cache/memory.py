@@ -8,10 +8,16 @@ of 32 layers' stores, took 0.43 ms from `pin_memory=True` storage and 0.37 ms fr
 zero-copy reads of the same blocks ran at the same speed either way, and allocating + filling the stores took
 1.8 s instead of 6.5 s. Whole decode steps gained 0-5%, within their noise.
 
-`host_empty` maps large stores anonymously and asks for huge pages with `madvise(MADV_HUGEPAGE)` before the
+`host_zeros` maps large stores anonymously and asks for huge pages with `madvise(MADV_HUGEPAGE)` before the
 first touch (Linux THP in "always" or "madvise" mode; elsewhere it is the plain allocation), then, when pinned,
 page-locks them with `cudaHostRegister` (mapped, so the GPU reads them in place through UVA). The mapping stays
 registered until the last tensor viewing it is freed.
+
+Every store starts zeroed: the rows past the live ones must read as padding (valid False, finite K/V), whatever an
+allocator hands back. torch's pinned-memory allocator recycles the blocks of freed tensors with their old bytes,
+so an uninitialised `valid` store made a later cache in the same process attend another cache's leftovers as
+live rows (a policy whose selection reaches a block past the live ones then read them). An anonymous mapping is
+zero-filled by the kernel on first touch, so the large stores get this for free; the small ones pay a memset.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class _Mapping(mmap.mmap):
 
 
 def huge_pages_supported() -> bool:
-    """True where `host_empty(huge=True)` can ask the OS for huge pages (Linux with THP not "never")."""
+    """True where `host_zeros(huge=True)` can ask the OS for huge pages (Linux with THP not "never")."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
@@ -63,17 +69,18 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def host_empty(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> torch.Tensor:
-    """An uninitialised host tensor, on huge pages when `huge` and it spans at least one, page-locked for the GPU
-    when `pin`. Raises MemoryError when the memory cannot be had (RuntimeError from CUDA's own allocator)."""
+def host_zeros(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> torch.Tensor:
+    """A zeroed host tensor, on huge pages when `huge` and it spans at least one, page-locked for the GPU when
+    `pin`. Raises MemoryError when the memory cannot be had (RuntimeError from CUDA's own allocator)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not huge or nbytes < HUGE_PAGE or not huge_pages_supported():
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
     try:
         mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as err:
         raise MemoryError(f"mmap of {nbytes} bytes failed: {err}") from err
     mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: the first touch picks the page size
+    # (anonymous pages read as zeros)
     tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
     if pin:
         cudart = torch.cuda.cudart()

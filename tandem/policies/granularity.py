@@ -62,7 +62,8 @@ def select_blocks(
 
     q: [B, Hq, D]; key_min / key_max: [B, Hkv, nblk, D] digests of base blocks (`base_block` rows each; an empty
     block is (+inf, -inf)); budgets: [B, Hq, len(blocks)] from `head_budgets`; choice: [B, Hkv]; host_rows: [B].
-    Returns a mask [B, Hkv, nblk] bool of the base blocks to attend.
+    Returns a mask [B, Hkv, nblk] bool of the base blocks to attend: never an empty one, though a logical block
+    that ends past the live rows (or holds all-padding base blocks) is ranked by the live ones it holds.
     """
     batch, num_kv_heads, nblk, _ = key_min.shape
     num_q_heads = q.shape[1]
@@ -82,7 +83,9 @@ def select_blocks(
             union[..., None].expand(-1, -1, -1, factor).reshape(batch, num_kv_heads, n * factor)[..., :nblk]
         )
         chosen |= base & (choice == j)[..., None]
-    return chosen
+    # an empty base block (past the live rows, or all padding) holds none of the cache's tokens: never send the
+    # CPU to read it
+    return chosen & ~(key_min > key_max).any(dim=-1)
 
 
 def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:

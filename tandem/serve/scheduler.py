@@ -413,7 +413,7 @@ def _malloc_trim():
 
 def _return_free_heap() -> None:
     """Give the heap's free pages back to the OS once the last request has ended. glibc keeps freed memory for
-    reuse, and caches smaller than a huge page (`cache.memory.host_empty`), hot tiers and activations come from
+    reuse, and caches smaller than a huge page (`cache.memory.host_zeros`), hot tiers and activations come from
     its heap: without this, the default model's scheduler stayed 20-250% above its resident size before a load
     of 128-2,048-token prompts, all caches freed (2-core CPU; benchmarks/results/2026-11-27_cpu_serve). It took
     0.15 s there after a load that left 2 GB free on the heap, once per idle spell."""

@@ -178,16 +178,12 @@ def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkey
 
 @pytest.mark.parametrize("pin", [False, True])
 def test_host_tier_allocator_runtime_error_becomes_host_memory_error(monkeypatch, pin):
-    real_empty = torch.empty
+    def failing_zeros(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
 
-    def failing_empty(*args, **kwargs):
-        if "pin_memory" in kwargs:  # the tier's buffers, not the size probe of the error message
-            raise RuntimeError("out of memory (simulated)")
-        return real_empty(*args, **kwargs)
-
-    # pinned allocations fail with RuntimeError; _empty itself must translate it
-    monkeypatch.setattr(torch, "empty", failing_empty)
     host = make_host(pin=pin)
+    # pinned allocations fail with RuntimeError; _empty itself must translate it
+    monkeypatch.setattr(torch, "zeros", failing_zeros)
     with pytest.raises(HostMemoryError) as info:
         host.append(*random_blocks(torch.Generator().manual_seed(2), 1, torch.float32))
     message = str(info.value)
@@ -221,10 +217,10 @@ needs_thp = pytest.mark.skipif(not memory.huge_pages_supported(), reason="no tra
 
 
 @needs_thp
-def test_host_empty_maps_large_stores_and_frees_them_with_the_last_view(monkeypatch):
+def test_host_zeros_maps_large_stores_and_frees_them_with_the_last_view(monkeypatch):
     freed = []
     monkeypatch.setattr(memory._Mapping, "__del__", lambda self: freed.append(len(self)))
-    t = memory.host_empty((3, HUGE // 4), torch.bfloat16, pin=False)
+    t = memory.host_zeros((3, HUGE // 4), torch.bfloat16, pin=False)
     assert t.shape == (3, HUGE // 4) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % 4096 == 0
     t.copy_(torch.arange(t.numel()).view(t.shape))  # writable, every byte
@@ -236,17 +232,17 @@ def test_host_empty_maps_large_stores_and_frees_them_with_the_last_view(monkeypa
     assert freed == [3 * HUGE // 2]
 
 
-def test_host_empty_small_or_not_huge_is_a_plain_tensor(monkeypatch):
+def test_host_zeros_small_or_not_huge_is_a_plain_tensor(monkeypatch):
     monkeypatch.setattr(memory, "_Mapping", None)  # any use of the mapping path would fail
-    assert memory.host_empty((4, 16), torch.float32, pin=False).shape == (4, 16)
-    assert memory.host_empty((HUGE,), torch.float32, pin=False, huge=False).shape == (HUGE,)
+    assert memory.host_zeros((4, 16), torch.float32, pin=False).shape == (4, 16)
+    assert memory.host_zeros((HUGE,), torch.float32, pin=False, huge=False).shape == (HUGE,)
 
 
 @needs_thp
-def test_host_empty_pinned_registers_the_mapping_until_the_last_view_dies(monkeypatch):
+def test_host_zeros_pinned_registers_the_mapping_until_the_last_view_dies(monkeypatch):
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    t = memory.host_empty((2, HUGE), torch.float16, pin=True)
+    t = memory.host_zeros((2, HUGE), torch.float16, pin=True)
     ptr = t.data_ptr()
     assert cudart.registered == [(ptr, 4 * HUGE, 3)] and cudart.unregistered == []  # mapped + portable
     view = t[1]

@@ -198,14 +198,14 @@ def test_host_block_attention_matches_reference(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
 def test_host_block_attention_reads_a_registered_huge_page_store_in_place():
     # the host tier's allocation (tandem.cache.memory): an mmap'ed store registered with cudaHostRegister
-    from tandem.cache.memory import host_empty
+    from tandem.cache.memory import host_zeros
 
     q, keys, values, block_ids, lengths, valid = block_case(
         1, 2, 4, 8200, 128, 16, torch.bfloat16, torch.int64
     )
     stores = []
     for t in (keys, values):
-        store = host_empty(tuple(t.shape), t.dtype, pin=True)
+        store = host_zeros(tuple(t.shape), t.dtype, pin=True)
         assert store.is_pinned() and store.numel() * store.element_size() >= 2 << 20
         stores.append(store.copy_(t))
     valid_host = valid.cpu().pin_memory()
