@@ -150,16 +150,22 @@ def time_decode(
     return decode(model, cache, batch, context, steps, warmup, sdpa_backends=sdpa_backends)[0]
 
 
-def summarize(times_s: list[float]) -> tuple[float | None, float | None]:
-    """(median, 90th percentile) in milliseconds, linear interpolation; (None, None) for no times."""
-    if not times_s:
-        return None, None
-    ordered = sorted(times_s)
-    rank = 0.9 * (len(ordered) - 1)
+def percentile(ordered: list[float], share: float) -> float:
+    """The `share` quantile (0..1) of ascending values, linear interpolation between ranks."""
+    rank = share * (len(ordered) - 1)
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
-    p90 = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-    return statistics.median(ordered) * 1e3, p90 * 1e3
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(times_s: list[float]) -> tuple[float | None, ...]:
+    """(median, 90th percentile, 99th percentile, max) in milliseconds, linear interpolation; Nones for no
+    times. The tail columns show steps that stall (a serving user's inter-token spikes), which the median hides."""
+    if not times_s:
+        return None, None, None, None
+    ordered = sorted(times_s)
+    return tuple(1e3 * v for v in (statistics.median(ordered), percentile(ordered, 0.9),
+                                   percentile(ordered, 0.99), ordered[-1]))  # fmt: skip
 
 
 def kv_bytes(cache) -> tuple[int, int]:
@@ -205,6 +211,8 @@ def empty_row(system: str, batch: int, context: int, steps: int, warmup: int) ->
         "tpot_ms": [],
         "tpot_median_ms": None,
         "tpot_p90_ms": None,
+        "tpot_p99_ms": None,
+        "tpot_max_ms": None,
         "tokens_per_s": None,
         "gpu_peak_bytes": None,
         "gpu_kv_bytes": None,
@@ -282,11 +290,13 @@ def fill_agreed(agree, fill) -> None:
 
 def record_times(row: dict, times_s: list[float], device: torch.device, **fields) -> None:
     """Fill a row's timing columns from per-step seconds (and any other `fields`), plus the GPU peak."""
-    median_ms, p90_ms = summarize(times_s)
+    median_ms, p90_ms, p99_ms, max_ms = summarize(times_s)
     row.update(
         tpot_ms=[t * 1e3 for t in times_s],
         tpot_median_ms=median_ms,
         tpot_p90_ms=p90_ms,
+        tpot_p99_ms=p99_ms,
+        tpot_max_ms=max_ms,
         tokens_per_s=row["batch"] / (median_ms / 1e3),
         **fields,
     )

@@ -376,7 +376,8 @@ def _add(result: dict, row: dict, out_dir: Path, rank=None) -> None:
         else row["error"]
         if row["status"] == "error"
         else (
-            f"{row['tpot_median_ms']:.2f} ms/token (p90 {row['tpot_p90_ms']:.2f}), {row['tokens_per_s']:.1f} tokens/s"
+            f"{row['tpot_median_ms']:.2f} ms/token (p90 {row['tpot_p90_ms']:.2f}, p99 {row['tpot_p99_ms']:.2f}, "
+            f"max {row['tpot_max_ms']:.2f}), {row['tokens_per_s']:.1f} tokens/s"
         )
     )
     extra = ""

@@ -3,7 +3,7 @@
 `result` = {"machine": {...}, "bandwidth": {"hbm_gbps", "host_read_gbps", "pcie_h2d_gbps"}, "model": {...},
 "rows": [row, ...]} plus optional "settings" (dict) and "command" (str). A row (see
 `tandem.bench.baselines.empty_row`) holds at least system, batch, context, status ("ok" / "oom" / "error"),
-tpot_median_ms, tpot_p90_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
+tpot_median_ms, tpot_p90_ms, tpot_p99_ms, tpot_max_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
 cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound,
 serial_bound_ms, tpot_over_serial. Rows
 that did not run stay in every output.
@@ -18,7 +18,7 @@ from pathlib import Path
 BASELINES = (("hf-dynamic", "vs dynamic"), ("hf-offloaded", "vs offloaded"))
 STATUS_TEXT = {"oom": "OOM", "error": "error"}
 HEADER = (
-    "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | tokens/s | GPU peak GB | host KV GB "
+    "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | TPOT ms (p99) | TPOT ms (max) | tokens/s | GPU peak GB | host KV GB "
     "| CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | serial bound ms "
     "| TPOT/serial | vs dynamic | vs offloaded |"
 )
@@ -55,12 +55,14 @@ def format_table(rows: list[dict]) -> str:
         ratios = " | ".join(_ratio(r, index, base) for base, _ in BASELINES)
         status = r.get("status", "ok")
         if status != "ok":
-            blanks = " |" * 12  # the cells after TPOT (median), up to TPOT/serial
+            blanks = " |" * 14  # the cells after TPOT (median), up to TPOT/serial
             lines.append(f"{head} {STATUS_TEXT.get(status, status)} |{blanks} {ratios} |")
             continue
         cells = [
             _fmt(r.get("tpot_median_ms"), ".2f"),
             _fmt(r.get("tpot_p90_ms"), ".2f"),
+            _fmt(r.get("tpot_p99_ms"), ".2f"),
+            _fmt(r.get("tpot_max_ms"), ".2f"),
             _fmt(r.get("tokens_per_s"), ".1f"),
             _fmt(r.get("gpu_peak_bytes"), ".1f", 1e9),
             _fmt(r.get("host_kv_bytes"), ".1f", 1e9),

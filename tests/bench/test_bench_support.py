@@ -192,8 +192,11 @@ def test_failures_become_rows(tiny_model, monkeypatch, err, status):
 
 
 def test_summarize():
-    assert baselines.summarize([0.005, 0.001, 0.003, 0.002, 0.004]) == pytest.approx((3.0, 4.6))
-    assert baselines.summarize([]) == (None, None)
+    assert baselines.summarize([0.005, 0.001, 0.003, 0.002, 0.004]) == pytest.approx((3.0, 4.6, 4.96, 5.0))
+    assert baselines.summarize([]) == (None, None, None, None)
+    # one stalled step in 100: the median and p90 hide it, p99 and max show it
+    times = [0.010] * 99 + [0.030]
+    assert baselines.summarize(times) == pytest.approx((10.0, 10.0, 10.2, 30.0))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,133 @@
+"""Step-time tail: decode steps that evict a ring block against those that do not.
+
+Every `block_size` steps each layer's hot ring is full, and `DecodeStep.prepare` moves the oldest block of every
+layer to the host tier before the step runs. This times, per decode step, the whole step and its `prepare`, marks
+the steps whose `prepare` evicted (the host tier grew), and reports for both kinds the median, and for all steps
+the median, p99 and max, with the ratio p99 / median that a serving user sees as inter-token spikes.
+
+    python benchmarks/bench_eviction_steps.py --out benchmarks/results/<date>_<machine>_eviction_steps
+    python benchmarks/bench_eviction_steps.py --model llama-3.1-8b --context 65536 --steps 512 --device cuda
+
+A named shape runs random weights (the output says so); the prompt is random tokens through the real prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tandem import TandemCache, TandemConfig, manifest
+from tandem.bench.baselines import percentile
+from tandem.engine import TandemRunner, step
+from tandem.shapes import build_random_model
+
+
+def measure(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_random_model(args.model, device, dtype, num_layers=args.layers)
+    model.generation_config.eos_token_id = None
+    cache = TandemCache.for_model(model, TandemConfig(policy=args.policy))
+    runner = TandemRunner(model, cache)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=torch.Generator())
+    first = runner.prefill(ids, chunk_tokens=args.chunk, max_new_tokens=args.steps + 8).argmax(-1)
+
+    prepares: list[tuple[float, bool]] = []
+    original = step.DecodeStep.prepare
+    host = cache.tandem_layers()[0].host
+
+    def timed(self, layers):
+        rows, start = host.rows, time.perf_counter()
+        slot = original(self, layers)
+        prepares.append(((time.perf_counter() - start) * 1e3, host.rows != rows))
+        return slot
+
+    step.DecodeStep.prepare = timed
+    try:
+        _, seconds = runner.decode(first, args.steps)
+    finally:
+        step.DecodeStep.prepare = original
+    step_ms = [s * 1e3 for s in seconds]
+    evicting = [i for i, (_, evicted) in enumerate(prepares) if evicted]
+    others = [i for i in range(len(step_ms)) if i not in set(evicting)]
+    ordered = sorted(step_ms)
+    median = statistics.median(ordered)
+
+    def med(values):
+        return statistics.median(values) if values else None
+
+    return {
+        "model": args.model,
+        "weights": "random",
+        "layers": len(cache.tandem_layers()),
+        "policy": args.policy,
+        "batch": args.batch,
+        "context": args.context,
+        "steps": args.steps,
+        "use_graphs": runner.use_graphs,
+        "evicting_steps": len(evicting),
+        "step_ms_median": median,
+        "step_ms_p99": percentile(ordered, 0.99),
+        "step_ms_max": ordered[-1],
+        "p99_over_median": percentile(ordered, 0.99) / median,
+        "step_ms_median_evicting": med([step_ms[i] for i in evicting]),
+        "step_ms_median_other": med([step_ms[i] for i in others]),
+        "prepare_ms_median_evicting": med([prepares[i][0] for i in evicting]),
+        "prepare_ms_median_other": med([prepares[i][0] for i in others]),
+        "step_ms": step_ms,
+        "prepare_ms": [p for p, _ in prepares],
+        "evicting": evicting,
+    }
+
+
+def markdown(row: dict, machine: str) -> str:
+    def ms(value):
+        return "" if value is None else f"{value:.2f}"
+
+    return "\n".join([
+        f"Machine: {machine}. {row['model']} shape ({row['layers']} layers, {row['weights']} weights), "
+        f"{row['policy']}, {row['batch']} x {row['context']} tokens, {row['steps']} steps, "
+        f"graphs {'on' if row['use_graphs'] else 'off'}.",
+        "",
+        "| steps | count | step ms (median) | prepare ms (median) |",
+        "|---|---|---|---|",
+        f"| evicting a block | {row['evicting_steps']} | {ms(row['step_ms_median_evicting'])} "
+        f"| {ms(row['prepare_ms_median_evicting'])} |",
+        f"| the others | {row['steps'] - row['evicting_steps']} | {ms(row['step_ms_median_other'])} "
+        f"| {ms(row['prepare_ms_median_other'])} |",
+        "",
+        f"All steps: median {ms(row['step_ms_median'])} ms, p99 {ms(row['step_ms_p99'])} ms, max "
+        f"{ms(row['step_ms_max'])} ms; p99 / median {row['p99_over_median']:.2f}.",
+    ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="a named shape (random weights)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    parser.add_argument("--policy", default="quest")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=3000, help="prompt tokens")
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="folder for eviction_steps.json / .md and a manifest")
+    args = parser.parse_args()
+    row = measure(args)
+    info = manifest.machine()
+    machine = f"{info.get('cpu')}, {info.get('cores')} cores" + (
+        f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    )
+    text = markdown(row, machine)
+    print(text)
+    if args.out:
+        manifest.save_results(args.out, "eviction_steps", {"machine": machine, "rows": [row]}, text)
+
+
+if __name__ == "__main__":
+    main()
