@@ -3,8 +3,8 @@
 `result` = {"machine": {...}, "bandwidth": {"hbm_gbps", "host_read_gbps", "pcie_h2d_gbps"}, "model": {...},
 "rows": [row, ...]} plus optional "settings" (dict) and "command" (str). A row (see
 `tandem.bench.baselines.empty_row`) holds at least system, batch, context, status ("ok" / "oom" / "error"),
-tpot_median_ms, tpot_p90_ms, tpot_p99_ms, tpot_max_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows also
-cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound,
+tpot_median_ms, tpot_p90_ms, tpot_p99_ms, tpot_max_ms, tokens_per_s, gpu_peak_bytes, host_kv_bytes; Tandem rows
+also cpu_bytes_per_step, pcie_bytes_per_step, cache_bytes_per_step, attended_fraction, bound_ms, tpot_over_bound,
 serial_bound_ms, tpot_over_serial. Rows
 that did not run stay in every output.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 BASELINES = (("hf-dynamic", "vs dynamic"), ("hf-offloaded", "vs offloaded"))
 STATUS_TEXT = {"oom": "OOM", "error": "error"}
 HEADER = (
-    "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | TPOT ms (p99) | TPOT ms (max) | tokens/s | GPU peak GB | host KV GB "
-    "| CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | serial bound ms "
+    "| system | batch | context | TPOT ms (median) | TPOT ms (p90) | TPOT ms (p99) | TPOT ms (max) | tokens/s "
+    "| GPU peak GB | host KV GB | CPU MB/step | PCIe MB/step | GPU-cache MB/step | attended | bound ms | TPOT/bound | serial bound ms "
     "| TPOT/serial | vs dynamic | vs offloaded |"
 )
 

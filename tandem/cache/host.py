@@ -103,7 +103,7 @@ class HostTier:
         self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
 
     # ---- storage -------------------------------------------------------------------------------------------
-    def _empty(self, shape, dtype) -> torch.Tensor:
+    def _zeros(self, shape, dtype) -> torch.Tensor:
         try:
             return host_zeros(shape, dtype, pin=self.pin, huge=self.huge_pages)
         except (RuntimeError, MemoryError) as err:  # CUDA's pinned allocator raises RuntimeError
@@ -124,18 +124,18 @@ class HostTier:
         b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
         try:
             grown = {
-                "keys": self._empty((b, hkv, new_cap, d), self.store_dtype),
-                "values": self._empty((b, hkv, new_cap, d), self.store_dtype),
-                "valid": self._empty((b, new_cap), torch.bool),
+                "keys": self._zeros((b, hkv, new_cap, d), self.store_dtype),
+                "values": self._zeros((b, hkv, new_cap, d), self.store_dtype),
+                "valid": self._zeros((b, new_cap), torch.bool),
             }
             if self.quant:
-                grown["key_scale"] = self._empty((b, hkv, new_cap // bs), torch.float32)
-                grown["value_scale"] = self._empty((b, hkv, new_cap // bs), torch.float32)
+                grown["key_scale"] = self._zeros((b, hkv, new_cap // bs), torch.float32)
+                grown["value_scale"] = self._zeros((b, hkv, new_cap // bs), torch.float32)
             if self.keep_digest:
-                grown["key_min"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
-                grown["key_max"] = self._empty((b, hkv, new_cap // bs, d), self.dtype)
+                grown["key_min"] = self._zeros((b, hkv, new_cap // bs, d), self.dtype)
+                grown["key_max"] = self._zeros((b, hkv, new_cap // bs, d), self.dtype)
             if self.keep_maw:
-                grown["maw"] = self._empty((b, hq, new_cap), torch.float32)
+                grown["maw"] = self._zeros((b, hq, new_cap), torch.float32)
             if self.mirror_device is not None:
                 dev, (mb, mh) = self.mirror_device, self.mirror_shape
                 grown["key_min_dev"] = torch.zeros(mb, mh, new_cap // bs, d, dtype=self.dtype, device=dev)

@@ -79,8 +79,8 @@ def host_zeros(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> to
         mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as err:
         raise MemoryError(f"mmap of {nbytes} bytes failed: {err}") from err
-    mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: the first touch picks the page size
-    # (anonymous pages read as zeros)
+    # before any page is touched: the first touch picks the page size (and an anonymous page reads as zeros)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
     tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
     if pin:
         cudart = torch.cuda.cudart()

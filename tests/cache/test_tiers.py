@@ -164,7 +164,7 @@ def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkey
         raise MemoryError()
 
     # reserve() turns a plain MemoryError from any of its allocations into HostMemoryError
-    monkeypatch.setattr(HostTier, "_empty", no_memory)
+    monkeypatch.setattr(HostTier, "_zeros", no_memory)
     with pytest.raises(HostMemoryError, match=r"host memory exhausted .* 384 rows") as info:
         host.append(*random_blocks(gen, 1, torch.float32))
     assert isinstance(info.value, MemoryError) and type(info.value.__cause__) is MemoryError
@@ -182,7 +182,7 @@ def test_host_tier_allocator_runtime_error_becomes_host_memory_error(monkeypatch
         raise RuntimeError("out of memory (simulated)")
 
     host = make_host(pin=pin)
-    # pinned allocations fail with RuntimeError; _empty itself must translate it
+    # pinned allocations fail with RuntimeError; _zeros itself must translate it
     monkeypatch.setattr(torch, "zeros", failing_zeros)
     with pytest.raises(HostMemoryError) as info:
         host.append(*random_blocks(torch.Generator().manual_seed(2), 1, torch.float32))
