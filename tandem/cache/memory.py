@@ -17,7 +17,8 @@ Every store starts zeroed: the rows past the live ones must read as padding (val
 allocator hands back. torch's pinned-memory allocator recycles the blocks of freed tensors with their old bytes,
 so an uninitialised `valid` store made a later cache in the same process attend another cache's leftovers as
 live rows (a policy whose selection reaches a block past the live ones then read them). An anonymous mapping is
-zero-filled by the kernel on first touch, so the large stores get this for free; the small ones pay a memset.
+zero-filled by the kernel on first touch, so the large stores get this for free; the others (under a huge page,
+or with `huge_pages` off) pay a memset.
 """
 
 from __future__ import annotations
