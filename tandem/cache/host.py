@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from contextlib import nullcontext
 
@@ -39,7 +40,8 @@ class HostTier:
     unless `keep_sketch` is False (the digest bound needs no sketch).
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
-    and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only.
+    and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only. An append may be
+    split in two: `stage` writes the blocks past the live rows ahead of time, `append_staged` makes them live.
 
     With a `split` (`cache.split.RequestSplit`, tensor parallelism with host_split="requests") the
     arguments describe the rank's shard (its KV heads of the whole batch), as appends and the digests' mirror
@@ -84,6 +86,7 @@ class HostTier:
         self.huge_pages = huge_pages
         self.stream = stream
         self.rows = 0
+        self.staged = 0  # rows written past the live ones by `stage`, live at the next `append_staged`
         self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
         self._counted = 0
         self.capacity = 0
@@ -114,7 +117,8 @@ class HostTier:
             ) from err
 
     def reserve(self, rows: int) -> None:
-        """Make room for `rows` live rows; grows geometrically so appends stay amortized O(1)."""
+        """Make room for `rows` live rows; grows geometrically so appends stay amortized O(1). Staged rows do not
+        move (`stage` reserves before it writes them, and nothing reserves again before `append_staged`)."""
         if rows <= self.capacity:
             return
         self.wait()  # the old buffers may still be the target of an async copy
@@ -186,9 +190,48 @@ class HostTier:
         keys/values: [B, Hkv, n, D] with n a multiple of block_size (any device); valid: [B, n] bool;
         maw: [B, Hq, n] float32 or None. With a split, the shard's layout (`mirror_shape`).
         """
+        assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
+        self.staged = 0  # rows staged for a later append are written again here, from the same tokens
+        first = self._write(keys, values, valid)
+        self._publish(first, keys, values, valid, maw)
+        return first
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write the whole blocks that `append_staged` will append next into the rows past the live ones, without
+        making them live: their K/V, valid flags, digests and 8-bit codes are copied now (the bulk of an
+        append's work), and nothing reads them before `append_staged`, since no reader goes past the live rows
+        (the digests' mirror marks them invalid until then). The engine stages each layer's next evicted ring
+        block at another step of the block period, so the evictions' cost is spread over the steps instead of
+        stalling every `block_size`-th one. Not with a split (its copies are collectives every rank must join in
+        the same step) and not twice."""
+        if self.split is not None or self.staged:
+            raise RuntimeError("stage: a host tier split by requests, or one already holding staged rows")
+        assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
+        self._write(keys, values, valid)
+        self.staged = keys.shape[2]
+
+    def append_staged(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        maw: torch.Tensor | None = None,
+    ) -> int:
+        """Make the staged rows live, as `append` of the same tokens would (`keys`, `values`, `valid`: those that
+        were staged, whose certified bounds are made now; `maw` their attention history as it is now). Returns
+        the first new row index."""
+        if self.staged != keys.shape[2]:
+            raise RuntimeError(f"append_staged of {keys.shape[2]} rows: {self.staged} are staged")
+        first = self.rows
+        self.staged = 0
+        self._publish(first, keys, values, valid, maw)
+        return first
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> int:
+        """The rows' K/V, valid flags, digests and codes into rows [rows, rows + n) (and the digests' mirror, whose
+        block_valid_dev `_publish` sets); returns the first row."""
         n = keys.shape[2]
         bs = self.block_size
-        assert n % bs == 0, "the host tier takes whole blocks"
         first = self.rows
         self.reserve(first + n)
         digest = None
@@ -199,10 +242,40 @@ class HostTier:
                 dev = self.mirror_device
                 self.key_min_dev[:, :, b0:b1].copy_(digest[0].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
                 self.key_max_dev[:, :, b0:b1].copy_(digest[1].nan_to_num(posinf=0.0, neginf=0.0).to(dev))
-                block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
-                self.block_valid_dev[:, b0:b1].copy_(block_valid.to(dev))
+        if self.split is not None:  # into the storage's layout: every head of this rank's requests
+            split = self.split
+            keys, values, valid = split.to_requests(keys), split.to_requests(values), split.own(valid)
+            if digest is not None:
+                digest = tuple(split.to_requests(part) for part in digest)
+        key_scale = value_scale = None
+        if self.quant:  # after the digest, which stays exact
+            keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
+            values, value_scale = quantize_blocks(values, valid, bs, self.quant)
+        b0, b1 = first // bs, (first + n) // bs
+        with self._side_stream(keys) as nb:
+            self.keys[:, :, first : first + n].copy_(keys, non_blocking=nb)
+            self.values[:, :, first : first + n].copy_(values, non_blocking=nb)
+            self.valid[:, first : first + n].copy_(valid, non_blocking=nb)
+            if digest is not None:
+                self.key_min[:, :, b0:b1].copy_(digest[0], non_blocking=nb)
+                self.key_max[:, :, b0:b1].copy_(digest[1], non_blocking=nb)
+            if self.quant:
+                self.key_scale[:, :, b0:b1].copy_(key_scale, non_blocking=nb)
+                self.value_scale[:, :, b0:b1].copy_(value_scale, non_blocking=nb)
+        self._keep_until_copied(keys, values, valid, *(digest or ()), key_scale, value_scale)
+        return first
+
+    def _publish(self, first: int, keys, values, valid, maw) -> None:
+        """Rows [first, first + n), written by `_write`, become live: the mirror's block_valid_dev, the certified
+        bounds and sketch, the attention history (hgca), then `rows`."""
+        n = keys.shape[2]
+        bs = self.block_size
+        b0, b1 = first // bs, (first + n) // bs
+        if self.mirror_device is not None:
+            block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
+            self.block_valid_dev[:, b0:b1].copy_(block_valid.to(self.mirror_device))
         if self.bounds_device is not None:
-            b0, b1, dev = first // bs, (first + n) // bs, self.bounds_device
+            dev = self.bounds_device
             bounds = block_digest(keys, values, valid, bs)
             for name, digest_part in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), bounds):
                 getattr(self, name)[:, :, b0:b1].copy_(digest_part.to(dev))
@@ -213,44 +286,32 @@ class HostTier:
             for name, sketch_part in zip(SKETCH_ROWS[:3], sketch):
                 getattr(self, name)[:, :, first : first + n].copy_(sketch_part.to(dev))
             self.row_valid_dev[:, first : first + n].copy_(valid.to(dev))
-        if self.split is not None:  # into the storage's layout: every head of this rank's requests
-            split = self.split
-            keys, values, valid = split.to_requests(keys), split.to_requests(values), split.own(valid)
-            if digest is not None:
-                digest = tuple(split.to_requests(part) for part in digest)
-        if self.quant:  # after the digest, which stays exact
-            keys, key_scale = quantize_blocks(keys, valid, bs, self.quant)
-            values, value_scale = quantize_blocks(values, valid, bs, self.quant)
-        sources = [keys, values, valid] + ([maw] if self.keep_maw else []) + (list(digest) if digest else [])
-        if self.quant:
-            sources += [key_scale, value_scale]
-        on_cuda = keys.is_cuda and self.stream is not None
-        ctx = torch.cuda.stream(self.stream) if on_cuda else nullcontext()
-        if on_cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(keys.device))
-        with ctx:
-            nb = on_cuda
-            self.keys[:, :, first : first + n].copy_(keys, non_blocking=nb)
-            self.values[:, :, first : first + n].copy_(values, non_blocking=nb)
-            self.valid[:, first : first + n].copy_(valid, non_blocking=nb)
-            if self.keep_maw:
-                src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
+        if self.keep_maw:
+            src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
+            with self._side_stream(src) as nb:
                 self.maw[:, :, first : first + n].copy_(src, non_blocking=nb)
-            b0, b1 = first // bs, (first + n) // bs
-            if digest is not None:
-                self.key_min[:, :, b0:b1].copy_(digest[0], non_blocking=nb)
-                self.key_max[:, :, b0:b1].copy_(digest[1], non_blocking=nb)
-            if self.quant:
-                self.key_scale[:, :, b0:b1].copy_(key_scale, non_blocking=nb)
-                self.value_scale[:, :, b0:b1].copy_(value_scale, non_blocking=nb)
-        if on_cuda:
-            for src in sources:
-                if src is not None and src.is_cuda:
-                    src.record_stream(self.stream)  # keep the source alive until the copy is done
-            self.last_event = torch.cuda.Event()
-            self.last_event.record(self.stream)
+            self._keep_until_copied(src)
         self.rows = first + n
-        return first
+
+    def _side_stream(self, source: torch.Tensor):
+        """Where copies of `source` into host memory run: a CUDA source's on the side stream (after the work
+        queued on the current stream), yielding non_blocking=True; otherwise in place, yielding False."""
+        on_cuda = source.is_cuda and self.stream is not None
+        if not on_cuda:
+            return nullcontext(False)
+        self.stream.wait_stream(torch.cuda.current_stream(source.device))
+        return _on_stream(self.stream)
+
+    def _keep_until_copied(self, *sources) -> None:
+        """Keep CUDA sources of the side stream's copies alive until they are done, and record `last_event`
+        after them (nothing to do for copies that ran in place)."""
+        cuda = [src for src in sources if src is not None and src.is_cuda]
+        if not cuda or self.stream is None:
+            return
+        for src in cuda:
+            src.record_stream(self.stream)
+        self.last_event = torch.cuda.Event()
+        self.last_event.record(self.stream)
 
     def wait(self) -> None:
         """Block the calling CPU thread until every pending copy into host memory has landed."""
@@ -335,6 +396,12 @@ class HostTier:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream):
+    with torch.cuda.stream(stream):
+        yield True
 
 
 def _block_digest(keys: torch.Tensor, valid: torch.Tensor, block_size: int):

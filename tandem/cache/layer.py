@@ -296,19 +296,36 @@ class LayerKV:
             return hot.sink_used - 1
         if hot.order and hot.tail_fill < hot.block_size:
             hot.tail_fill += 1
+            self._stage_next_eviction()
             return hot.block_start(hot.order[-1]) + hot.tail_fill - 1
         if len(hot.order) == hot.ring_blocks:
             self._evict_oldest_block()
         hot.order.append(hot.take_free_block())
         hot.tail_fill = 1
+        self._stage_next_eviction()
         return hot.block_start(hot.order[-1])
+
+    def _stage_next_eviction(self) -> None:
+        """With the ring full, write its oldest block (the next to leave) into the host tier ahead of its eviction
+        (`HostTier.stage`), at the step of the block period that this layer's index picks: each step stages about
+        num_layers / block_size layers' blocks, and the eviction step only makes them live. Evicting every layer's
+        block in one step made that step 2-3x the others on the GPU (a copy, digests and mirror updates per layer,
+        launched while the GPU idles)."""
+        hot, host = self.hot, self.host
+        if len(hot.order) < hot.ring_blocks or host is None or host.staged or host.split is not None:
+            return
+        if hot.tail_fill < 1 + self.layer_idx % hot.block_size:
+            return
+        keys_b, values_b, valid_b, _ = hot.block_view(hot.order[0])
+        host.stage(keys_b, values_b, valid_b)
 
     def _evict_oldest_block(self) -> None:
         hot = self.hot
         block = hot.order.pop(0)
         keys_b, values_b, valid_b, maw_b = hot.block_view(block)
         # the decode step updates every hot MAW in place while the side stream may still copy this block
-        self._evict(keys_b, values_b, valid_b, maw_b.clone() if maw_b is not None else None)
+        maw = maw_b.clone() if maw_b is not None else None
+        self._evict(keys_b, values_b, valid_b, maw, staged=self.host.staged == keys_b.shape[2])
         hot.release([block], self.host.last_event)
 
     def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
@@ -327,14 +344,17 @@ class LayerKV:
             hot.tail_fill += n
             done += n
 
-    def _evict(self, keys, values, valid, maw) -> None:
-        hot_counts = self.hot.valid_counts()  # [B] real hot entries: HGCA's n_gpu at eviction time
-        if hot_counts.is_cuda:
-            # the side-stream copy waits for this one, so `host.wait()` also makes these counts readable
-            hot_counts = torch.empty(hot_counts.shape, dtype=hot_counts.dtype, pin_memory=True).copy_(
-                hot_counts, non_blocking=True
-            )
-        first = self.host.append(keys, values, valid, maw)
+    def _evict(self, keys, values, valid, maw, staged: bool = False) -> None:
+        hot_counts = None
+        if self.policy.needs_maw:  # HGCA's n_gpu at eviction time: [B] real hot entries
+            hot_counts = self.hot.valid_counts()
+            if hot_counts.is_cuda:
+                # the side-stream copy waits for this one, so `host.wait()` also makes these counts readable
+                hot_counts = torch.empty(hot_counts.shape, dtype=hot_counts.dtype, pin_memory=True).copy_(
+                    hot_counts, non_blocking=True
+                )
+        append = self.host.append_staged if staged else self.host.append
+        first = append(keys, values, valid, maw)
         self.policy.on_evict(self, first, keys.shape[2], hot_counts)
 
     # ---- sizes ---------------------------------------------------------------------------------------------

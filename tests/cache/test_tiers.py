@@ -153,6 +153,59 @@ def test_host_tier_keeps_the_certified_digests_and_key_sketch_through_growth(dty
     assert host.device_nbytes() == digests + sketch
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append(quant):
+    """`stage` writes the next blocks past the live rows (growing the store first if needed) without making them live:
+    rows, live(), the mirror's block_valid_dev and the certified digests do not see them. `append_staged` then
+    leaves every store as a plain `append` of the same blocks does."""
+    gen = torch.Generator().manual_seed(9)
+
+    def host():
+        return HostTier(
+            BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, torch.float32, BLOCK, pin=False, keep_digest=True,
+            keep_maw=quant is None, mirror_device=torch.device("cpu"), quant=quant,
+            bounds_device=torch.device("cpu") if quant is None else None,
+        )  # fmt: skip
+
+    plain, staged = host(), host()
+    for _ in range(70):  # past the first capacity (64 blocks): stage grows the store
+        keys, values, valid, maw = random_blocks(gen, 1, torch.float32, with_maw=quant is None)
+        plain.append(keys, values, valid, maw)
+        rows, generation = staged.rows, staged.generation
+        staged.stage(keys, values, valid)
+        assert staged.rows == rows and staged.staged == BLOCK
+        nb = rows // BLOCK
+        assert not staged.block_valid_dev[:, nb:].any()  # no ranking on the device sees the staged block
+        if staged.bounds_device is not None:
+            assert not staged.block_rows_dev[:, nb:].any() and not staged.row_valid_dev[:, rows:].any()
+        assert staged.live()[0].shape[2] == rows
+        if staged.generation != generation:
+            assert torch.equal(staged.keys[:, :, rows : rows + BLOCK], plain.keys[:, :, rows : rows + BLOCK])
+        assert staged.append_staged(keys, values, valid, maw) == rows and staged.staged == 0
+    names = ["keys", "values", "valid", "key_min", "key_max", "key_min_dev", "key_max_dev", "block_valid_dev"]
+    names += (
+        ["key_scale", "value_scale"]
+        if quant
+        else ["maw", "key_centre_dev", "block_rows_dev", "row_valid_dev"]
+    )
+    assert (staged.rows, staged.capacity) == (plain.rows, plain.capacity)
+    for name in names:
+        assert torch.equal(getattr(staged, name), getattr(plain, name)), name
+    with pytest.raises(RuntimeError, match="2 rows: 0 are staged"):
+        staged.append_staged(keys[:, :, :2], values[:, :, :2], valid[:, :2])
+
+
+def test_an_append_over_staged_rows_writes_them_again():
+    """A bulk append (a prompt continued after decoding) starts at the live rows: staged rows there are replaced."""
+    gen = torch.Generator().manual_seed(10)
+    host = make_host()
+    first = random_blocks(gen, 1, torch.float32)
+    host.stage(*first[:3])
+    chunk = random_blocks(gen, 2, torch.float32)
+    assert host.append(*chunk) == 0 and host.staged == 0
+    check_host_content(host, [chunk])
+
+
 def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     host = make_host()

@@ -4,6 +4,8 @@ On CPU the fixed-address step runs eagerly with the CPU part inline; on CUDA it 
 with either hand-off to the host (the `cuda`-marked cases: one graph with flags, or two graphs per layer).
 All must give DynamicCache's greedy tokens with every entry kept."""
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -276,6 +278,43 @@ def test_quest_read_wholly_by_the_device_has_no_hand_off_and_matches_eager(budge
     assert graph_counts == eager_counts and min(c[0] for c in graph_counts) > 0
     if budget == 1.0:
         assert torch.equal(graphs, _hf_greedy(model, ids, torch.ones_like(ids), 16))
+
+
+def test_evictions_are_staged_across_the_block_period(monkeypatch):
+    """Each layer writes the ring block it evicts next into the host tier at another step of the block period
+    (`LayerKV._stage_next_eviction`): after the first step, which catches up, no step stages more than
+    ceil(layers / block_size) blocks, and every decode eviction makes a staged block live instead of copying it
+    then (but in the first step, if the prompt left the ring's newest block full). The tokens stay DynamicCache's."""
+    from tandem.cache.host import HostTier
+
+    model = tiny_model("Llama", num_key_value_heads=2, num_hidden_layers=8)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 128, (2, 61), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    calls = []
+    for name in ("stage", "append_staged", "append"):
+        original = getattr(HostTier, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(HostTier, name, counted)
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=12, block_size=4)
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    first = runner.prefill(ids, mask, chunk_tokens=32, max_new_tokens=24).argmax(-1)
+    calls.clear()
+    per_step, tokens = [], [first.cpu()]
+    for token in runner.stream(first, 23):
+        per_step.append(Counter(calls))
+        calls.clear()
+        tokens.append(token.cpu())
+    assert torch.equal(torch.stack(tokens, dim=1), _hf_greedy(model, ids, mask, 24))
+    assert max(step["stage"] for step in per_step[1:]) <= -(-8 // 4)
+    assert sum(step["append_staged"] for step in per_step) >= 8 * 4  # every layer, every 4 steps
+    # only a block that was full before decoding began can leave unstaged: in the first step
+    assert sum(step["append"] for step in per_step[1:]) == 0
 
 
 def test_runner_refuses_bad_input():
