@@ -41,7 +41,8 @@ class HostTier:
 
     Appends from a CUDA tensor are copied on a side stream; `wait()` makes them visible to CPU readers,
     and `last_event` lets the hot tier delay reuse of the evicted ring slots on the GPU only. An append may be
-    split in two: `stage` writes the blocks past the live rows ahead of time, `append_staged` makes them live.
+    split in two: `stage` writes the blocks past the live rows ahead of time, `append(..., staged=True)` makes
+    them live.
 
     With a `split` (`cache.split.RequestSplit`, tensor parallelism with host_split="requests") the
     arguments describe the rank's shard (its KV heads of the whole batch), as appends and the digests' mirror
@@ -86,7 +87,7 @@ class HostTier:
         self.huge_pages = huge_pages
         self.stream = stream
         self.rows = 0
-        self.staged = 0  # rows written past the live ones by `stage`, live at the next `append_staged`
+        self.staged = 0  # rows written past the live ones by `stage`, live at the next `append(staged=True)`
         self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
         self._counted = 0
         self.capacity = 0
@@ -118,7 +119,7 @@ class HostTier:
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` live rows; grows geometrically so appends stay amortized O(1). Staged rows do not
-        move (`stage` reserves before it writes them, and nothing reserves again before `append_staged`)."""
+        move (`stage` reserves before it writes them, and nothing reserves again before they are appended)."""
         if rows <= self.capacity:
             return
         self.wait()  # the old buffers may still be the target of an async copy
@@ -184,22 +185,32 @@ class HostTier:
         values: torch.Tensor,
         valid: torch.Tensor,
         maw: torch.Tensor | None = None,
+        staged: bool = False,
     ) -> int:
         """Append whole blocks of rows; returns the first new row index.
 
         keys/values: [B, Hkv, n, D] with n a multiple of block_size (any device); valid: [B, n] bool;
         maw: [B, Hq, n] float32 or None. With a split, the shard's layout (`mirror_shape`).
+        staged: the rows were written ahead by `stage` from these same tokens: only make them live (their
+        certified bounds are made now, `maw` is their attention history as it is now).
         """
         assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
-        self.staged = 0  # rows staged for a later append are written again here, from the same tokens
-        first = self._write(keys, values, valid)
+        if staged:
+            if self.staged != keys.shape[2]:
+                raise RuntimeError(f"append(staged=True) of {keys.shape[2]} rows: {self.staged} are staged")
+            first = self.rows
+        else:
+            first = self._write(
+                keys, values, valid
+            )  # over any staged rows: they held these rows' first tokens
+        self.staged = 0
         self._publish(first, keys, values, valid, maw)
         return first
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """Write the whole blocks that `append_staged` will append next into the rows past the live ones, without
-        making them live: their K/V, valid flags, digests and 8-bit codes are copied now (the bulk of an
-        append's work), and nothing reads them before `append_staged`, since no reader goes past the live rows
+        """Write the whole blocks that `append(..., staged=True)` will append next into the rows past the live
+        ones, without making them live: their K/V, valid flags, digests and 8-bit codes are copied now (the bulk
+        of an append's work), and nothing reads them before that append, since no reader goes past the live rows
         (the digests' mirror marks them invalid until then). The engine stages each layer's next evicted ring
         block at another step of the block period, so the evictions' cost is spread over the steps instead of
         stalling every `block_size`-th one. Not with a split (its copies are collectives every rank must join in
@@ -209,23 +220,6 @@ class HostTier:
         assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
         self._write(keys, values, valid)
         self.staged = keys.shape[2]
-
-    def append_staged(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        valid: torch.Tensor,
-        maw: torch.Tensor | None = None,
-    ) -> int:
-        """Make the staged rows live, as `append` of the same tokens would (`keys`, `values`, `valid`: those that
-        were staged, whose certified bounds are made now; `maw` their attention history as it is now). Returns
-        the first new row index."""
-        if self.staged != keys.shape[2]:
-            raise RuntimeError(f"append_staged of {keys.shape[2]} rows: {self.staged} are staged")
-        first = self.rows
-        self.staged = 0
-        self._publish(first, keys, values, valid, maw)
-        return first
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> int:
         """The rows' K/V, valid flags, digests and codes into rows [rows, rows + n) (and the digests' mirror, whose

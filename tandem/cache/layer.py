@@ -353,8 +353,7 @@ class LayerKV:
                 hot_counts = torch.empty(hot_counts.shape, dtype=hot_counts.dtype, pin_memory=True).copy_(
                     hot_counts, non_blocking=True
                 )
-        append = self.host.append_staged if staged else self.host.append
-        first = append(keys, values, valid, maw)
+        first = self.host.append(keys, values, valid, maw, staged=staged)
         self.policy.on_evict(self, first, keys.shape[2], hot_counts)
 
     # ---- sizes ---------------------------------------------------------------------------------------------

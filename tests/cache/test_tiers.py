@@ -156,7 +156,7 @@ def test_host_tier_keeps_the_certified_digests_and_key_sketch_through_growth(dty
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append(quant):
     """`stage` writes the next blocks past the live rows (growing the store first if needed) without making them live:
-    rows, live(), the mirror's block_valid_dev and the certified digests do not see them. `append_staged` then
+    rows, live(), the mirror's block_valid_dev and the certified digests do not see them. `append(..., staged=True)` then
     leaves every store as a plain `append` of the same blocks does."""
     gen = torch.Generator().manual_seed(9)
 
@@ -181,7 +181,7 @@ def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append
         assert staged.live()[0].shape[2] == rows
         if staged.generation != generation:
             assert torch.equal(staged.keys[:, :, rows : rows + BLOCK], plain.keys[:, :, rows : rows + BLOCK])
-        assert staged.append_staged(keys, values, valid, maw) == rows and staged.staged == 0
+        assert staged.append(keys, values, valid, maw, staged=True) == rows and staged.staged == 0
     names = ["keys", "values", "valid", "key_min", "key_max", "key_min_dev", "key_max_dev", "block_valid_dev"]
     names += (
         ["key_scale", "value_scale"]
@@ -191,8 +191,8 @@ def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append
     assert (staged.rows, staged.capacity) == (plain.rows, plain.capacity)
     for name in names:
         assert torch.equal(getattr(staged, name), getattr(plain, name)), name
-    with pytest.raises(RuntimeError, match="2 rows: 0 are staged"):
-        staged.append_staged(keys[:, :, :2], values[:, :, :2], valid[:, :2])
+    with pytest.raises(RuntimeError, match="4 rows: 0 are staged"):
+        staged.append(keys, values, valid, staged=True)
 
 
 def test_an_append_over_staged_rows_writes_them_again():
