@@ -36,7 +36,7 @@ CPU_THREADS_ENV = "TANDEM_CPU_THREADS"  # set by a tensor-parallel rank for its 
 
 def default_cpu_threads() -> int:
     """$TANDEM_CPU_THREADS where set (a tensor-parallel rank's share, `distributed.launch`), else all cores but
-    one: that one launches GPU work (DESIGN.md, 'Where the work runs')."""
+    one: that one launches GPU work."""
     env = os.environ.get(CPU_THREADS_ENV, "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)

@@ -1,4 +1,4 @@
-"""One tolerance table for comparing kernels with their plain-torch references (STYLE.md, practice 4).
+"""One tolerance table, keyed by dtype, for comparing kernels with their plain-torch references.
 
 Keyed by the lowest-precision dtype the computation reads (e.g. the KV store's dtype); kernels that
 accumulate in fp32 land far inside these bounds. `assert_close` also refuses NaN and requires the

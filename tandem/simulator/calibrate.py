@@ -37,7 +37,7 @@ REQUIRED_KEYS = ("host_read_gbs", "pcie_gbs", "hbm_gbs")
 class HostMeasurements:
     """Measured facts of a GPU host (units in the names; GB = 1e9 bytes).
 
-    Defaults for optional fields are the lent H100 host of DESIGN.md; ``cpu_gflops_per_core`` (bf16 dot
+    Defaults for optional fields are the lent H100 host's (`LENT_H100_HOST`, docs/simulator.md); ``cpu_gflops_per_core`` (bf16 dot
     products with fp32 accumulation on AVX-512) is an assumption until a benchmark measures it. ``layer_sync_us``
     (per layer: hand q to the CPU workers, wait, copy (o, lse) back, merge) is the engine's measured round trip
     on the H100: ~50 us a layer even with nothing to attend (a streaming step with and without hand-offs,
@@ -84,7 +84,7 @@ def _flag(name: str) -> str:
     return FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
-# DESIGN.md, "Measured facts of the lent GPU host": 15-thread host copy 65 GB/s (read + write bytes, so a
+# Measured on the lent H100 host (docs/simulator.md): 15-thread host copy 65 GB/s (read + write bytes, so a
 # pure read stream reaches at least this), pinned PCIe 55 GB/s, SDPA decode over 128K tokens of one 8B
 # layer (512 MiB of KV) in 185 us = 2.9 TB/s.
 LENT_H100_HOST = HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900, device="lent H100 host")

@@ -2,8 +2,7 @@
 
 Launchers that can dispatch to the compiled CPU kernels are checked on both paths: "native" (the compiled
 kernels, when they build here) and "reference" (the plain-torch fallback taken without a compiler or on
-CUDA), since the launcher must refuse bad input whichever implementation runs (STYLE.md, 'kernels apart
-from launchers').
+CUDA), since the launcher, not the kernel, must refuse bad input, whichever implementation runs.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_model_table_matches_public_counts():
     assert MODELS["llama-3.1-405b"].num_params == 405_853_388_800
     assert [m.gqa_group for m in MODELS.values()] == [4, 8, 16]
     m = MODELS["llama-3.1-8b"]
-    assert m.kv_bytes_per_token == 128 * 1024  # DESIGN.md: 128 KiB per token
+    assert m.kv_bytes_per_token == 128 * 1024  # 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes
     assert m.digest_bytes_per_token(16) == m.kv_bytes_per_token / 16  # min+max keys per 16-token page
 
 
