@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 POLICIES = ("full", "streaming", "hgca", "quest", "fluxion")
 HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
 CERTIFY_BOUNDS = ("sketch", "digest")
+CERTIFY_UNITS = ("row", "block")
 FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
@@ -142,19 +143,23 @@ class TandemConfig:
             quest's digests are taken before quantizing and stay exact). With it, `full` no longer equals dense
             attention: the rows it reads are the quantized ones. Its quality cost is measured in docs/evaluation.md.
         epsilon: certified selection, for `quest` and `fluxion`. With quest it replaces the fixed `budget`: each
-            step, every query head keeps the fewest of its best host blocks (ranked by a sound upper bound of their
-            attention mass) for which the mass it skips provably stays at most `epsilon` of its attention
+            step, every query head keeps the fewest of its best host rows or blocks (`certify_unit`; ranked by a
+            sound upper bound of their attention mass) for which the mass it skips provably stays at most `epsilon` of its attention
             (`policies.certify`). With fluxion its own selection comes first and the certificate adds blocks only
             to the heads it leaves above `epsilon`. In (0, 1); None (default): no certificate. Needs the host tier
             in the model's dtype (no `host_dtype`) and no device share (gpu_share None or 0). `cache.stats()`
             reports the certificate of every step.
-        max_budget: with `epsilon`, the most of a head's host blocks one step may keep, in (0, 1] (fluxion's own
+        max_budget: with `epsilon`, the most of a head's host rows (or blocks) one step may keep, in (0, 1] (fluxion's own
             selection is kept even past it): the cost stays bounded, and a step where it binds is reported as not
             meeting `epsilon`, with its certified bound.
         certify_bound: with `epsilon`, the upper bound of the skipped logits: "sketch" (default) per row, from
             an int8 sketch of each host key and its error radius (q.k <= q.k~ + ||q|| ||k - k~||), kept beside
             the host tier on the compute device; "digest" per block, from Quest's key min / max and a centre +
             radius digest (many times looser on real keys: docs/certified.md). Both are sound.
+        certify_unit: with `epsilon`, what the certified selection keeps: "row" the fewest host rows, ranked by
+            their own bounds, so a block with one heavy row costs one row, not `block_size` (needs the "sketch"
+            bound); "block" whole blocks of `block_size` rows, ranked by their blocks' bounds. None (default):
+            "row" with the sketch bound, "block" with the digest bound.
         huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
             "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
             13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
@@ -192,6 +197,7 @@ class TandemConfig:
     epsilon: float | None = None
     max_budget: float = 0.5
     certify_bound: str = "sketch"
+    certify_unit: str | None = None
 
     def __setattr__(self, name: str, value) -> None:
         """A field assigned after construction is checked like the constructor's: the whole config is validated
@@ -300,6 +306,14 @@ class TandemConfig:
         self._check_float("max_budget", 0.0, 1.0, "a fraction in (0, 1]", low_open=True)
         if self.certify_bound not in CERTIFY_BOUNDS:
             _fail("certify_bound", self.certify_bound, " or ".join(map(repr, CERTIFY_BOUNDS)))
+        if self.certify_unit is not None and self.certify_unit not in CERTIFY_UNITS:
+            _fail("certify_unit", self.certify_unit, "None, " + " or ".join(map(repr, CERTIFY_UNITS)))
+        if self.certify_unit == "row" and self.certify_bound != "sketch":
+            _fail(
+                "certify_unit",
+                self.certify_unit,
+                "None or 'block' with certify_bound='digest' (the digest bounds whole blocks; rows need the sketch)",
+            )
         if self.epsilon is None:
             return
         self._check_float("epsilon", 0.0, 1.0, "None or a fraction in (0, 1)", low_open=True)

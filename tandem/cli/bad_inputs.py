@@ -242,8 +242,9 @@ def config_cases() -> list[Case]:
         "epsilon": [0.0, 1.0, -0.1, math.nan, "0.05"],
         "max_budget": [0.0, 1.5, math.nan],
         "certify_bound": ["box", None],
+        "certify_unit": ["rows", 16],
     }
-    certified = ("epsilon", "max_budget", "certify_bound")
+    certified = ("epsilon", "max_budget", "certify_bound", "certify_unit")
     cases = []
     for field, values in bad.items():
         for value in values:
@@ -268,6 +269,7 @@ def config_cases() -> list[Case]:
     )
     for fields in ({"policy": "hgca", "epsilon": 0.05}, {"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4},
                    {"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"},
+                   {"policy": "quest", "epsilon": 0.05, "certify_bound": "digest", "certify_unit": "row"},
                    {"policy": "hgca", "host_split": "requests"},
                    {"policy": "quest", "host_split": "requests", "gpu_share": 0.4}):  # fmt: skip
         shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())

@@ -121,7 +121,7 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "--epsilon",
         type=float,
         default=None,
-        help="quest, fluxion: certified selection: each head keeps the fewest host blocks for which the "
+        help="quest, fluxion: certified selection: each head keeps the fewest host rows for which the "
         "attention it skips provably stays at most this fraction, in (0, 1) (quest: instead of --budget; "
         "fluxion: added to its own selection where that falls short); the stats line reports the certificate",
     )
@@ -129,7 +129,7 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "--max-budget",
         type=float,
         default=0.5,
-        help="with --epsilon: the most of a head's host blocks one step may keep, in (0, 1] (default 0.5)",
+        help="with --epsilon: the most of a head's host rows one step may keep, in (0, 1] (default 0.5)",
     )
     p.add_argument(
         "--gpu-share",
@@ -337,7 +337,7 @@ def stats_line(stats: dict) -> str:
         line += (
             f" | certified p <= {cert['epsilon']:g}: mean {cert['mean_p']:.2e}, max {cert['max_p']:.2e}, met "
             f"{_percent(cert['met_share'])} of head-steps | output bound mean {cert['mean_output_bound']:.2e}, max "
-            f"{cert['max_output_bound']:.2e} | blocks kept {_percent(cert['mean_blocks_kept'])}"
+            f"{cert['max_output_bound']:.2e} | kept {_percent(cert['mean_kept'])} of host {cert['unit']}s"
         )
     return line
 

@@ -10,9 +10,10 @@ attention over every row the layer holds, in float64. Used by the soundness test
 
 "p_certified" is the certificate of the config's `certify_bound`; "p_digest" (box + ball), "p_sketch" (the int8
 key sketch) and "p_box" (the box bound alone) are each bound's certificate over the same selection, and
-"bound_<name>" its output bound. "kept" is
-the share of the live host blocks each KV head attended, "needed" the share each query head's certificate asked
-for before `max_budget` (above it the head did not meet epsilon).
+"bound_<name>" its output bound. A selection of single rows (`certify_unit="row"`) has only the sketch's: the
+block bounds cannot tell a block's attended rows from its skipped ones. "kept" is the share of the live host
+units (rows or blocks) each KV head attended, "needed" the share each query head's certificate asked for before
+`max_budget` (above it the head did not meet epsilon).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from ..policies.certified import Certifier, certified_mass, host_digests
 from .metrics import layer_full_attention_lse
 
 
-def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.Tensor):
+def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.Tensor, rows: bool = False):
     """(p, ||o_full - out||) per (request, query head), float64 on the CPU, for q [B, Hq, D] and the step's output
     out [B, Hq, D]: p is the exact share of full attention over every row `layer` holds that the host blocks
-    outside `union` [B, Hkv, >= live blocks] bool hold, the attention the step skipped. It is summed in float64
+    outside `union` [B, Hkv, >= live blocks] bool hold (with `rows`, the host rows outside `union` [B, Hkv, >=
+    live rows]), the attention the step skipped. It is summed in float64
     over the skipped rows themselves, not taken as 1 - (attended mass / full mass) with the kernel's fp32
     log-sum-exp, whose rounding (~1e-6 of the mass) would swamp a small p."""
     full_out, full_lse = layer_full_attention_lse(layer, q, layer.attention_scale)
@@ -40,7 +42,10 @@ def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.T
     num_kv_heads, n = keys.shape[1], keys.shape[2]
     qg = q.double().cpu().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
     logits = (qg @ keys.double().cpu().transpose(-1, -2)) * layer.attention_scale  # [B, Hkv, G, n]
-    attended = union.cpu()[:, :, : n // host.block_size].repeat_interleave(host.block_size, dim=-1)
+    if rows:
+        attended = union.cpu()[:, :, :n]
+    else:
+        attended = union.cpu()[:, :, : n // host.block_size].repeat_interleave(host.block_size, dim=-1)
     skipped = ~attended[:, :, None] & valid.cpu()[:, None, None]  # [B, Hkv, 1, n]
     skipped_lse = logits.masked_fill(~skipped, -math.inf).logsumexp(-1)
     p = torch.exp(skipped_lse.view(batch, num_q_heads) - full_lse)
@@ -78,22 +83,26 @@ def trace_certificates(on_select=None):
             mass, union, value_norm, rows, met, kept, live, needed = self.step
             q = queries[id(layer)]
             p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
-            key_min, key_max, _ = host_digests(layer.host, q.device)
-            nb, host, scale = rows.shape[1], layer.host, layer.attention_scale
-            box = certify.logit_bounds(
-                q, key_min[:, :, :nb], key_max[:, :, :nb], host.key_centre_dev[:, :, :nb],
-                host.key_radius_dev[:, :, :nb], rows, scale, ball=False,
-            )  # fmt: skip
-            masses = {
-                "digest": certified_mass(host, q, scale, "digest")[0],
-                "sketch": sketch_mass(host, q, scale, nb),
-                "box": certify.mass_bounds(box, rows),
-            }
+            host, scale = layer.host, layer.attention_scale
+            if self.rows:
+                masses = {"sketch": mass}
+            else:
+                key_min, key_max, _ = host_digests(host, q.device)
+                nb = rows.shape[1]
+                box = certify.logit_bounds(
+                    q, key_min[:, :, :nb], key_max[:, :, :nb], host.key_centre_dev[:, :, :nb],
+                    host.key_radius_dev[:, :, :nb], rows, scale, ball=False,
+                )  # fmt: skip
+                masses = {
+                    "digest": certified_mass(host, q, scale, "digest")[0],
+                    "sketch": sketch_mass(host, q, scale, nb),
+                    "box": certify.mass_bounds(box, rows),
+                }
             # each bound's certificate of the same selection: (p, output bound)
             alternatives = {
                 name: certify.certificate(m, union, value_norm, rows, lse, out) for name, m in masses.items()
             }
-            p, deviation = full_attention_gap(layer, q, out, union)
+            p, deviation = full_attention_gap(layer, q, out, union, self.rows)
             records.append({
                 "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
                 "p_certified": p_cert.double().flatten().tolist(),

@@ -59,10 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="POLICY.KEY=V1,V2",
         help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; "
-        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only, epsilon, max_budget and "
-        "certify_bound to quest and fluxion only); values are numbers, "
+        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only, epsilon, max_budget, "
+        "certify_bound and certify_unit to quest and fluxion only); values are numbers, "
         "except profile (a path, or 'default'), fluxion_mode (predictor, static or oracle), host_dtype (none, int8 "
-        "or fp8), granularity (16, 32, 64, 128 or 'none': Eq. 3 per group) and the switches huge_pages, "
+        "or fp8), certify_bound (sketch or digest), certify_unit (row, block or none), granularity (16, 32, 64, 128 or 'none': Eq. 3 per group) and the switches huge_pages, "
         "skip_streaming (0 or 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")

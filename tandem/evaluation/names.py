@@ -26,9 +26,10 @@ SETTABLE = (
     "epsilon",
     "max_budget",
     "certify_bound",
+    "certify_unit",
 )
 # of those, the knobs only `fluxion` reads: without 'POLICY.' a sweep of one changes the fluxion variants alone
 FLUXION_SETTABLE = ("tau", "profile", "fluxion_mode", "granularity", "skip_streaming")
 # the certified selection's knobs, read by `quest` and `fluxion`: without 'POLICY.' a sweep changes those two alone
-CERTIFIED_SETTABLE = ("epsilon", "max_budget", "certify_bound")
+CERTIFIED_SETTABLE = ("epsilon", "max_budget", "certify_bound", "certify_unit")
 CERTIFIED_POLICIES = ("quest", "fluxion")

@@ -111,14 +111,14 @@ def parse_lengths(
 
 # `--set` values that are not plain numbers: names, paths, switches and the spelled-out defaults
 # the word for None (shipped profile, Eq. 3 per group, the model's dtype)
-_WORDS = {"profile": "default", "granularity": "none", "host_dtype": "none"}
+_WORDS = {"profile": "default", "granularity": "none", "host_dtype": "none", "certify_unit": "none"}
 _SWITCHES = ("huge_pages", "skip_streaming")
 
 
 def parse_setting(key: str, text: str):
     """One `--set` value of TandemConfig field `key`: a path for `profile` ('default': the shipped one), a name for
-    `fluxion_mode`, `certify_bound`, `host_split` and `host_dtype` ('none': the model's dtype), 0 or 1 for a switch, 'none' or a number for
-    `granularity`, a number otherwise.
+    `fluxion_mode`, `certify_bound`, `certify_unit` ('none': by the bound), `host_split` and `host_dtype` ('none':
+    the model's dtype), 0 or 1 for a switch, 'none' or a number for `granularity`, a number otherwise.
 
     Range checks are TandemConfig's; this raises ValueError only for text that cannot be such a value.
     """
@@ -126,7 +126,7 @@ def parse_setting(key: str, text: str):
         raise ValueError("empty value")
     if text.lower() == _WORDS.get(key):
         return None
-    if key in ("profile", "fluxion_mode", "host_dtype", "host_split", "certify_bound"):
+    if key in ("profile", "fluxion_mode", "host_dtype", "host_split", "certify_bound", "certify_unit"):
         return text
     if key in _SWITCHES:
         if text not in ("0", "1"):

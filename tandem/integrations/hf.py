@@ -23,6 +23,7 @@ from ..cache import LayerKV
 from ..cache.recall import RecallBudget
 from ..config import TandemConfig
 from ..models import attention_shape
+from ..policies.certified import certifies_rows
 from ..policies.fluxion import resolve_profile
 
 ATTENTION_NAME = "tandem"
@@ -244,6 +245,7 @@ class TandemCache(Cache):
             stats["certified"] = certified_statistics(
                 [kv.policy.certifier.statistics() for kv in kvs], self.config.epsilon
             )
+            stats["certified"]["unit"] = "row" if certifies_rows(self.config) else "block"
         return stats
 
 
@@ -267,11 +269,11 @@ def fluxion_statistics(per_layer: list[dict]) -> dict:
 def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
     """The certified selection over layers and decode steps, per (request, query head) of each layer and step:
     the certified skipped probability p and output bound (mean, max), the share that met epsilon when selected,
-    the largest excess of p over epsilon where the max_budget cap bound, and the share of live host blocks kept."""
+    the largest excess of p over epsilon where the max_budget cap bound, and the share of live host units (rows or blocks: `certify_unit`) kept."""
     total = {
-        k: sum(s[k] for s in per_layer) for k in ("head_steps", "p_sum", "bound_sum", "met", "blocks_kept")
+        k: sum(s[k] for s in per_layer) for k in ("head_steps", "p_sum", "bound_sum", "met", "units_kept")
     }
-    heads, live = total["head_steps"], sum(s["blocks_live"] for s in per_layer)
+    heads, live = total["head_steps"], sum(s["units_live"] for s in per_layer)
     return {
         "epsilon": epsilon,
         "head_steps": int(heads),
@@ -281,7 +283,7 @@ def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
         "max_output_bound": max((s["bound_max"] for s in per_layer), default=None) if heads else None,
         "met_share": total["met"] / heads if heads else None,
         "max_excess": max((s["excess_max"] for s in per_layer), default=None) if heads else None,
-        "mean_blocks_kept": total["blocks_kept"] / live if live else None,
+        "mean_kept": total["units_kept"] / live if live else None,
     }
 
 

@@ -6,6 +6,10 @@ may pass the blocks its own rule chose (`forced`): those are attended in any cas
 their lower mass bounds count toward the attended mass; the certified blocks are added where they do not suffice.
 `after_attention` computes the step's certificate with the exact attended mass and adds it to device counters
 (`CERT_COUNTERS`). Both are plain torch with no host reads, so a recorded CUDA graph replays them.
+
+The unit it keeps (`TandemConfig.certify_unit`) is a host row or a block of `block_size` rows. Rows rank by the
+key sketch's per-row bounds, so a block whose mass sits in one row costs one row; `select` then returns a row
+mask and `unit` is 1. The counters "units_kept" / "units_live" count the kept and live units per KV head.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from . import certify
 
 # device-side counters of the certified selection, summed over steps (`Certifier.statistics`)
 CERT_COUNTERS = (
-    "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "blocks_kept", "blocks_live",
+    "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "units_kept", "units_live",
 )  # fmt: skip
 _MAXIMA = ("p_max", "bound_max", "excess_max")
 
@@ -35,6 +39,26 @@ def host_digests(host, device):
         valid = valid.to(device)
     empty = ~valid[:, None, :, None]
     return kmin.masked_fill(empty, float("inf")), kmax.masked_fill(empty, float("-inf")), valid
+
+
+def certifies_rows(config) -> bool:
+    """True when `config`'s certified selection keeps single rows (`TandemConfig.certify_unit`)."""
+    unit = config.certify_unit
+    return unit == "row" or (unit is None and config.certify_bound == "sketch")
+
+
+def certified_row_mass(host, q: torch.Tensor, scale: float):
+    """(upper, lower [B, Hq, n], row_valid [B, n]): per row, the scaled logit bounds of the key sketch, which are
+    also the log of each row's mass bounds; n covers the device mirror's capacity where there is one (rows past
+    the live ones: -inf and invalid)."""
+    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
+    n = (host.capacity if mirrored else host.rows) // host.block_size * host.block_size
+    valid = host.row_valid_dev[:, :n]
+    upper, lower = certify.sketch_logit_bounds(
+        q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
+        valid, scale,
+    )  # fmt: skip
+    return upper, lower, valid
 
 
 def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
@@ -72,6 +96,7 @@ class Certifier:
 
     def __init__(self, config) -> None:
         self.config = config
+        self.rows = certifies_rows(config)
         # the step in flight, for after_attention: (mass, union, value_norm, rows, met, kept blocks, live, needed)
         self.step: tuple | None = None
         self._counters: torch.Tensor | None = None
@@ -80,16 +105,25 @@ class Certifier:
         self.last_certificate: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def select(self, layer, q: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[B, Hkv, nb] bool: the blocks each KV head attends, `forced` [B, Hkv, nb] bool (or None) among them,
-        for q [B, Hq, D] on the compute device; None when the layer has no host rows."""
+        """[B, Hkv, n] bool: the units each KV head attends (rows, or blocks: `unit`), `forced` [B, Hkv, nb]
+        bool blocks (or None) among them, for q [B, Hq, D] on the compute device; None when the layer has no
+        host rows."""
         host = layer.host
         if host is None or host.rows == 0:
             self.step = None
             return None
         scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
         with torch.no_grad():
-            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
-            value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
+            if self.rows:  # every row is a unit of its own; a block's value norm bounds each of its rows'
+                mass, lower, valid = certified_row_mass(host, q, scale)
+                rows = valid.float()
+                value_norm = host.value_norm_dev[:, :, : rows.shape[1] // host.block_size]
+                value_norm = value_norm.repeat_interleave(host.block_size, dim=-1)
+                if forced is not None:
+                    forced = forced.repeat_interleave(host.block_size, dim=-1) & valid[:, None, :]
+            else:
+                mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
+                value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
             known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
             # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
             live = (rows > 0).sum(-1, keepdim=True)
@@ -99,6 +133,11 @@ class Certifier:
             )
         self.step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live, needed)
         return union
+
+    def unit(self, host) -> int | None:
+        """The rows of one unit of `select`'s mask: None for single rows (a `Selection` of kind "rows"), else
+        the host tier's block size."""
+        return None if self.rows else host.block_size
 
     def after_attention(self, layer, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Count this step's certificate (`certify.certificate`) on the device, with the exact attended mass."""

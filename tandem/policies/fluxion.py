@@ -197,7 +197,8 @@ class FluxionPolicy(Policy):
             from_device = self.device_select(layer, q[:, :, 0])
             if from_device is None:
                 return NONE
-        return ids_selection(from_device, layer.host.block_size)
+        unit = layer.host.block_size if self.certifier is None else self.certifier.unit(layer.host)
+        return ids_selection(from_device, unit)
 
     # ---- statistics -------------------------------------------------------------------------------------------
     def _count(self, layer, budgets, choice, streaming, active, const) -> None:

@@ -91,20 +91,26 @@ def select_blocks(
 def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, n] bool -> [B, Hkv, n] int64: the selected block ids ascending, then n (past every block)."""
     n = mask.shape[-1]
-    ids = torch.arange(n, device=mask.device).expand_as(mask)
-    return torch.where(mask, ids, torch.full_like(ids, n)).sort(dim=-1).values
+    # each selected id goes to its rank among the selected (a running count), the others to a spare slot: O(n),
+    # where a sort of the ids took 2x longer on a CPU
+    slot = torch.where(mask, mask.cumsum(-1) - 1, n)
+    ids = torch.full((*mask.shape[:-1], n + 1), n, dtype=torch.long, device=mask.device)
+    ids.scatter_(-1, slot, torch.arange(n, device=mask.device).expand_as(slot))
+    return ids[..., :n]
 
 
-def ids_selection(from_device: torch.Tensor, block_size: int):
+def ids_selection(from_device: torch.Tensor, block_size: int | None):
     """The Selection of `mask_to_ids` output [B, Hkv, n] on the host: each KV head's ids up to its first invalid
-    pick (n), or NONE when no head selected anything."""
+    pick (n), as blocks of `block_size` rows or, with None, as rows; NONE when no head selected anything."""
     width = from_device.shape[-1]
     lengths = (from_device < width).sum(dim=-1)
     most = int(lengths.max())
     if most == 0:
         return NONE
     ids = from_device[..., :most]
-    return Selection("blocks", ids.masked_fill(ids >= width, 0), lengths, block_size)
+    return Selection(
+        "blocks" if block_size else "rows", ids.masked_fill(ids >= width, 0), lengths, block_size
+    )
 
 
 def blocks_for_budget(budget: float, host_rows: int, block: int) -> int:

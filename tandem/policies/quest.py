@@ -122,7 +122,8 @@ class QuestPolicy(Policy):
 
     # ---- certified selection (`epsilon`) ------------------------------------------------------------------
     def _certified_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
-        """[B, Hkv, nb] int64: each KV head's certified blocks ascending, then nb (none); see `certified`."""
+        """[B, Hkv, n] int64: each KV head's certified units (rows or blocks) ascending, then n (none); see
+        `certified`."""
         union = self.certifier.select(layer, q)
         return None if union is None else mask_to_ids(union)
 
@@ -131,4 +132,4 @@ class QuestPolicy(Policy):
             from_device = self._certified_select(layer, q[:, :, 0])
             if from_device is None:
                 return NONE
-        return ids_selection(from_device, layer.host.block_size)
+        return ids_selection(from_device, self.certifier.unit(layer.host))

@@ -53,5 +53,5 @@ def test_recorded_certified_steps_select_and_certify_as_eager_ones(policy, tmp_p
     graph_tokens, graphs = _decode("cuda", True, _config(policy, tmp_path))
     assert torch.equal(eager_tokens, graph_tokens)
     assert graphs["head_steps"] == eager["head_steps"]
-    for key in ("mean_p", "max_p", "mean_output_bound", "met_share", "mean_blocks_kept"):
+    for key in ("mean_p", "max_p", "mean_output_bound", "met_share", "mean_kept"):
         assert graphs[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key

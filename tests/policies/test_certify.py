@@ -277,3 +277,34 @@ def test_key_sketch_zeroes_padding_rows_and_keeps_zero_keys_exact():
     decoded = codes.float() * row_scale[..., None]
     assert torch.all((keys - decoded).norm(dim=-1)[valid[:, None]] <= error[valid[:, None]])
     assert torch.all(error[valid[:, None]] <= row_scale[valid[:, None]] * 4**0.5 / 2 * 1.01 + 1e-30)
+
+
+def test_row_units_keep_the_heavy_rows_where_blocks_keep_their_whole_blocks():
+    """Three planted rows hold almost all of each head's host mass, in three different blocks: certified over
+    rows (the sketch's per-row bounds as units) the selection keeps about those rows; over blocks it keeps their
+    three whole blocks. Both meet epsilon, and the measured skipped share of each stays under its certificate."""
+    gen = torch.Generator().manual_seed(7)
+    batch, kv_heads, group, n, dim, block = 1, 2, 2, 256, 32, 16
+    keys = torch.randn(batch, kv_heads, n, dim, generator=gen) * 0.1
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen)
+    heavy = torch.tensor([5, 100, 200])  # rows in blocks 0, 6 and 12
+    keys[:, :, heavy] = q.view(batch, kv_heads, group, dim).mean(2)[:, :, None] * 6.0
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    scale = dim**-0.5
+    upper, lower = certify.sketch_logit_bounds(q, *certify.key_sketch(keys, valid), valid, scale)
+    known = torch.zeros(batch, kv_heads * group)  # a hot tier of mass 1
+    epsilon = 0.05
+    rows, needed_rows, kept_rows = certify.certified_blocks(upper, known, epsilon, n, kv_heads, lower)
+    blocks, _, _ = certify.certified_blocks(
+        certify.sketch_mass_bounds(upper, block), known, epsilon, n // block, kv_heads,
+        certify.sketch_mass_bounds(lower, block),
+    )  # fmt: skip
+    assert torch.all(needed_rows == kept_rows)  # met
+    assert rows[:, :, heavy].all() and 3 <= int(rows.sum(-1).max()) <= 12
+    assert blocks[:, :, heavy // block].all() and int(blocks.sum(-1).min()) >= 3
+    assert int(rows.sum()) < int(blocks.sum()) * block // 4
+    truth = _logits(q, keys, valid, scale)  # [B, Hq, n] exact, float64
+    per_head = rows[:, :, None].expand(-1, -1, group, -1).reshape(batch, kv_heads * group, n)
+    skipped = truth.masked_fill(per_head, -math.inf).logsumexp(-1)
+    attended = torch.logaddexp(known.double(), truth.masked_fill(~per_head, -math.inf).logsumexp(-1))
+    assert torch.all(torch.sigmoid(skipped - attended) <= epsilon)
