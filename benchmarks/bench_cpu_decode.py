@@ -37,7 +37,8 @@ def _hf_rows(dtype: str, tokens: int) -> list[dict]:
     systems = {
         "hf-dynamic": DynamicCache,
         "tandem-full": lambda: TandemCache.for_model(model, TandemConfig(policy="full")),
-        "tandem-hgca": lambda: TandemCache.for_model(model, TandemConfig()),
+        "tandem-hgca": lambda: TandemCache.for_model(model, TandemConfig(policy="hgca")),
+        "tandem-certified": lambda: TandemCache.for_model(model, TandemConfig()),
     }
     rows = []
     for name, make in systems.items():

@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from tandem.config import POLICIES, TandemConfig, default_cpu_threads
+from tandem.config import DEFAULT_EPSILON, POLICIES, TandemConfig, default_cpu_threads
 
 
 def test_defaults():
     cfg = TandemConfig()
-    assert cfg.policy == "hgca"
+    assert cfg.policy == "certified" and cfg.epsilon == DEFAULT_EPSILON == 0.05 and cfg.max_budget == 0.5
+    assert TandemConfig(policy="quest").epsilon is None and TandemConfig(policy="hgca").epsilon is None
     assert (cfg.sink_tokens, cfg.window_tokens, cfg.block_size) == (64, 256, 16)
     assert (cfg.budget, cfg.beta, cfg.maw_alpha) == (0.05, 1.0, 0.1)
     assert (cfg.observation_tokens, cfg.prefill_chunk) == (32, 2048)

@@ -105,7 +105,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The cache's settings (`build_config` reads them)."""
     p.add_argument(
-        "--policy", choices=POLICIES, default="hgca", help="host-tier selection policy (default hgca)"
+        "--policy",
+        choices=POLICIES,
+        default="certified",
+        help="host-tier selection policy (default certified: quest's selection with --epsilon, 0.05 unless set)",
     )
     p.add_argument("--sink-tokens", type=int, default=64)
     p.add_argument(
@@ -121,9 +124,10 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "--epsilon",
         type=float,
         default=None,
-        help="quest, fluxion: certified selection: each head keeps the fewest host rows for which the "
-        "attention it skips provably stays at most this fraction, in (0, 1) (quest: instead of --budget; "
-        "fluxion: added to its own selection where that falls short); the stats line reports the certificate",
+        help="certified, quest, fluxion: certified selection: each head keeps the fewest host rows for which the "
+        "attention it skips provably stays at most this fraction, in (0, 1) (certified: 0.05 unless set; quest: "
+        "instead of --budget; fluxion: added to its own selection where that falls short); the stats line "
+        "reports the certificate",
     )
     p.add_argument(
         "--max-budget",

@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..policies import certify
-from ..policies.certified import Certifier, certified_mass, host_digests
+from ..policies.certified import Certifier, certified_mass, certified_row_mass, host_digests
 from .metrics import layer_full_attention_lse
 
 
@@ -80,15 +80,21 @@ def trace_certificates(on_select=None):
 
     def record(self, layer, out, lse):
         if self.step is not None:
-            mass, union, value_norm, rows, met, kept, live, needed = self.step
+            step = self.step
             q = queries[id(layer)]
-            p_cert, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
             host, scale = layer.host, layer.attention_scale
-            if self.rows:
+            p_cert, bound = certify.certificate_from_tail(step.tail, step.skipped_norm, lse, out)
+            if self.rows:  # the rows' own bounds, as the selection saw them
+                mass, _, valid = certified_row_mass(host, q, scale)
+                rows = valid.float()
+                value_norm = host.value_norm_dev[:, :, : rows.shape[1] // host.block_size]
+                value_norm = value_norm.repeat_interleave(host.block_size, dim=-1)
                 masses = {"sketch": mass}
             else:
                 key_min, key_max, _ = host_digests(host, q.device)
+                mass, _, rows = certified_mass(host, q, scale, self.config.certify_bound)
                 nb = rows.shape[1]
+                value_norm = host.value_norm_dev[:, :, :nb]
                 box = certify.logit_bounds(
                     q, key_min[:, :, :nb], key_max[:, :, :nb], host.key_centre_dev[:, :, :nb],
                     host.key_radius_dev[:, :, :nb], rows, scale, ball=False,
@@ -98,19 +104,21 @@ def trace_certificates(on_select=None):
                     "sketch": sketch_mass(host, q, scale, nb),
                     "box": certify.mass_bounds(box, rows),
                 }
+            union = step.union
             # each bound's certificate of the same selection: (p, output bound)
             alternatives = {
                 name: certify.certificate(m, union, value_norm, rows, lse, out) for name, m in masses.items()
             }
             p, deviation = full_attention_gap(layer, q, out, union, self.rows)
+            live = step.live.float().clamp(min=1)
             records.append({
                 "layer": layer.layer_idx, "p_measured": p.flatten().tolist(),
                 "p_certified": p_cert.double().flatten().tolist(),
                 **{f"p_{name}": p_alt.double().flatten().tolist() for name, (p_alt, _) in alternatives.items()},
                 **{f"bound_{name}": b.double().flatten().tolist() for name, (_, b) in alternatives.items()},
                 "deviation": deviation.flatten().tolist(), "bound": bound.double().flatten().tolist(),
-                "met": met.flatten().tolist(), "kept": (kept.float() / live.float().clamp(min=1)).flatten().tolist(),
-                "needed": (needed.float() / live.float().clamp(min=1)).flatten().tolist(),
+                "met": step.met.flatten().tolist(), "kept": (union.sum(-1).float() / live).flatten().tolist(),
+                "needed": (step.needed.float() / live).flatten().tolist(),
             })  # fmt: skip
         return after(self, layer, out, lse)
 

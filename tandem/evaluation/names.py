@@ -32,4 +32,4 @@ SETTABLE = (
 FLUXION_SETTABLE = ("tau", "profile", "fluxion_mode", "granularity", "skip_streaming")
 # the certified selection's knobs, read by `quest` and `fluxion`: without 'POLICY.' a sweep changes those two alone
 CERTIFIED_SETTABLE = ("epsilon", "max_budget", "certify_bound", "certify_unit")
-CERTIFIED_POLICIES = ("quest", "fluxion")
+CERTIFIED_POLICIES = ("certified", "quest", "fluxion")

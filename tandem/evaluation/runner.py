@@ -172,11 +172,11 @@ def make_variants(
             target, dot = "fluxion", "."
         targets = [target] if dot else list(policies)
         if not dot and key in CERTIFIED_SETTABLE:
-            # only quest and fluxion certify their selection; the others would refuse the key
+            # only certified, quest and fluxion certify their selection; the others would refuse the key
             targets = [p for p in policies if p in CERTIFIED_POLICIES]
             if not targets:
                 raise ValueError(
-                    f"--set {item!r}: {key!r} applies only to policies {', '.join(CERTIFIED_POLICIES)}, neither of "
+                    f"--set {item!r}: {key!r} applies only to policies {', '.join(CERTIFIED_POLICIES)}, none of "
                     f"which is in --policies ({', '.join(policies)})"
                 )
         try:

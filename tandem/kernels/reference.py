@@ -17,6 +17,16 @@ import math
 import torch
 
 NEG_INF = float("-inf")
+# The certified selection's arithmetic (`tandem.policies.certify`, and its compiled kernel `cpu.certified_rows`):
+# the slack, in logit units, widening every bound (lower ones down) for fp32 rounding in the kernels; the
+# histogram that ranks the units, CERTIFY_BUCKETS bins of CERTIFY_BUCKET_NATS under a head's best bound, the last
+# taking everything further down (24 nats: e^-24 a unit, negligible under a million of them); and the relative
+# margin of its float64 sums
+CERTIFY_SLACK_ABS = 2e-3
+CERTIFY_SLACK_REL = 1e-4
+CERTIFY_BUCKETS = 192
+CERTIFY_BUCKET_NATS = 0.125
+CERTIFY_TAIL_MARGIN = 1e-9
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

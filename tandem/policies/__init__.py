@@ -11,6 +11,9 @@ from .simple import FullPolicy, StreamingPolicy
 POLICY_CLASSES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FullPolicy, StreamingPolicy, HGCAPolicy, QuestPolicy, FluxionPolicy)
 }
+POLICY_CLASSES["certified"] = (
+    QuestPolicy  # quest's selection with an epsilon (TandemConfig resolves its default)
+)
 
 
 def make_policy(config) -> Policy:

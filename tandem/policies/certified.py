@@ -14,6 +14,8 @@ mask and `unit` is 1. The counters "units_kept" / "units_live" count the kept an
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import certify
@@ -82,6 +84,24 @@ def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
     return upper, certify.ball_lower_mass(q, centre, radius, rows, scale), rows
 
 
+class Step(NamedTuple):
+    """One layer's certified selection in flight, on the compute device: the units each KV head attends (union
+    [B, Hkv, n] bool), per query head the units its certificate needed and those kept (≤ max_budget) [B, Hq],
+    the live units [B, 1], and for the certificate the log mass bound of the skipped units (tail [B, Hq]) and
+    their largest value norm (skipped_norm [B, Hkv])."""
+
+    union: torch.Tensor
+    needed: torch.Tensor
+    kept: torch.Tensor
+    live: torch.Tensor
+    tail: torch.Tensor
+    skipped_norm: torch.Tensor
+
+    @property
+    def met(self) -> torch.Tensor:
+        return self.needed <= self.kept
+
+
 class Certifier:
     """One layer's certified selection and its counters.
 
@@ -97,8 +117,7 @@ class Certifier:
     def __init__(self, config) -> None:
         self.config = config
         self.rows = certifies_rows(config)
-        # the step in flight, for after_attention: (mass, union, value_norm, rows, met, kept blocks, live, needed)
-        self.step: tuple | None = None
+        self.step: Step | None = None  # the step in flight, for after_attention
         self._counters: torch.Tensor | None = None
         self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
         # (p [B, Hq], output bound [B, Hq]) of the last step's certificate, None when it had no host tier
@@ -114,25 +133,39 @@ class Certifier:
             return None
         scale = layer.attention_scale if layer.attention_scale is not None else q.shape[-1] ** -0.5
         with torch.no_grad():
-            if self.rows:  # every row is a unit of its own; a block's value norm bounds each of its rows'
-                mass, lower, valid = certified_row_mass(host, q, scale)
-                rows = valid.float()
-                value_norm = host.value_norm_dev[:, :, : rows.shape[1] // host.block_size]
-                value_norm = value_norm.repeat_interleave(host.block_size, dim=-1)
-                if forced is not None:
-                    forced = forced.repeat_interleave(host.block_size, dim=-1) & valid[:, None, :]
-            else:
-                mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
-                value_norm = host.value_norm_dev[:, :, : rows.shape[1]]
             known = certify.hot_mass(q, layer.hot.keys, layer.hot.valid, scale)
+            if self.rows:
+                self.step = self._select_rows(layer, q, scale, known, forced)
+                return self.step.union
+            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
             # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
             live = (rows > 0).sum(-1, keepdim=True)
             most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
             union, needed, kept = certify.certified_blocks(
                 mass, known, self.config.epsilon, most, layer.num_kv_heads, lower, forced
             )
-        self.step = (mass, union, value_norm, rows, needed <= kept, union.sum(-1), live, needed)
+            tail, skipped_norm = certify.skipped_blocks(
+                mass, union, host.value_norm_dev[:, :, : rows.shape[1]], rows
+            )
+        self.step = Step(union, needed, kept, live, tail, skipped_norm)
         return union
+
+    def _select_rows(self, layer, q, scale: float, known, forced) -> Step:
+        """Every row a unit of its own (`certify.certified_rows`); a block's value norm bounds each of its rows'."""
+        host = layer.host
+        mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
+        n = (host.capacity if mirrored else host.rows) // host.block_size * host.block_size
+        valid = host.row_valid_dev[:, :n]
+        live = valid.sum(-1, keepdim=True)  # [B, 1] on the device: a recorded step follows the tier's growth
+        most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)
+        if forced is not None:
+            forced = forced.repeat_interleave(host.block_size, dim=-1) & valid[:, None, :]
+        union, needed, kept, tail, skipped_norm = certify.certified_rows(
+            q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
+            valid, scale, known, self.config.epsilon, most, layer.num_kv_heads,
+            host.value_norm_dev[:, :, : n // host.block_size], host.block_size, forced,
+        )  # fmt: skip
+        return Step(union, needed, kept, live, tail, skipped_norm)
 
     def unit(self, host) -> int | None:
         """The rows of one unit of `select`'s mask: None for single rows (a `Selection` of kind "rows"), else
@@ -144,15 +177,15 @@ class Certifier:
         self.last_certificate = None
         if self.step is None:
             return
-        mass, union, value_norm, rows, met, kept_blocks, live, _ = self.step
-        self.step = None
+        s, self.step = self.step, None
         with torch.no_grad():
-            p, bound = certify.certificate(mass, union, value_norm, rows, lse, out)
+            p, bound = certify.certificate_from_tail(s.tail, s.skipped_norm, lse, out)
             self.last_certificate = (p, bound)
             excess = (p - self.config.epsilon).clamp(min=0)
             step = torch.stack([
                 torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),
-                met.float().sum(), excess.max(), kept_blocks.float().sum(), (live.float() * layer.num_kv_heads).sum(),
+                s.met.float().sum(), excess.max(), s.union.sum(-1).float().sum(),
+                (s.live.float() * layer.num_kv_heads).sum(),
             ])  # fmt: skip
             if self._counters is None or self._counters.device != step.device:
                 # made in the eager warm-up steps, updated in place: a recorded step adds to the same tensor

@@ -31,14 +31,15 @@ import math
 
 import torch
 
-SLACK_ABS = 2e-3  # logit units widening every bound (lower ones down): fp32 rounding in the kernels
-SLACK_REL = 1e-4
+from ..kernels import cpu as _cpu
+from ..kernels import ops, reference
+
+# the bounds' slack and the selection's histogram, shared with the compiled kernel (`kernels.reference`)
+SLACK_ABS, SLACK_REL = reference.CERTIFY_SLACK_ABS, reference.CERTIFY_SLACK_REL
+BUCKETS, BUCKET_NATS, TAIL_MARGIN = (
+    reference.CERTIFY_BUCKETS, reference.CERTIFY_BUCKET_NATS, reference.CERTIFY_TAIL_MARGIN,
+)  # fmt: skip
 SKETCH_TOP = 127  # int8 codes are symmetric: [-127, 127]
-# the certified selection's histogram (`certified_blocks`): BUCKETS bins of BUCKET_NATS under a head's best bound;
-# the last one takes everything further down (24 nats: e^-24 a unit, negligible under a million of them)
-BUCKETS = 192
-BUCKET_NATS = 0.125
-TAIL_MARGIN = 1e-9
 # fp32 bytes of codes converted at a time on a CPU (`sketch_logit_bounds`): 8B layer at 128K, 2-core CPU, one
 # conversion 221 ms, chunks of 2-32 MB 65-68 ms
 SKETCH_CHUNK_BYTES = 1 << 23
@@ -240,17 +241,75 @@ def certified_blocks(
     return union, needed, units.gather(-1, take_at)[..., 0]
 
 
+def certified_rows(
+    q, codes, row_scale, error, row_valid, scale: float, known_lse, epsilon: float, max_units, num_kv_heads: int,
+    value_norm, block_size: int, forced=None,
+):  # fmt: skip
+    """The certified selection over single host rows, from the key sketch, with what its certificate needs:
+    (union [B, Hkv, n] bool, needed [B, Hq] int64, kept [B, Hq] int64, tail_lse [B, Hq] float32, skipped_norm
+    [B, Hkv] float32). The rows' bounds are `sketch_logit_bounds`, the selection `certified_blocks` with a row as
+    the unit, and the rest `skipped_rows`. q: [B, Hq, D]; codes / row_scale / error: the sketch of n rows
+    (`key_sketch`); row_valid: [B, n] bool; known_lse: [B, Hq]; max_units: an int or a tensor broadcasting to
+    [B, Hq]; value_norm: [B, Hkv, n // block_size] each block's largest value norm; forced: [B, Hkv, n] bool rows
+    kept in any case, or None. On CPU tensors the compiled kernel runs it (`tandem.kernels.cpu.certified_rows`),
+    elsewhere `certified_rows_reference`."""
+    args = (q, codes, row_scale, error, row_valid, scale, known_lse, epsilon, max_units, num_kv_heads, value_norm,
+            block_size, forced)  # fmt: skip
+    if ops.native_cpu_available() and not q.is_cuda and not codes.is_cuda and _cpu.has_certified_rows():
+        return _cpu.certified_rows(*args)
+    return certified_rows_reference(*args)
+
+
+def certified_rows_reference(
+    q, codes, row_scale, error, row_valid, scale: float, known_lse, epsilon: float, max_units, num_kv_heads: int,
+    value_norm, block_size: int, forced=None,
+):  # fmt: skip
+    """`certified_rows` in plain torch (any device; graph-safe)."""
+    upper, lower = sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale)
+    union, needed, kept = certified_blocks(upper, known_lse, epsilon, max_units, num_kv_heads, lower, forced)
+    return (union, needed, kept, *skipped_rows(upper, union, row_valid, value_norm, block_size))
+
+
+def skipped_rows(upper, union, row_valid, value_norm, block_size: int):
+    """(tail_lse [B, Hq], skipped_norm [B, Hkv]): the log of the upper mass bound of the live rows outside `union`
+    (-inf where none is skipped) and the largest value norm of the blocks holding one. upper: [B, Hq, n] the rows'
+    bounds; union: [B, Hkv, n] bool; row_valid: [B, n]; value_norm: [B, Hkv, n // block_size]."""
+    batch, num_q_heads, n = upper.shape
+    num_kv_heads = union.shape[1]
+    group = num_q_heads // num_kv_heads
+    skipped = ~union & row_valid[:, None, :]
+    per_head = skipped[:, :, None].expand(-1, -1, group, -1).reshape(batch, num_q_heads, n)
+    tail = upper.masked_fill(~per_head, -math.inf).logsumexp(-1)
+    in_block = skipped.view(batch, num_kv_heads, n // block_size, block_size).any(-1)
+    return tail, value_norm.float().masked_fill(~in_block, 0.0).amax(-1)
+
+
+def certificate_from_tail(tail_lse, skipped_norm, attended_lse, out):
+    """(p [B, Hq], output bound [B, Hq]) from the skipped units' log mass bound tail_lse [B, Hq], the largest
+    skipped value norm per KV head skipped_norm [B, Hkv], the exact log attended mass attended_lse [B, Hq] and the
+    attended output out [B, Hq, D]: p = D / (W + D), and the output moves by at most p (max ||v|| + ||o||)."""
+    batch, num_q_heads = tail_lse.shape
+    group = num_q_heads // skipped_norm.shape[1]
+    p = torch.sigmoid(tail_lse - attended_lse.float())  # 0 when nothing is skipped
+    largest = skipped_norm[:, :, None].expand(-1, -1, group).reshape(batch, num_q_heads)
+    return p, p * (largest + out.float().norm(dim=-1))
+
+
+def skipped_blocks(mass, union, value_norm, rows):
+    """(tail_lse [B, Hq], skipped_norm [B, Hkv]) of a block selection: the log of the mass bound of the blocks
+    with rows outside `union` [B, Hkv, nb] (-inf where none is skipped) and their largest value norm. mass: [B, Hq,
+    nb] (`mass_bounds`); value_norm: [B, Hkv, nb]; rows: [B, nb]."""
+    batch, num_q_heads, nb = mass.shape
+    num_kv_heads = union.shape[1]
+    group = num_q_heads // num_kv_heads
+    skipped = ~union & (rows > 0)[:, None, :]
+    per_head = skipped[:, :, None].expand(-1, -1, group, -1).reshape(batch, num_q_heads, nb)
+    tail = mass.masked_fill(~per_head, -math.inf).logsumexp(-1)
+    return tail, value_norm.float().masked_fill(~skipped, 0.0).amax(-1)
+
+
 def certificate(mass, union, value_norm, rows, attended_lse, out):
     """After the step: (p [B, Hq], output bound [B, Hq]) with `attended_lse` [B, Hq] the exact log mass of what
     was attended (hot tier and selection, merged) and `out` [B, Hq, D] its output. union: [B, Hkv, nb] bool the
     attended blocks; value_norm: [B, Hkv, nb]; rows: [B, nb]."""
-    batch, num_q_heads, nb = mass.shape
-    num_kv_heads = union.shape[1]
-    group = num_q_heads // num_kv_heads
-    skipped = ~union & (rows > 0)[:, None, :]  # [B, Hkv, nb]: blocks with rows that were not attended
-    per_head = skipped[:, :, None].expand(-1, -1, group, -1).reshape(batch, num_q_heads, nb)
-    tail = mass.masked_fill(~per_head, -math.inf).logsumexp(-1)
-    p = torch.sigmoid(tail - attended_lse.float())  # D / (W + D); 0 when nothing is skipped
-    largest = value_norm.float().masked_fill(~skipped, 0.0).amax(-1)  # [B, Hkv]
-    largest = largest[:, :, None].expand(-1, -1, group).reshape(batch, num_q_heads)
-    return p, p * (largest + out.float().norm(dim=-1))
+    return certificate_from_tail(*skipped_blocks(mass, union, value_norm, rows), attended_lse, out)

@@ -58,7 +58,7 @@ def request_bytes(
     bs = config.block_size
     e = shape.element
     kv_row = 2 * shape.num_kv_heads * shape.head_dim  # K and V of one token, elements
-    needs_digest = config.policy in ("quest", "fluxion")
+    needs_digest = config.policy in ("certified", "quest", "fluxion")
     needs_maw = config.policy == "hgca"
     on_cuda = device_type == "cuda"
     share = config.gpu_share_on(device_type)

@@ -189,10 +189,13 @@ def test_engine_decodes_a_quantized_tier_as_generate_does(policy, extra):
 
 
 def test_host_dtype_is_validated_and_settable_from_the_command_line():
-    assert TandemConfig(host_dtype="fp8").host_dtype == "fp8"
+    assert TandemConfig(policy="quest", host_dtype="fp8").host_dtype == "fp8"
     with pytest.raises(ValueError, match=r"host_dtype='int4'.*None \(the model's dtype\), 'int8' or 'fp8'"):
         TandemConfig(host_dtype="int4")
-    cfg = TandemConfig()
+    # the default policy certifies the exact keys: an 8-bit tier is refused with the policy that takes one
+    with pytest.raises(ValueError, match=r"host_dtype='int8'.*policy='certified'.*policy='quest'"):
+        TandemConfig(host_dtype="int8")
+    cfg = TandemConfig(policy="quest")
     with pytest.raises(ValueError, match="host_dtype"):
         cfg.host_dtype = torch.int8
     assert cfg.host_dtype is None

@@ -1,5 +1,5 @@
 """Compiled CPU kernels: sparse attention with LSE (over selected rows, or over ranks of device-ranked
-blocks), block scoring + top-k, HGCA threshold selection.
+blocks), block scoring + top-k, HGCA threshold selection, the certified row selection.
 
 Plain C++ with OpenMP, built with the system compiler on first use and cached (see `_library`), with
 run-time SIMD dispatch (AVX-512-BF16 -> AVX-512F -> AVX2/FMA -> portable). Every function matches its
@@ -21,6 +21,7 @@ from tandem.kernels.cpu._library import (
     default_num_threads,
     prefetch_config,
 )
+from tandem.kernels.cpu.certify import certified_rows
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
     QueueAttention,
@@ -33,6 +34,12 @@ from tandem.kernels.cpu.ops import (
     sparse_attention_lse,
 )
 from tandem.kernels.cpu.selection import block_scores, read_sum, score_topk, threshold_select, topk_blocks
+
+
+def has_certified_rows() -> bool:
+    """True when the library carries the certified row selection (`certified_rows`)."""
+    lib = _library.library()
+    return lib is not None and hasattr(lib, "tandem_certified_rows")
 
 
 def is_available() -> bool:
@@ -63,9 +70,11 @@ __all__ = [
     "claim_probe",
     "queue_gpu_claim",
     "block_scores",
+    "certified_rows",
     "default_num_threads",
     "prefetch_config",
     "empty_task",
+    "has_certified_rows",
     "is_available",
     "isa",
     "ranked_block_attention",

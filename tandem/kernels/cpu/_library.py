@@ -30,7 +30,7 @@ import torch
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
 # the C++ `Dtype` enum; int8 / float8_e4m3fn: K/V stores of 8-bit codes only (with scales), never q or digests
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
-ABI_VERSION = 2  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields
+ABI_VERSION = 3  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
 # the 16-core Xeon GPU host (docs/cpu-kernels.md, "Prefetch sweeps"): 192 rows ahead into L2 (prefetcht2) ran
 # 20% faster than 64 rows into L1; 128 and 256 rows were within 10% of it (256 faster at batch 1, slower at 8).
@@ -112,6 +112,50 @@ class ScoreArgs(ctypes.Structure):
     ]
 
 
+class CertifyArgs(ctypes.Structure):
+    """Mirror of `tandem::CertifyArgs` in csrc/tandem_cpu.h (same field order): the certified row selection's
+    inputs, row-indexed ones as pointers with element strides."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p),
+        ("codes_stride_b", ctypes.c_int64),
+        ("codes_stride_h", ctypes.c_int64),
+        ("codes_stride_row", ctypes.c_int64),
+        ("row_scale", ctypes.c_void_p),
+        ("row_scale_stride_b", ctypes.c_int64),
+        ("row_scale_stride_h", ctypes.c_int64),
+        ("error", ctypes.c_void_p),
+        ("error_stride_b", ctypes.c_int64),
+        ("error_stride_h", ctypes.c_int64),
+        ("row_valid", ctypes.c_void_p),
+        ("row_valid_stride_b", ctypes.c_int64),
+        ("known_lse", ctypes.c_void_p),
+        ("max_units", ctypes.c_void_p),
+        ("max_units_stride_b", ctypes.c_int64),
+        ("max_units_stride_h", ctypes.c_int64),
+        ("value_norm", ctypes.c_void_p),
+        ("value_norm_stride_b", ctypes.c_int64),
+        ("value_norm_stride_h", ctypes.c_int64),
+        ("forced", ctypes.c_void_p),
+        ("forced_stride_b", ctypes.c_int64),
+        ("forced_stride_h", ctypes.c_int64),
+        ("batch", ctypes.c_int64),
+        ("num_q_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("slack_abs", ctypes.c_float),
+        ("slack_rel", ctypes.c_float),
+        ("epsilon", ctypes.c_double),
+        ("bucket_nats", ctypes.c_double),
+        ("tail_margin", ctypes.c_double),
+        ("buckets", ctypes.c_int64),
+    ]
+
+
 class HandoffTask(ctypes.Structure):
     """Mirror of `tandem::HandoffTask` in csrc/handoff.cpp (same field order): one hand-off's CPU part, served
     by `tandem_serve_handoffs`."""
@@ -158,6 +202,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_serve_handoffs": (i64, [p, i64, p, p, i64, p, ctypes.c_double, p]),
         "tandem_claim_probe": (i64, [p, p, i64, i32]),
         "tandem_queue_gpu_claim": (ctypes.c_int32, [p, i64, i64, p]),
+        "tandem_certified_rows": (i64, [i32, p, p, p, p, p, p, i32]),
         "tandem_queue_attention": (
             i64,
             [i32, i32, p, i32, p, i64, i64, i64, p, p, p, p, p, i32, ctypes.c_double],

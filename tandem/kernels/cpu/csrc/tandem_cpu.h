@@ -62,6 +62,51 @@ struct ScoreArgs {
   int64_t batch, num_kv_heads, nq, head_dim, num_blocks, factor;  // factor: logical / physical block size
 };
 
+// Arguments of the certified row selection (certify.cpp), the semantics of `certified_rows_reference` in
+// tandem/policies/certify.py. Mirrored in _library.py. Row-indexed inputs are read in place through their
+// strides (in elements; the last dim contiguous): the caller passes slices of capacity-wide buffers.
+struct CertifyArgs {
+  const float* q;                    // [B, Hq, D] fp32, contiguous
+  const int8_t* codes;               // [B, Hkv, n, D] the key sketch's codes
+  int64_t codes_stride_b, codes_stride_h, codes_stride_row;
+  const float* row_scale;            // [B, Hkv, n]
+  int64_t row_scale_stride_b, row_scale_stride_h;
+  const float* error;                // [B, Hkv, n]
+  int64_t error_stride_b, error_stride_h;
+  const uint8_t* row_valid;          // [B, n] bool
+  int64_t row_valid_stride_b;
+  const float* known_lse;            // [B, Hq] fp32, contiguous
+  const int64_t* max_units;          // [B, Hq] (strides may be 0: a broadcast)
+  int64_t max_units_stride_b, max_units_stride_h;
+  const float* value_norm;           // [B, Hkv, n / block_size]
+  int64_t value_norm_stride_b, value_norm_stride_h;
+  const uint8_t* forced;             // [B, Hkv, n] bool, or null
+  int64_t forced_stride_b, forced_stride_h;
+  int64_t batch, num_q_heads, num_kv_heads, n, head_dim, block_size;
+  float scale;                       // softmax scale of the logits
+  float slack_abs, slack_rel;        // the bounds' widening (SLACK_ABS, SLACK_REL)
+  double epsilon;
+  double bucket_nats, tail_margin;   // the histogram (BUCKET_NATS, TAIL_MARGIN)
+  int64_t buckets;                   // BUCKETS, at most kMaxBuckets
+};
+
+constexpr int64_t kMaxBuckets = 254;  // a row's bucket is one byte, with two more marks (certify.cpp)
+
+// Per-ISA workers of the certified selection (certify_impl.h). sketch_dots: dots[j * ld + r] = q_j . codes_r
+// for nq rows of q [nq, D] and `rows` code rows `row_stride` elements apart; exp_shifted: out[r] =
+// exp(double(x[r]) - top) in float64; bound_rows: a head's upper / lower logit bounds from its dots;
+// rank_rows: a head's rows for its histogram.
+struct CertifyTable {
+  void (*sketch_dots)(const float* q, int64_t nq, int64_t D, const int8_t* codes, int64_t row_stride,
+                      int64_t rows, float* dots, int64_t ld);
+  void (*bound_rows)(const float* dot, float q_norm, const float* row_scale, const float* error,
+                     const uint8_t* valid, int64_t m, float scale, float slack_abs, float slack_rel, float* upper,
+                     float* lower);
+  void (*exp_shifted)(const float* x, int64_t n, double top, double* out);
+  void (*rank_rows)(const float* upper, int64_t n, double top, double bucket_nats, double per_nat, double last,
+                    int32_t unranked, double* e_up, int32_t* bucket);
+};
+
 // Attend the rows at expanded positions [lo, hi) of segment `seg` (= b * Hkv + h) and leave the
 // unnormalised partial result in `state`: m[NQ] (running max, log2 domain), l[NQ] (sum of exp2),
 // acc[NQ][D] (layout order). `bad_rows` counts row ids outside [0, cap).
@@ -87,6 +132,11 @@ const KernelTable* table_scalar();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512bf16();
+
+// Defined by certify.cpp (portable) and certify_*.cpp; null where the ISA cannot be compiled.
+const CertifyTable* certify_table_scalar();
+const CertifyTable* certify_table_avx2();
+const CertifyTable* certify_table_avx512();
 
 bool isa_supported(int isa);
 const KernelTable* table_for(int isa);  // null if the ISA is not supported on this CPU
