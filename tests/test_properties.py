@@ -62,7 +62,8 @@ def _valid(config: TandemConfig) -> None:
     assert type(config.max_budget) is float and 0 < config.max_budget <= 1
     if config.epsilon is not None:
         assert type(config.epsilon) is float and 0 < config.epsilon < 1
-        assert config.policy == "quest" and config.host_dtype is None and not config.gpu_share
+        assert config.policy in ("certified", "quest", "fluxion") and config.host_dtype is None
+        assert not config.gpu_share
 
 
 @SETTINGS

@@ -34,7 +34,7 @@ from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
     "kwargs,message",
     [
         ({"tasks": "niah,nope"}, "--tasks: unknown 'nope'; allowed: niah, multikey"),
-        ({"policies": "full,magic"}, "--policies: unknown 'magic'; allowed: full, streaming, hgca, quest"),
+        ({"policies": "full,magic"}, "--policies: unknown 'magic'; allowed: certified, full, streaming, hgca, quest"),
         ({"lengths": "1k,2x"}, "--lengths: '2x' is not a context length"),
         ({"lengths": "100"}, "--lengths: '100' is not a context length"),
         ({"sets": ["quest.bogus=1"]}, "--set 'quest.bogus=1': unknown key 'bogus'; allowed: sink_tokens"),
@@ -106,13 +106,13 @@ def test_lengths_sweeps_and_model_maximum():
         check_lengths([1024, 16384], 8192)
 
 
-def test_a_certified_key_without_a_policy_applies_to_quest_and_fluxion_only():
+def test_a_certified_key_without_a_policy_applies_to_the_certifying_policies_only():
     variants = make_variants(["full", "quest", "fluxion"], ["epsilon=0.01,0.05"])
     labels = [v.label for v in variants]
     assert labels == [
         "full", "quest[epsilon=0.01]", "quest[epsilon=0.05]", "fluxion[epsilon=0.01]", "fluxion[epsilon=0.05]",
     ]  # fmt: skip
-    with pytest.raises(ValueError, match="applies only to policies quest, fluxion"):
+    with pytest.raises(ValueError, match="applies only to policies certified, quest, fluxion"):
         make_variants(["full", "hgca"], ["max_budget=0.5"])
 
 

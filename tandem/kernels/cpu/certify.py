@@ -22,9 +22,9 @@ def _expect(name: str, t, shape: tuple, dtypes: tuple) -> None:
     """Refuse t unless it is a CPU tensor of `shape` and one of `dtypes`."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {' / '.join(str(d) for d in dtypes)}, got {t.dtype}")
@@ -43,10 +43,10 @@ def _max_units(max_units, batch: int, num_q_heads: int) -> torch.Tensor:
         return torch.full((1, 1), max_units, dtype=torch.int64).expand(batch, num_q_heads)
     if max_units.dtype.is_floating_point or max_units.dtype.is_complex or max_units.dtype == torch.bool:
         raise ValueError(f"max_units must be an int or an integer tensor, got {max_units.dtype}")
-    if max_units.device.type != "cpu":
+    if not max_units.is_cpu:
         raise ValueError(f"max_units must be on the CPU, got {max_units.device}")
     try:
-        return max_units.to(torch.int64).broadcast_to(batch, num_q_heads)
+        return max_units.to(torch.int64).expand(batch, num_q_heads)
     except RuntimeError as err:
         shape = [batch, num_q_heads]
         raise ValueError(f"max_units must broadcast to {shape}, got shape {list(max_units.shape)}") from err

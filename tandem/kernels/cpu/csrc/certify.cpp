@@ -46,7 +46,8 @@ constexpr int64_t kChunkRows = 512;           // rows per work item of stages 1 
 constexpr int64_t kMinPairsPerThread = 8192;  // (row, query head) pairs per thread: fewer cost more in sync
 // Rows a head does not rank take the bins past the histogram's last: forced ones kForcedBin, those whose bound is
 // not finite kUnranked (padding at -inf adds 0 there; +inf or NaN make the bin's sum so, which stage 4 checks).
-constexpr int32_t kForcedBin = kMaxBuckets, kUnranked = kMaxBuckets + 1, kBins = kMaxBuckets + 2;
+constexpr uint8_t kForcedBin = kMaxBuckets, kUnranked = kMaxBuckets + 1;
+constexpr int32_t kBins = kMaxBuckets + 2;
 // A head's tail from the difference of two sums is taken where it keeps at least ~8 of float64's 16 digits and
 // lies above the terms exp_f64 drops (e^-708 and less, relative to top); else it is summed again over the
 // skipped rows, from their own maximum.
@@ -203,15 +204,14 @@ double cut_head(const Bin* hist, const double* suffix, int64_t buckets, double k
   return suffix[*take_at];
 }
 
-// Per-thread buffers for one chunk of rows (grow-only): stage 2's exponentials and bins, and the rows gathered
+// Per-thread buffers for one chunk of rows (grow-only): stage 2's exponentials, and the rows gathered
 // for an exponential of their own (stages 2 and 3).
 struct RowScratch {
   std::vector<double> e;
-  std::vector<int32_t> bin;
   std::vector<int64_t> ids;
   std::vector<float> x;
   void grow(int64_t n) {
-    Plan::grow(e, n), Plan::grow(bin, n), Plan::grow(ids, n), Plan::grow(x, n);
+    Plan::grow(e, n), Plan::grow(ids, n), Plan::grow(x, n);
   }
 };
 
@@ -259,14 +259,13 @@ void rank_head(const CertifyTable* table, Plan& p, int64_t head, int64_t* needed
   s.grow(p.chunk);
   for (int64_t r0 = 0; r0 < a.n; r0 += p.chunk) {
     const int64_t m = min64(p.chunk, a.n - r0);
-    int32_t* bin = s.bin.data();
+    uint8_t* bin = bucket + r0;
     table->rank_rows(up + r0, m, top, a.bucket_nats, p.per_nat, static_cast<double>(a.buckets - 1), kUnranked,
                      s.e.data(), bin);
     if (forced) {
       for (int64_t i = 0; i < m; ++i) bin[i] = forced[r0 + i] ? kForcedBin : bin[i];
     }
     for (int64_t i = 0; i < m; ++i) {
-      bucket[r0 + i] = static_cast<uint8_t>(bin[i]);
       hist[bin[i]].tail += s.e[i];
       ++hist[bin[i]].count;
     }
@@ -280,7 +279,9 @@ void rank_head(const CertifyTable* table, Plan& p, int64_t head, int64_t* needed
     known += lower_masses(table, up, p.lower.data() + head * a.n, bucket, a.n, p.chunk, true, 0, top, s, nullptr);
   }
   const int64_t reach = certified_without_gain(suffix, a.buckets, known, ratio, margin);
-  lower_masses(table, up, p.lower.data() + head * a.n, bucket, a.n, p.chunk, false, reach, top, s, hist);
+  if (reach > 0) {
+    lower_masses(table, up, p.lower.data() + head * a.n, bucket, a.n, p.chunk, false, reach, top, s, hist);
+  }
   const int64_t max_units = a.max_units[b * a.max_units_stride_b + hq * a.max_units_stride_h];
   p.top[head] = top;
   p.odd[head] = !std::isfinite(hist[kUnranked].tail);

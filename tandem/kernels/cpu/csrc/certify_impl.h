@@ -21,8 +21,8 @@ constexpr int dot_queries() {
 
 // dots[j * ld + r] = q_j . codes_r for RB rows (RB = 4 or 1) and QB queries. Per step of 2W dimensions the QB
 // q vector pairs are loaded once for the RB rows, and each code row widens once for the QB queries. With four
-// rows, one reduce4 per query sums the rows' accumulators and stores them in place (the [query][row] layout of
-// the caller), which left the three separate reductions per row of the attention kernel's layout behind.
+// rows, one reduce4 per query sums the rows' accumulators and stores them in the caller's [query][row] layout:
+// a quarter of the horizontal reductions of one per (row, query) in the attention kernel's [row][query] layout.
 template <class V, int QB, int RB>
 [[gnu::always_inline]] inline void dot_block(const float* q, int64_t D, const int8_t* codes, int64_t row_stride,
                                              float* dots, int64_t ld) {
@@ -137,19 +137,19 @@ template <class V>
 // bucket_nats when that is exact (a power of two), else 0 and the division runs.
 template <class V>
 [[gnu::optimize("no-trapping-math")]] void rank_rows(const float* upper, int64_t n, double top, double bucket_nats,
-                                                     double per_nat, double last, int32_t unranked, double* e_up,
-                                                     int32_t* bucket) {
+                                                     double per_nat, double last, uint8_t unranked, double* e_up,
+                                                     uint8_t* bucket) {
   for (int64_t i = 0; i < n; ++i) e_up[i] = exp_f64(static_cast<double>(upper[i]) - top);
   if (per_nat > 0.0) {
     for (int64_t i = 0; i < n; ++i) {
       const double x = (top - static_cast<double>(upper[i])) * per_nat;
-      const int32_t k = static_cast<int32_t>(x >= 0.0 ? (x < last ? x : last) : 0.0);
+      const uint8_t k = static_cast<uint8_t>(static_cast<int32_t>(x >= 0.0 ? (x < last ? x : last) : 0.0));
       bucket[i] = __builtin_fabsf(upper[i]) < __builtin_inff() ? k : unranked;
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
       const double x = (top - static_cast<double>(upper[i])) / bucket_nats;
-      const int32_t k = static_cast<int32_t>(x >= 0.0 ? (x < last ? x : last) : 0.0);
+      const uint8_t k = static_cast<uint8_t>(static_cast<int32_t>(x >= 0.0 ? (x < last ? x : last) : 0.0));
       bucket[i] = __builtin_fabsf(upper[i]) < __builtin_inff() ? k : unranked;
     }
   }

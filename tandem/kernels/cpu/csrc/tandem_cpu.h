@@ -104,7 +104,7 @@ struct CertifyTable {
                      float* lower);
   void (*exp_shifted)(const float* x, int64_t n, double top, double* out);
   void (*rank_rows)(const float* upper, int64_t n, double top, double bucket_nats, double per_nat, double last,
-                    int32_t unranked, double* e_up, int32_t* bucket);
+                    uint8_t unranked, double* e_up, uint8_t* bucket);
 };
 
 // Attend the rows at expanded positions [lo, hi) of segment `seg` (= b * Hkv + h) and leave the
