@@ -34,7 +34,10 @@ from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
     "kwargs,message",
     [
         ({"tasks": "niah,nope"}, "--tasks: unknown 'nope'; allowed: niah, multikey"),
-        ({"policies": "full,magic"}, "--policies: unknown 'magic'; allowed: certified, full, streaming, hgca, quest"),
+        (
+            {"policies": "full,magic"},
+            "--policies: unknown 'magic'; allowed: certified, full, streaming, hgca, quest",
+        ),
         ({"lengths": "1k,2x"}, "--lengths: '2x' is not a context length"),
         ({"lengths": "100"}, "--lengths: '100' is not a context length"),
         ({"sets": ["quest.bogus=1"]}, "--set 'quest.bogus=1': unknown key 'bogus'; allowed: sink_tokens"),
