@@ -99,7 +99,9 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next(b for b in rows if b["system"] == "hf-dynamic" and b["prompt_tokens"] == r["prompt_tokens"])
+        base = next(
+            b for b in rows if b["system"] == "hf-dynamic" and b["prompt_tokens"] == r["prompt_tokens"]
+        )
         share = "-" if r["fraction_attended"] is None else f"{r['fraction_attended']:.1%}"
         lines.append(
             f"| {r['prompt_tokens']} | {r['system']} | {r['tokens_per_s']:.2f} | "
