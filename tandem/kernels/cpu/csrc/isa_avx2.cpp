@@ -14,11 +14,17 @@
 
 #include "simd_avx2.h"
 #include "score_impl.h"
+#include "certify_impl.h"
 
 namespace tandem {
 
 const KernelTable* table_avx2() {
   static const KernelTable table = make_table<VAvx2>();
+  return &table;
+}
+
+const CertifyTable* certify_table_avx2() {
+  static const CertifyTable table = make_certify_table<VAvx2>();
   return &table;
 }
 
@@ -31,5 +37,6 @@ const KernelTable* table_avx2() {
 #else
 namespace tandem {
 const KernelTable* table_avx2() { return nullptr; }
+const CertifyTable* certify_table_avx2() { return nullptr; }
 }  // namespace tandem
 #endif

@@ -14,11 +14,17 @@
 
 #include "simd_avx512.h"
 #include "score_impl.h"
+#include "certify_impl.h"
 
 namespace tandem {
 
 const KernelTable* table_avx512() {
   static const KernelTable table = make_table<VAvx512>();
+  return &table;
+}
+
+const CertifyTable* certify_table_avx512() {
+  static const CertifyTable table = make_certify_table<VAvx512>();
   return &table;
 }
 
@@ -31,5 +37,6 @@ const KernelTable* table_avx512() {
 #else
 namespace tandem {
 const KernelTable* table_avx512() { return nullptr; }
+const CertifyTable* certify_table_avx512() { return nullptr; }
 }  // namespace tandem
 #endif
