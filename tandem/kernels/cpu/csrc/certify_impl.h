@@ -1,6 +1,6 @@
 // ISA-generic workers of the certified row selection (certify.cpp): the key sketch's dot products and the float64
 // exponentials and buckets of its histogram. Like attend_impl.h, compiled once per ISA: included after the ISA's
-// `#pragma GCC target` and its V struct (certify_avx2.cpp, certify_avx512.cpp; certify.cpp for the portable
+// `#pragma GCC target` and its V struct (isa_avx2.cpp, isa_avx512.cpp; certify.cpp for the portable
 // path), with internal linkage throughout so that per-ISA copies never merge at link time.
 #pragma once
 
