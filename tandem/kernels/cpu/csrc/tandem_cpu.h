@@ -133,7 +133,7 @@ const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512bf16();
 
-// Defined by certify.cpp (portable) and certify_*.cpp; null where the ISA cannot be compiled.
+// Defined by certify.cpp (portable) and isa_avx2.cpp / isa_avx512.cpp; null where the ISA cannot be compiled.
 const CertifyTable* certify_table_scalar();
 const CertifyTable* certify_table_avx2();
 const CertifyTable* certify_table_avx512();
