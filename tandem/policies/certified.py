@@ -43,6 +43,14 @@ def host_digests(host, device):
     return kmin.masked_fill(empty, float("inf")), kmax.masked_fill(empty, float("-inf")), valid
 
 
+def span_blocks(host, device) -> int:
+    """The host blocks a certified selection on `device` spans: the device mirror's capacity where there is one
+    (so that a recorded step follows the host tier's growth; the blocks past the live ones have no rows), else
+    the live blocks."""
+    mirrored = host.key_min_dev is not None and host.key_min_dev.device == device
+    return (host.capacity if mirrored else host.rows) // host.block_size
+
+
 def certifies_rows(config) -> bool:
     """True when `config`'s certified selection keeps single rows (`TandemConfig.certify_unit`)."""
     unit = config.certify_unit
@@ -53,8 +61,7 @@ def certified_row_mass(host, q: torch.Tensor, scale: float):
     """(upper, lower [B, Hq, n], row_valid [B, n]): per row, the scaled logit bounds of the key sketch, which are
     also the log of each row's mass bounds; n covers the device mirror's capacity where there is one (rows past
     the live ones: -inf and invalid)."""
-    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
-    n = (host.capacity if mirrored else host.rows) // host.block_size * host.block_size
+    n = span_blocks(host, q.device) * host.block_size
     valid = host.row_valid_dev[:, :n]
     upper, lower = certify.sketch_logit_bounds(
         q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
@@ -68,8 +75,7 @@ def certified_mass(host, q: torch.Tensor, scale: float, bound: str):
     mass per query head, and its rows, from the key sketch (`bound` "sketch") or the block digests ("digest");
     see `certify`. nb covers the device mirror's capacity where there is one (so that a recorded step follows
     the host tier's growth; the blocks past the live ones have no rows), else the live blocks."""
-    mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
-    nb = (host.capacity if mirrored else host.rows) // host.block_size
+    nb = span_blocks(host, q.device)
     rows = host.block_rows_dev[:, :nb]
     if bound == "sketch":
         n = nb * host.block_size
@@ -153,8 +159,7 @@ class Certifier:
     def _select_rows(self, layer, q, scale: float, known, forced) -> Step:
         """Every row a unit of its own (`certify.certified_rows`); a block's value norm bounds each of its rows'."""
         host = layer.host
-        mirrored = host.key_min_dev is not None and host.key_min_dev.device == q.device
-        n = (host.capacity if mirrored else host.rows) // host.block_size * host.block_size
+        n = span_blocks(host, q.device) * host.block_size
         valid = host.row_valid_dev[:, :n]
         live = valid.sum(-1, keepdim=True)  # [B, 1] on the device: a recorded step follows the tier's growth
         most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)
