@@ -125,19 +125,25 @@ def read_metrics(base: str) -> dict[str, float]:
 
 
 def histogram(before: dict, after: dict, name: str) -> dict:
-    """Count, mean and an upper bound on the max of a histogram's observations between two reads."""
+    """Count, mean and upper bounds on the median, 99th percentile and max of a histogram's observations between
+    two reads (each the first bucket bound that holds that share of them)."""
     count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
     total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
-    bound = None
     pattern = re.compile(re.escape(name) + r'_bucket\{le="([^"]+)"\}')
     buckets = sorted(
         (float(m.group(1)), after[k] - before.get(k, 0.0)) for k in after if (m := pattern.fullmatch(k))
     )
-    for le, n in buckets:
-        if count and n >= count:
-            bound = le
-            break
-    return {"count": int(count), "mean_s": total / count if count else None, "max_at_most_s": bound}
+
+    def bound(share: float) -> float | None:
+        return next((le for le, n in buckets if count and n >= share * count), None)
+
+    return {
+        "count": int(count),
+        "mean_s": total / count if count else None,
+        "p50_at_most_s": bound(0.5),
+        "p99_at_most_s": bound(0.99),
+        "max_at_most_s": bound(1.0),
+    }
 
 
 # ---- the clients ---------------------------------------------------------------------------------------------
@@ -422,7 +428,8 @@ def markdown(report: dict) -> str:
         f"{_mb(mem['end'])} at the end (as long after the sequential pass).",
         f"Prefill chunks during the load: {pre['count']}, mean {_ms(pre['mean_s'])}, max at most "
         f"{pre['max_at_most_s']} s (the histogram's bucket bound). Decode steps: {steps['count']}, mean "
-        f"{_ms(steps['mean_s'])}, mean batch {b['server']['mean_decode_batch'] or 0:.1f}, largest batch seen "
+        f"{_ms(steps['mean_s'])} (at most {steps['p50_at_most_s']} s at the median, {steps['p99_at_most_s']} s at p99, "
+        f"{steps['max_at_most_s']} s at the max), mean batch {b['server']['mean_decode_batch'] or 0:.1f}, largest batch seen "
         f"{b['peak_decoding']:.0f}.",
         f"Live caches at the end: {report['live_caches_end']:.0f} (target 0). Server stopped with exit code "
         f"{report['server_stop']['exit_code']}{', killed after the grace period' if report['server_stop']['killed'] else ''}.",
