@@ -88,6 +88,7 @@ class HostTier:
         self.stream = stream
         self.rows = 0
         self.staged = 0  # rows written past the live ones by `stage`, live at the next `append(staged=True)`
+        self._staged_markers: dict[str, torch.Tensor] = {}  # `_write_bounds`'s markers of the staged rows
         self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
         self._counted = 0
         self.capacity = 0
@@ -191,34 +192,38 @@ class HostTier:
 
         keys/values: [B, Hkv, n, D] with n a multiple of block_size (any device); valid: [B, n] bool;
         maw: [B, Hq, n] float32 or None. With a split, the shard's layout (`mirror_shape`).
-        staged: the rows were written ahead by `stage` from these same tokens: only make them live (their
-        certified bounds are made now, `maw` is their attention history as it is now).
+        staged: the rows were written ahead by `stage` from these same tokens, bounds included: only make them
+        live (`maw` is their attention history as it is now).
         """
         assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
+        n = keys.shape[2]
         if staged:
-            if self.staged != keys.shape[2]:
-                raise RuntimeError(f"append(staged=True) of {keys.shape[2]} rows: {self.staged} are staged")
-            first = self.rows
+            if self.staged != n:
+                raise RuntimeError(f"append(staged=True) of {n} rows: {self.staged} are staged")
+            first, markers = self.rows, self._staged_markers
         else:
             first = self._write(
                 keys, values, valid
             )  # over any staged rows: they held these rows' first tokens
-        self.staged = 0
-        self._publish(first, keys, values, valid, maw)
+            markers = self._write_bounds(first, keys, values, valid)
+        self.staged, self._staged_markers = 0, {}
+        self._publish(first, n, markers, maw)
         return first
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """Write the whole blocks that `append(..., staged=True)` will append next into the rows past the live
-        ones, without making them live: their K/V, valid flags, digests and 8-bit codes are copied now (the bulk
-        of an append's work), and nothing reads them before that append, since no reader goes past the live rows
-        (the digests' mirror marks them invalid until then). The engine stages each layer's next evicted ring
+        ones, without making them live: their K/V, valid flags, digests, 8-bit codes, certified bounds and key
+        sketch are written now (all of an append's work but a few device copies), and nothing reads them before
+        that append, since no reader goes past the live rows (the device-side markers hold them absent until
+        then). The engine stages each layer's next evicted ring
         block at another step of the block period, so the evictions' cost is spread over the steps instead of
         stalling every `block_size`-th one. Not with a split (its copies are collectives every rank must join in
         the same step) and not twice."""
         if self.split is not None or self.staged:
             raise RuntimeError("stage: a host tier split by requests, or one already holding staged rows")
         assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
-        self._write(keys, values, valid)
+        first = self._write(keys, values, valid)
+        self._staged_markers = self._write_bounds(first, keys, values, valid)
         self.staged = keys.shape[2]
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> int:
@@ -259,27 +264,39 @@ class HostTier:
         self._keep_until_copied(keys, values, valid, *(digest or ()), key_scale, value_scale)
         return first
 
-    def _publish(self, first: int, keys, values, valid, maw) -> None:
-        """Rows [first, first + n), written by `_write`, become live: the mirror's block_valid_dev, the certified
-        bounds and sketch, the attention history (hgca), then `rows`."""
-        n = keys.shape[2]
-        bs = self.block_size
+    def _write_bounds(self, first: int, keys, values, valid) -> dict[str, torch.Tensor]:
+        """The device-side bounds of rows [first, first + n), written by `_write`: the certified bounds and the key
+        sketch go into their slots now, while the markers that readers go by (the mirror's block_valid_dev, the
+        bounds' block_rows_dev, the sketch's row_valid_dev; rows and blocks past them count as absent) are
+        returned for `_publish` to set, so that staged rows stay invisible until then."""
+        n, bs = keys.shape[2], self.block_size
         b0, b1 = first // bs, (first + n) // bs
+        markers = {}
         if self.mirror_device is not None:
             block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
-            self.block_valid_dev[:, b0:b1].copy_(block_valid.to(self.mirror_device))
+            markers["block_valid_dev"] = block_valid.to(self.mirror_device)
         if self.bounds_device is not None:
             dev = self.bounds_device
             bounds = block_digest(keys, values, valid, bs)
             for name, digest_part in zip(("key_centre_dev", "key_radius_dev", "value_norm_dev"), bounds):
                 getattr(self, name)[:, :, b0:b1].copy_(digest_part.to(dev))
-            self.block_rows_dev[:, b0:b1].copy_(bounds[3].to(dev))
+            markers["block_rows_dev"] = bounds[3].to(dev)
         if self.keep_sketch:
             dev = self.bounds_device
             sketch = key_sketch(keys, valid)
             for name, sketch_part in zip(SKETCH_ROWS[:3], sketch):
                 getattr(self, name)[:, :, first : first + n].copy_(sketch_part.to(dev))
-            self.row_valid_dev[:, first : first + n].copy_(valid.to(dev))
+            markers["row_valid_dev"] = valid.to(dev, copy=True)
+        return markers
+
+    def _publish(self, first: int, n: int, markers: dict[str, torch.Tensor], maw) -> None:
+        """Rows [first, first + n), written by `_write` and `_write_bounds`, become live: their markers, the
+        attention history (hgca), then `rows`. Only device copies are left for this step, so that staged
+        evictions of every layer cost the eviction step little."""
+        bs = self.block_size
+        for name, marker in markers.items():
+            lo, hi = (first, first + n) if name in SKETCH_ROWS else (first // bs, (first + n) // bs)
+            getattr(self, name)[:, lo:hi].copy_(marker)
         if self.keep_maw:
             src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
             with self._side_stream(src) as nb:

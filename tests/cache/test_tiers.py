@@ -155,8 +155,9 @@ def test_host_tier_keeps_the_certified_digests_and_key_sketch_through_growth(dty
 
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append(quant):
-    """`stage` writes the next blocks past the live rows (growing the store first if needed) without making them live:
-    rows, live(), the mirror's block_valid_dev and the certified digests do not see them. `append(..., staged=True)` then
+    """`stage` writes the next blocks past the live rows (growing the store first if needed), their certified bounds and
+    key sketch included, without making them live: rows, live() and the device-side markers (the mirror's
+    block_valid_dev, block_rows_dev, row_valid_dev) do not see them. `append(..., staged=True)` then
     leaves every store as a plain `append` of the same blocks does."""
     gen = torch.Generator().manual_seed(9)
 
@@ -186,7 +187,8 @@ def test_staged_rows_stay_invisible_until_appended_and_then_equal_a_plain_append
     names += (
         ["key_scale", "value_scale"]
         if quant
-        else ["maw", "key_centre_dev", "block_rows_dev", "row_valid_dev"]
+        else ["maw", "key_centre_dev", "key_radius_dev", "value_norm_dev", "block_rows_dev", "row_valid_dev"]
+        + ["key_codes_dev", "key_code_scale_dev", "key_code_error_dev"]
     )
     assert (staged.rows, staged.capacity) == (plain.rows, plain.capacity)
     for name in names:
