@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pydoc_data.topics
+import gc
 import random
 
 import pytest
@@ -23,6 +24,14 @@ def isa(request, monkeypatch):
         pytest.skip(f"{request.param} not supported on this CPU")
     monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap():
+    """`tandem serve` and `tandem bench` freeze the heap once the model is loaded (`engine.freeze_heap`); run in
+    this process, they would keep each test's objects out of later collections."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -152,6 +152,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..config import TandemConfig
     from ..distributed import launch
+    from ..engine import freeze_heap
     from ..engine.runner import FORWARDS, HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
@@ -200,6 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     print("bandwidth (GB/s): " + ", ".join(f"{k[:-5]} {v:.1f}" for k, v in bw.items()), flush=True)
 
     model, model_info = _load(args, device, dtype, max(contexts), rank)
+    freeze_heap()  # no full collection of the loaded model's heap inside a timed step
     from ..shapes import model_weight_bytes_per_step
 
     weight_bytes = model_weight_bytes_per_step(model)  # per GPU for a shard

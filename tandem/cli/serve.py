@@ -156,6 +156,7 @@ def build_server(args):
 
     from ..attention import TaskPool
     from ..cache.memory import available_host_bytes
+    from ..engine import freeze_heap
     from ..models import load_model, resolve_device
     from ..serve.app import Server
     from ..serve.scheduler import Limits, Scheduler
@@ -189,7 +190,9 @@ def build_server(args):
     limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
     scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads))
     name = args.served_model_name or (args.random_weights or model_name(args.model))
-    return Server(model, tokenizer, name, config, scheduler)
+    server = Server(model, tokenizer, name, config, scheduler)
+    freeze_heap()  # what lives now lives as long as the server: out of the collector's full passes
+    return server
 
 
 def run(args) -> int:

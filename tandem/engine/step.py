@@ -46,6 +46,15 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def freeze_heap() -> None:
+    """Collect once, then keep every object alive now (the model, its modules, the tokenizer) out of the cyclic
+    garbage collector's later passes (`gc.freeze`). A long-running decode loop otherwise sets off full
+    collections that walk the whole heap, and with a large model loaded one lasts many decode steps' time
+    (docs/engine.md, Steady steps). For processes that load a model once and decode for long (the server, benchmarks)."""
+    gc.collect()
+    gc.freeze()
+
+
 class DecodeStep:
     """What the fixed-address decode path shares across the layers of one cache.
 
