@@ -6,8 +6,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pydoc_data.topics
 import gc
+import pydoc_data.topics
 import random
 
 import pytest
