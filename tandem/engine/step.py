@@ -123,6 +123,16 @@ class DecodeStep:
             for layer, before in zip(layers, events, strict=True):
                 if layer.host.last_event is not before:
                     stream.wait_event(layer.host.last_event)
+        if self.flags is not None:
+            # With hand-off flags the launcher thread launches the graph while this thread serves its hand-offs,
+            # and the launch of a graph longer than the driver's launch queue (the certified selection is many
+            # kernels per layer) returns only once the GPU has passed hand-offs this thread serves. A CUDA call
+            # here during the replay can block behind that launch: `HostTier.wait` (an event's synchronize and
+            # destruction, from `CpuPart.native`) hung the step. The copies evicted or staged just now were
+            # queued before the launch: wait for them now, so that the replay's waits find no event.
+            for layer in layers:
+                if layer.host is not None:
+                    layer.host.wait()
         return slot
 
     # ---- one layer's attention -----------------------------------------------------------------------------

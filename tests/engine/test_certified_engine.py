@@ -4,6 +4,9 @@ certificate statistics equal). On CPU the same steps run eagerly."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -55,3 +58,38 @@ def test_recorded_certified_steps_select_and_certify_as_eager_ones(policy, tmp_p
     assert graphs["head_steps"] == eager["head_steps"]
     for key in ("mean_p", "max_p", "mean_output_bound", "met_share", "mean_kept"):
         assert graphs[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key
+
+
+_DEEP_DEFAULT = """
+import torch
+from transformers import LlamaConfig
+from tandem import TandemCache, TandemConfig
+from tandem.engine import TandemRunner
+from tandem.shapes import build_random_model
+
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=48, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096)
+model = build_random_model(config, "cuda", torch.bfloat16)
+model.generation_config.eos_token_id = None
+ids = torch.randint(0, 1024, (1, 1500), generator=torch.Generator().manual_seed(0))
+tokens = []
+for graphs in (False, True):
+    runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig()), use_graphs=graphs)
+    first = runner.prefill(ids, max_new_tokens=40).argmax(-1)
+    tokens.append(runner.decode(first, 40)[0])
+assert torch.equal(tokens[0], tokens[1]), tokens
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_the_default_decodes_a_deep_model_through_one_graph_per_step():
+    """The default (certified) selection records many kernels per layer, so a deep model's step graph is longer than
+    the driver's launch queue and its launch returns only once the GPU has passed hand-offs. The serving thread
+    must then make no CUDA call until it has served them (`DecodeStep.prepare` waits for the host copies first):
+    a wait there hung the step. In a subprocess with a time limit, so that a hang fails the test."""
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEP_DEFAULT], capture_output=True, text=True, timeout=400, check=False
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]

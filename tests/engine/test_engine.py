@@ -317,6 +317,36 @@ def test_evictions_are_staged_across_the_block_period(monkeypatch):
     assert sum(step["append"] for step in per_step[1:]) == 0
 
 
+@pytest.mark.parametrize("with_flags", [True, False])
+def test_prepare_leaves_no_copy_pending_for_a_replay_with_hand_off_flags(monkeypatch, with_flags):
+    """With hand-off flags the graph's launch can stay inside the driver until the GPU has passed hand-offs that the
+    serving thread serves, so that thread must make no CUDA call meanwhile: `DecodeStep.prepare` waits for every
+    layer's host copies (`HostTier.wait`) before the launch. Without flags (eager steps) it does not, and the
+    copies overlap the step."""
+    from tandem.cache.host import HostTier
+    from tandem.engine import DecodeStep, handoff
+
+    model = tiny_model("Llama", num_key_value_heads=2, num_hidden_layers=3)
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=8, block_size=4)
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache)
+    runner.prefill(
+        torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3)), max_new_tokens=8
+    )
+    waited = []
+    original = HostTier.wait
+    monkeypatch.setattr(HostTier, "wait", lambda self: (waited.append(self), original(self))[1])
+    flags = handoff.HostFlags(len(runner.layers), None) if with_flags else None
+    step = DecodeStep(torch.device("cpu"), flags)
+    with torch.inference_mode():  # as the runner's steps run
+        step.prepare(runner.layers)
+    hosts = [layer.host for layer in runner.layers]
+    if with_flags:
+        assert all(any(w is host for w in waited) for host in hosts)
+    else:
+        assert not waited
+
+
 def test_runner_refuses_bad_input():
     model = _tiny()
     cache = TandemCache.for_model(model, TandemConfig(policy="full"))
