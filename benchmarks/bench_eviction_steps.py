@@ -4,9 +4,10 @@ ahead (the engine's way) and all done at the eviction step (the way it was), sid
 Every `block_size` steps each layer's hot ring is full, and `DecodeStep.prepare` moves the oldest block of every
 layer to the host tier before the step runs. Staged, each layer writes that block into the host tier at another
 step of the block period (`LayerKV._stage_next_eviction`), and the eviction step only makes it live. This times,
-per decode step, the whole step and its `prepare`, marks the steps whose `prepare` evicted (the host tier grew),
-and reports for both kinds the medians, and for all steps the median, p99 and max, with p99 / median: what a
-serving user sees as inter-token spikes.
+per decode step after `--warmup` untimed ones (eager, then the graph's recording), the whole step and its
+`prepare`, marks the steps whose `prepare` evicted (the host tier grew), and reports for both kinds the medians,
+and for all steps the median, p99 and max, with p99 / median: what a serving user sees as inter-token spikes. The
+heap is frozen once the model is built (`engine.freeze_heap`), as `tandem bench` and `tandem serve` do.
 
     python benchmarks/bench_eviction_steps.py --out benchmarks/results/<date>_<machine>_eviction_steps
     python benchmarks/bench_eviction_steps.py --model llama-3.1-8b --context 65536 --steps 512 --device cuda
@@ -25,7 +26,7 @@ import torch
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.bench.baselines import percentile
 from tandem.cache.layer import LayerKV
-from tandem.engine import TandemRunner, step
+from tandem.engine import TandemRunner, freeze_heap, step
 from tandem.shapes import build_random_model
 
 
@@ -41,10 +42,13 @@ def measure(args, staged: bool) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_random_model(args.model, device, dtype, num_layers=args.layers)
     model.generation_config.eos_token_id = None
+    freeze_heap()  # no full collection of the model's heap inside a timed step
     cache = TandemCache.for_model(model, TandemConfig(policy=args.policy))
     runner = TandemRunner(model, cache)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=torch.Generator())
-    first = runner.prefill(ids, chunk_tokens=args.chunk, max_new_tokens=args.steps + 8).argmax(-1)
+    first = runner.prefill(ids, chunk_tokens=args.chunk, max_new_tokens=args.warmup + args.steps + 8).argmax(
+        -1
+    )
 
     prepares: list[tuple[float, bool]] = []
     original = step.DecodeStep.prepare
@@ -58,10 +62,12 @@ def measure(args, staged: bool) -> dict:
 
     step.DecodeStep.prepare = timed
     try:
-        _, seconds = runner.decode(first, args.steps)
+        _, seconds = runner.decode(first, args.warmup + args.steps)
     finally:
         step.DecodeStep.prepare = original
-    step_ms = [s * 1e3 for s in seconds]
+    # the warm-up steps (eager, then the one that records the graph) are not timed
+    step_ms = [s * 1e3 for s in seconds[args.warmup :]]
+    prepares = prepares[args.warmup :]
     evicting = [i for i, (_, evicted) in enumerate(prepares) if evicted]
     others = [i for i in range(len(step_ms)) if i not in set(evicting)]
     ordered = sorted(step_ms)
@@ -132,7 +138,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=3000, help="prompt tokens")
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk")
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (the engine records its graph in step 3)"
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="folder for eviction_steps.json / .md and a manifest")
     args = parser.parse_args()
