@@ -215,9 +215,8 @@ class HostTier:
         ones, without making them live: their K/V, valid flags, digests, 8-bit codes, certified bounds and key
         sketch are written now (all of an append's work but a few device copies), and nothing reads them before
         that append, since no reader goes past the live rows (the device-side markers hold them absent until
-        then). The engine stages each layer's next evicted ring
-        block at another step of the block period, so the evictions' cost is spread over the steps instead of
-        stalling every `block_size`-th one. Not with a split (its copies are collectives every rank must join in
+        then). The engine stages each layer's next evicted ring block at another step of the block period, so
+        the evictions' cost is spread over the steps instead of stalling every `block_size`-th one. Not with a split (its copies are collectives every rank must join in
         the same step) and not twice."""
         if self.split is not None or self.staged:
             raise RuntimeError("stage: a host tier split by requests, or one already holding staged rows")

@@ -50,7 +50,8 @@ def freeze_heap() -> None:
     """Collect once, then keep every object alive now (the model, its modules, the tokenizer) out of the cyclic
     garbage collector's later passes (`gc.freeze`). A long-running decode loop otherwise sets off full
     collections that walk the whole heap, and with a large model loaded one lasts many decode steps' time
-    (docs/engine.md, Steady steps). For processes that load a model once and decode for long (the server, benchmarks)."""
+    (docs/engine.md § Where a step's time goes). For processes that load a model once and decode for long (the
+    server, benchmarks)."""
     gc.collect()
     gc.freeze()
 
@@ -127,8 +128,8 @@ class DecodeStep:
             # With hand-off flags the launcher thread launches the graph while this thread serves its hand-offs,
             # and the launch of a graph longer than the driver's launch queue (the certified selection is many
             # kernels per layer) returns only once the GPU has passed hand-offs this thread serves. A CUDA call
-            # here during the replay can block behind that launch: `HostTier.wait` (an event's synchronize and
-            # destruction, from `CpuPart.native`) hung the step. The copies evicted or staged just now were
+            # on this thread during the replay can block behind that launch: `HostTier.wait` (an event's
+            # synchronize and destruction, from `CpuPart.native`) hung the step. The copies evicted or staged just now were
             # queued before the launch: wait for them now, so that the replay's waits find no event.
             for layer in layers:
                 if layer.host is not None:
