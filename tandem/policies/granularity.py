@@ -89,22 +89,33 @@ def select_blocks(
 
 
 def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
-    """[B, Hkv, n] bool -> [B, Hkv, n] int64: the selected block ids ascending, then n (past every block)."""
+    """[B, Hkv, n] bool -> [B, Hkv, n] int64, contiguous: the selected block ids ascending, then n (past every
+    block)."""
     n = mask.shape[-1]
-    # each selected id goes to its rank among the selected (a running count), the others to a spare slot: O(n),
-    # where a sort of the ids took 2x longer on a CPU
-    slot = torch.where(mask, mask.cumsum(-1) - 1, n)
-    ids = torch.full((*mask.shape[:-1], n + 1), n, dtype=torch.long, device=mask.device)
+    if n == 0:
+        return torch.empty(mask.shape, dtype=torch.long, device=mask.device)
+    # each selected id goes to its rank among the selected (a running count), the others to the last slot, which
+    # only a row with nothing left out fills with a selected id: O(n), where a sort of the ids took 2x longer on a
+    # CPU, and no spare column, so that the result stays contiguous (`ids_selection` bisects its rows)
+    ranks = mask.cumsum(-1)
+    slot = torch.where(mask, ranks - 1, n - 1)
+    ids = torch.full(mask.shape, n, dtype=torch.long, device=mask.device)
     ids.scatter_(-1, slot, torch.arange(n, device=mask.device).expand_as(slot))
-    return ids[..., :n]
+    ids[..., -1].masked_fill_(ranks[..., -1] < n, n)
+    return ids
 
 
 def ids_selection(from_device: torch.Tensor, block_size: int | None):
     """The Selection of `mask_to_ids` output [B, Hkv, n] on the host: each KV head's ids up to its first invalid
-    pick (n), as blocks of `block_size` rows or, with None, as rows; NONE when no head selected anything."""
+    pick (n), as blocks of `block_size` rows or, with None, as rows; NONE when no head selected anything. The
+    lengths are found by bisection (the rows are sorted), so only the first `max(lengths)` columns are read:
+    the rows are as wide as the host tier's capacity, and the selection a fraction of it."""
     width = from_device.shape[-1]
-    lengths = (from_device < width).sum(dim=-1)
-    most = int(lengths.max())
+    bound = torch.full(
+        (*from_device.shape[:-1], 1), width, dtype=from_device.dtype, device=from_device.device
+    )
+    lengths = torch.searchsorted(from_device, bound).squeeze(-1)
+    most = int(lengths.max()) if lengths.numel() else 0
     if most == 0:
         return NONE
     ids = from_device[..., :most]

@@ -4,6 +4,7 @@ budgets of Eq. 1, Eq. 3 (data volume and the granularity it picks) and the per-g
 
 import math
 
+import pytest
 import torch
 
 from tandem.policies.granularity import (
@@ -11,6 +12,7 @@ from tandem.policies.granularity import (
     choose_granularity,
     data_volume,
     head_budgets,
+    ids_selection,
     mask_to_ids,
     select_blocks,
 )
@@ -135,3 +137,31 @@ def test_mask_to_ids():
         [[[True, False, True, False], [False, False, False, False], [False, True, True, True]]]
     )
     assert mask_to_ids(mask).tolist() == [[[0, 2, 4, 4], [4, 4, 4, 4], [1, 2, 3, 4]]]
+    full = torch.ones(1, 2, 3, dtype=torch.bool)
+    full[0, 1, 2] = False  # one row with nothing left out, one with its last entry left out
+    assert mask_to_ids(full).tolist() == [[[0, 1, 2], [0, 1, 3]]]
+    assert mask_to_ids(torch.zeros(1, 2, 0, dtype=torch.bool)).shape == (1, 2, 0)
+
+
+@pytest.mark.parametrize("unit", [None, 16])
+def test_ids_selection_of_random_masks_matches_a_count(unit):
+    """`ids_selection` bisects `mask_to_ids`'s sorted rows for their lengths and keeps the first max(lengths)
+    columns, invalid picks as 0: the same lists as counting the mask."""
+    gen = torch.Generator().manual_seed(4)
+    for density in (0.0, 0.01, 0.3, 1.0):
+        mask = torch.rand(3, 4, 257, generator=gen) < density
+        ids = mask_to_ids(mask)
+        assert ids.is_contiguous()
+        selection = ids_selection(ids, unit)
+        counts = mask.sum(-1)
+        if not counts.any():
+            assert selection.kind == "none"
+            continue
+        assert selection.kind == ("blocks" if unit else "rows") and selection.block_size == unit
+        assert torch.equal(selection.lengths, counts)
+        assert selection.indices.shape[-1] == int(counts.max())
+        for b in range(3):
+            for h in range(4):
+                n = int(counts[b, h])
+                assert selection.indices[b, h, :n].tolist() == mask[b, h].nonzero().flatten().tolist()
+                assert not selection.indices[b, h, n:].any()
