@@ -1,0 +1,159 @@
+"""How concentrated the default model's attention is on the rows Tandem would offload: per layer and head, over the
+last `--queries` positions of a prose prompt, the share of the attention mass on the host tier's rows, how much
+of that the top 0.1%, 1% and 5% of those rows hold, where in the host span the top 1% lie, and the fewest rows an
+oracle would keep so that the mass left out is at most epsilon of the total (what a certified selection at that
+epsilon must attend at the least).
+
+The host rows of a query at position p are those Tandem keeps on the host with its defaults: past the
+`--sink-tokens` first and before the `--window-tokens` last (p - window, p]. Weights come from transformers' eager
+attention (`output_attentions`) for the last queries, after a prefill of the rest with SDPA.
+
+    python benchmarks/measure_concentration.py --lengths 4096 --out benchmarks/results/<date>_<machine>_concentration
+
+Prints and saves concentration.json (per layer, head and query length) and concentration.md (medians and spread
+over heads, per layer and over all). The default model, float32, on the CPU; the haystack is Python's docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from transformers import DynamicCache
+
+from tandem import load_model, manifest
+from tandem.evaluation.haystack import load_haystack
+
+TOP = (0.001, 0.01, 0.05)
+POSITION_BINS = 5
+
+
+def head_stats(weights: torch.Tensor, first: int, sinks: int, window: int, epsilon: float) -> dict:
+    """Concentration of one head's weights [M, L] (queries at positions first .. first + M - 1), averaged over the
+    queries that have host rows."""
+    per_query = []
+    for j in range(weights.shape[0]):
+        p = first + j
+        host_end = p + 1 - window  # rows [sinks, host_end) are on the host
+        if host_end <= sinks:
+            continue
+        w = weights[j, : p + 1].double()
+        host = w[sinks:host_end]
+        n = host.numel()
+        host_mass = float(host.sum())
+        ranked, order = host.sort(descending=True)
+        share = {f"top_{t:g}": float(ranked[: max(1, round(t * n))].sum()) / host_mass for t in TOP}
+        # the oracle: the fewest host rows whose complement holds at most epsilon of the total mass
+        residual = host_mass - ranked.cumsum(0)
+        needed = int((residual > epsilon * float(w.sum())).sum()) + 1 if host_mass > epsilon else 0
+        top = order[: max(1, round(0.01 * n))].double() / max(1, n - 1)  # 0 = oldest host row, 1 = newest
+        bins = torch.histc(top, bins=POSITION_BINS, min=0.0, max=1.0) / top.numel()
+        per_query.append(
+            {
+                "host_rows": n,
+                "host_share": host_mass,
+                "oracle_share": min(needed, n) / n,
+                **share,
+                "top1_bins": bins,
+            }
+        )
+    if not per_query:
+        return {}
+    out = {k: statistics.fmean(q[k] for q in per_query) for k in per_query[0] if k != "top1_bins"}
+    out["top1_bins"] = (sum(q["top1_bins"] for q in per_query) / len(per_query)).tolist()
+    return out
+
+
+def measure(
+    model, ids: torch.Tensor, queries: int, sinks: int, window: int, epsilon: float
+) -> list[list[dict]]:
+    """Per layer, per head: `head_stats` of the last `queries` positions of ids [1, L]."""
+    length = ids.shape[1]
+    cache = DynamicCache()
+    saved = model.config._attn_implementation
+    with torch.no_grad():
+        model(ids[:, : length - queries], past_key_values=cache, use_cache=True)
+        model.config._attn_implementation = "eager"  # only eager attention returns its weights
+        try:
+            out = model(
+                ids[:, length - queries :], past_key_values=cache, use_cache=True, output_attentions=True
+            )
+        finally:
+            model.config._attn_implementation = saved
+    first = length - queries
+    return [
+        [head_stats(layer[0, h], first, sinks, window, epsilon) for h in range(layer.shape[1])]
+        for layer in out.attentions
+    ]
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    lo, hi = values[len(values) // 10], values[(9 * len(values)) // 10]
+    return f"{statistics.median(values):.3f} ({lo:.3f}-{hi:.3f})"
+
+
+def markdown(results: dict, args) -> str:
+    lines = [
+        f"Default model, float32, CPU. Prose from Python's docs; the last {args.queries} positions of each prompt; "
+        f"host rows: past the first {args.sink_tokens}, before the last {args.window_tokens}. Medians over heads "
+        "(10th-90th percentile). Shares of the host mass held by the top rows; oracle: the fewest host rows "
+        f"that leave at most epsilon {args.epsilon:g} of the total mass out, as a share of the host rows.",
+        "",
+    ]
+    for length, layers in results.items():
+        heads = [h for layer in layers for h in layer if h]
+        lines += [
+            f"### {length} tokens",
+            "",
+            "| layers | host share of the mass | top 0.1% | top 1% | top 5% | oracle share (eps) |",
+            "|---|---|---|---|---|---|",
+        ]
+        groups = [(f"{i}", [h for h in layer if h]) for i, layer in enumerate(layers)] + [("all", heads)]
+        for name, group in groups:
+            if not group:
+                continue
+            cells = [
+                _spread([h[k] for h in group]) for k in ("host_share", "top_0.001", "top_0.01", "top_0.05")
+            ]
+            lines.append(f"| {name} | {' | '.join(cells)} | {_spread([h['oracle_share'] for h in group])} |")
+        bins = [statistics.fmean(h["top1_bins"][b] for h in heads) for b in range(POSITION_BINS)]
+        lines += [
+            "",
+            "Where the top 1% of host rows lie, oldest fifth of the host span first (mean over heads): "
+            + ", ".join(f"{b:.2f}" for b in bins)
+            + f". Mean oracle share: {statistics.fmean(h['oracle_share'] for h in heads):.3f}.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", default="4096", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--queries", type=int, default=32, help="last positions measured per prompt")
+    parser.add_argument("--sink-tokens", type=int, default=64)
+    parser.add_argument("--window-tokens", type=int, default=256)
+    parser.add_argument("--epsilon", type=float, default=0.05)
+    parser.add_argument("--out", default=None, help="folder for concentration.json / .md and a manifest")
+    args = parser.parse_args()
+    model, tokenizer = load_model(None, device="cpu", dtype="float32")
+    ids = tokenizer(load_haystack().text, return_tensors="pt").input_ids
+    results = {}
+    for length in (int(x) for x in args.lengths.split(",")):
+        if length > ids.shape[1] or length > model.config.max_position_embeddings:
+            raise SystemExit(f"--lengths: {length} is more than the haystack or the model's positions allow")
+        results[length] = measure(
+            model, ids[:, :length], args.queries, args.sink_tokens, args.window_tokens, args.epsilon
+        )
+    text = markdown(results, args)
+    print(text)
+    if args.out:
+        manifest.save_results(args.out, "concentration", {"args": vars(args), "results": results}, text)
+
+
+if __name__ == "__main__":
+    main()
