@@ -29,10 +29,10 @@ TOP = (0.001, 0.01, 0.05)
 POSITION_BINS = 5
 
 
-def head_stats(weights: torch.Tensor, first: int, sinks: int, window: int, epsilon: float) -> dict:
+def head_stats(weights: torch.Tensor, first: int, sinks: int, window: int, epsilon: float):
     """Concentration of one head's weights [M, L] (queries at positions first .. first + M - 1), averaged over the
-    queries that have host rows."""
-    per_query = []
+    queries that have host rows, and per such query the mask of the host rows the oracle keeps."""
+    per_query, kept_rows = [], []
     for j in range(weights.shape[0]):
         p = first + j
         host_end = p + 1 - window  # rows [sinks, host_end) are on the host
@@ -41,34 +41,37 @@ def head_stats(weights: torch.Tensor, first: int, sinks: int, window: int, epsil
         w = weights[j, : p + 1].double()
         host = w[sinks:host_end]
         n = host.numel()
-        host_mass = float(host.sum())
+        host_mass, total = float(host.sum()), float(w.sum())
         ranked, order = host.sort(descending=True)
         share = {f"top_{t:g}": float(ranked[: max(1, round(t * n))].sum()) / host_mass for t in TOP}
         # the oracle: the fewest host rows whose complement holds at most epsilon of the total mass
         residual = host_mass - ranked.cumsum(0)
-        needed = int((residual > epsilon * float(w.sum())).sum()) + 1 if host_mass > epsilon else 0
+        needed = min(n, int((residual > epsilon * total).sum()) + 1) if host_mass > epsilon * total else 0
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[order[:needed]] = True
         top = order[: max(1, round(0.01 * n))].double() / max(1, n - 1)  # 0 = oldest host row, 1 = newest
         bins = torch.histc(top, bins=POSITION_BINS, min=0.0, max=1.0) / top.numel()
         per_query.append(
-            {
-                "host_rows": n,
-                "host_share": host_mass,
-                "oracle_share": min(needed, n) / n,
-                **share,
-                "top1_bins": bins,
-            }
+            {"host_rows": n, "host_share": host_mass, "oracle_share": needed / n, **share, "top1_bins": bins}
         )
+        kept_rows.append(kept)
     if not per_query:
-        return {}
+        return {}, []
     out = {k: statistics.fmean(q[k] for q in per_query) for k in per_query[0] if k != "top1_bins"}
     out["top1_bins"] = (sum(q["top1_bins"] for q in per_query) / len(per_query)).tolist()
-    return out
+    return out, kept_rows
 
 
-def measure(
-    model, ids: torch.Tensor, queries: int, sinks: int, window: int, epsilon: float
-) -> list[list[dict]]:
-    """Per layer, per head: `head_stats` of the last `queries` positions of ids [1, L]."""
+def union_share(kept: list[list[torch.Tensor]]) -> float:
+    """The mean over queries of the share of host rows a KV head attends when each of its query heads keeps its
+    own oracle rows (`kept`: per query head, per query, a mask of the host rows)."""
+    shares = [float(torch.stack(masks).any(0).float().mean()) for masks in zip(*kept, strict=True)]
+    return statistics.fmean(shares) if shares else 0.0
+
+
+def measure(model, ids: torch.Tensor, queries: int, sinks: int, window: int, epsilon: float) -> list[dict]:
+    """Per layer: `head_stats` of each query head over the last `queries` positions of ids [1, L] ("heads"), and
+    per KV head the share of host rows its group's oracle rows cover together ("kv_union")."""
     length = ids.shape[1]
     cache = DynamicCache()
     saved = model.config._attn_implementation
@@ -82,10 +85,15 @@ def measure(
         finally:
             model.config._attn_implementation = saved
     first = length - queries
-    return [
-        [head_stats(layer[0, h], first, sinks, window, epsilon) for h in range(layer.shape[1])]
-        for layer in out.attentions
-    ]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    layers = []
+    for weights in out.attentions:
+        stats = [head_stats(weights[0, h], first, sinks, window, epsilon) for h in range(weights.shape[1])]
+        kv_union = [
+            union_share([kept for _, kept in stats[g : g + group]]) for g in range(0, len(stats), group)
+        ]
+        layers.append({"heads": [head for head, _ in stats], "kv_union": kv_union})
+    return layers
 
 
 def _spread(values: list[float]) -> str:
@@ -99,31 +107,36 @@ def markdown(results: dict, args) -> str:
         f"Default model, float32, CPU. Prose from Python's docs; the last {args.queries} positions of each prompt; "
         f"host rows: past the first {args.sink_tokens}, before the last {args.window_tokens}. Medians over heads "
         "(10th-90th percentile). Shares of the host mass held by the top rows; oracle: the fewest host rows "
-        f"that leave at most epsilon {args.epsilon:g} of the total mass out, as a share of the host rows.",
+        f"that leave at most epsilon {args.epsilon:g} of the total mass out, as a share of the host rows; a KV "
+        "head attends the union of its query heads' rows.",
         "",
     ]
     for length, layers in results.items():
-        heads = [h for layer in layers for h in layer if h]
+        heads = [h for layer in layers for h in layer["heads"] if h]
+        unions = [u for layer in layers for u in layer["kv_union"]]
         lines += [
             f"### {length} tokens",
             "",
-            "| layers | host share of the mass | top 0.1% | top 1% | top 5% | oracle share (eps) |",
-            "|---|---|---|---|---|---|",
+            "| layers | host share of the mass | top 0.1% | top 1% | top 5% | oracle share per query head | "
+            "per KV head (its group's union) |",
+            "|---|---|---|---|---|---|---|",
         ]
-        groups = [(f"{i}", [h for h in layer if h]) for i, layer in enumerate(layers)] + [("all", heads)]
-        for name, group in groups:
+        groups = [
+            (f"{i}", [h for h in layer["heads"] if h], layer["kv_union"]) for i, layer in enumerate(layers)
+        ]
+        for name, group, union in [*groups, ("all", heads, unions)]:
             if not group:
                 continue
-            cells = [
-                _spread([h[k] for h in group]) for k in ("host_share", "top_0.001", "top_0.01", "top_0.05")
-            ]
-            lines.append(f"| {name} | {' | '.join(cells)} | {_spread([h['oracle_share'] for h in group])} |")
+            keys = ("host_share", "top_0.001", "top_0.01", "top_0.05", "oracle_share")
+            cells = [_spread([h[k] for h in group]) for k in keys] + [_spread(union)]
+            lines.append(f"| {name} | {' | '.join(cells)} |")
         bins = [statistics.fmean(h["top1_bins"][b] for h in heads) for b in range(POSITION_BINS)]
         lines += [
             "",
             "Where the top 1% of host rows lie, oldest fifth of the host span first (mean over heads): "
             + ", ".join(f"{b:.2f}" for b in bins)
-            + f". Mean oracle share: {statistics.fmean(h['oracle_share'] for h in heads):.3f}.",
+            + f". Mean oracle share: {statistics.fmean(h['oracle_share'] for h in heads):.3f} per query head, "
+            f"{statistics.fmean(unions):.3f} per KV head.",
             "",
         ]
     return "\n".join(lines)
