@@ -260,8 +260,16 @@ class DecodeStep:
         if self.flags is not None:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
-            self.launcher.start(lambda: _replay_on(graph, stream))
-            handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
+            # no garbage collection while the hand-offs are served: one that frees a CUDA event or pinned memory
+            # makes a CUDA call on this thread during the launch (see `prepare`)
+            gc_was_on = gc.isenabled()
+            gc.disable()
+            try:
+                self.launcher.start(lambda: _replay_on(graph, stream))
+                handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
+            finally:
+                if gc_was_on:
+                    gc.enable()
         else:
             for graph, after in self.segments:
                 graph.replay()
