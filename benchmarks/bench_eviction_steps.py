@@ -46,9 +46,8 @@ def measure(args, staged: bool) -> dict:
     cache = TandemCache.for_model(model, TandemConfig(policy=args.policy))
     runner = TandemRunner(model, cache)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=torch.Generator())
-    first = runner.prefill(ids, chunk_tokens=args.chunk, max_new_tokens=args.warmup + args.steps + 8).argmax(
-        -1
-    )
+    logits = runner.prefill(ids, chunk_tokens=args.chunk, max_new_tokens=args.warmup + args.steps + 8)
+    first = logits.argmax(-1)
 
     prepares: list[tuple[float, bool]] = []
     original = step.DecodeStep.prepare
