@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -106,10 +105,9 @@ def main() -> None:
         lines.append(f"| {r['system']} | {r['dtype']} | {r['tokens_per_s']:.1f} | {ratio} |")
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        manifest.write(out)
-        (out / "cpu_decode.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-        (out / "cpu_decode.md").write_text("\n".join(lines) + "\n")
+        manifest.save_results(
+            args.out, "cpu_decode", {"machine": machine, "rows": rows}, "\n".join(lines) + "\n"
+        )
 
 
 if __name__ == "__main__":

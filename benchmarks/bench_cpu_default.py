@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -109,10 +108,9 @@ def main() -> None:
         )
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        manifest.write(out)
-        (out / "cpu_default.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-        (out / "cpu_default.md").write_text("\n".join(lines) + "\n")
+        manifest.save_results(
+            args.out, "cpu_default", {"machine": machine, "rows": rows}, "\n".join(lines) + "\n"
+        )
 
 
 if __name__ == "__main__":
