@@ -24,7 +24,7 @@ from ..config import POLICIES
 
 HF_SYSTEMS = ("hf-dynamic", "hf-offloaded")
 DTYPES = ("bfloat16", "float16", "float32")
-FILLS = ("synthetic", "model")
+FILLS = ("synthetic", "concentrated", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,10 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--fill",
-        choices=FILLS,
         default="synthetic",
-        help="synthetic: random K/V put in the cache (default; a random-weight prompt carries nothing); "
-        "model: a real chunked prefill of random tokens (Tandem rows only; HF rows are always synthetic)",
+        help="how the cache is filled, comma list to compare (Tandem rows; HF rows are always synthetic): "
+        "synthetic: random K/V (default; a random-weight prompt carries nothing, and its attention is flat); "
+        "concentrated: random K/V whose attention is as concentrated as the default model's, measured per head "
+        "(docs/benchmarks.md); model: a real chunked prefill of random tokens",
     )
     p.add_argument(
         "--chunk-tokens", type=int, default=8192, help="prefill chunk with --fill model (default 8192)"
@@ -164,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     policies = [] if args.policies.strip() == "none" else parse_names(args.policies, POLICIES, "--policies")
     handoffs = parse_names(args.handoff, HANDOFFS, "--handoff")
     forwards = parse_names(args.forward, FORWARDS, "--forward")
+    fills = parse_names(args.fill, FILLS, "--fill")
     for argument, value in (("--cpu-threads", args.cpu_threads), ("--chunk-tokens", args.chunk_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{argument}={value} is out of range: allowed >= 1")
@@ -230,9 +232,10 @@ def _run(args: argparse.Namespace) -> int:
                         agree=agree,
                     )
                 _add(result, row, out_dir, rank)
-            for variant, handoff, forward in itertools.product(variants, handoffs, forwards):
+            for variant, fill, handoff, forward in itertools.product(variants, fills, handoffs, forwards):
                 label = variant.label if len(handoffs) == 1 else f"{variant.label}@{handoff}"
                 label = label if len(forwards) == 1 else f"{label}/{forward}"
+                label = label if len(fills) == 1 else f"{label}:{fill}"
                 token_bytes = kv_token_bytes
                 if variant.config.host_dtype:  # one byte per element (the block scales are ~0.2% more)
                     token_bytes = kv_token_bytes // _dtype_size(dtype)
@@ -248,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
                     context,
                     args.steps,
                     args.warmup,
-                    fill=args.fill,
+                    fill=fill,
                     chunk_tokens=args.chunk_tokens,
                     use_graphs=False if args.no_graphs else "auto",
                     seed=args.seed,

@@ -15,10 +15,17 @@ from ..engine import TandemRunner
 from ..integrations.hf import TandemCache
 from .baselines import KV_STD, empty_row, fill_agreed, kv_shape, record_failure, record_times, release_memory
 from .cli import FILLS
+from .concentrated import Profile, load_profile, plant_keys, query_norms
 
 
 def fill_tandem_synthetic(
-    cache: TandemCache, model, batch: int, context: int, seed: int = 0, lengths: list[int] | None = None
+    cache: TandemCache,
+    model,
+    batch: int,
+    context: int,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+    profile: Profile | None = None,
 ) -> None:
     """Put `context` tokens of random K/V (as `baselines.fill_synthetic` does for HF caches) into every layer.
     With `lengths` ([batch] ints <= context) request b holds only its first lengths[b] tokens and rows past them
@@ -29,6 +36,9 @@ def fill_tandem_synthetic(
     Each layer's KV goes through the cache's own append path: sinks and window stay on the GPU, the rest
     lands in the host tier with its digests. HGCA then observes random queries over it, as it would observe
     the prompt's last tokens after a prefill, so its selection is built by its real rule.
+
+    With a `profile` (`concentrated.load_profile`), each layer's keys are rescaled row by row so that its
+    attention is as concentrated as the profile's measured heads (`concentrated.plant_keys`).
     """
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -46,8 +56,20 @@ def fill_tandem_synthetic(
             valid[b, n:] = False
         shortest = min(lengths)
         chunks = [(0, shortest), (shortest, context)] if shortest < context else chunks
-    for layer in cache.tandem_layers():
-        keys = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
+    if profile is not None:
+        q_norms = query_norms(model)
+        plant_gen = torch.Generator().manual_seed(seed)
+    layers = cache.tandem_layers()
+    for index, layer in enumerate(layers):
+        keys = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        if profile is None:
+            keys.mul_(KV_STD)
+        else:
+            config = layer.config
+            plant_keys(
+                keys, index, len(layers), profile, q_norms[index], head_dim**-0.5, config.sink_tokens,
+                config.window_tokens, plant_gen,
+            )  # fmt: skip
         values = torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(KV_STD)
         for start, stop in chunks:
             layer.append(keys[:, :, start:stop], values[:, :, start:stop], valid[:, start:stop])
@@ -125,7 +147,7 @@ def run_tandem(
     forward: str = "auto",
     agree=None,
 ) -> dict:
-    """Fill (synthetic K/V, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
+    """Fill (synthetic K/V, concentrated or not, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
     and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
     failure "error"; neither raises. agree: for tensor-parallel shards, as in `baselines.run_hf_baseline`."""
     if fill not in FILLS:
@@ -143,10 +165,13 @@ def run_tandem(
         vocab = model.config.get_text_config(decoder=True).vocab_size
         gen = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
-        if fill == "synthetic":
+        if fill in ("synthetic", "concentrated"):
             for layer in cache.tandem_layers():
                 layer.capacity_hint = context + warmup + steps + 1
-            fill_agreed(agree, lambda: fill_tandem_synthetic(cache, model, batch, context, seed))
+            profile = load_profile() if fill == "concentrated" else None
+            fill_agreed(
+                agree, lambda: fill_tandem_synthetic(cache, model, batch, context, seed, profile=profile)
+            )
             row["filled"] = True
             runner.set_positions(torch.full((batch,), context))
             first = torch.randint(0, vocab, (batch,), generator=gen)
