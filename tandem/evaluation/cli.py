@@ -167,7 +167,13 @@ def run(args: argparse.Namespace) -> int:
         meta["complete"] = final
         return write_results(build_results(runs, plan, meta), args.out, plots=final and not args.no_plots)
 
-    runs = runner.run(on_cell=save)
+    try:
+        runs = runner.run(on_sample=save)
+    except KeyboardInterrupt:  # keep what was measured: every finished sample is in results.json
+        if runner.runs:
+            written = save(runner.runs)
+            print("interrupted; partial results: " + ", ".join(str(p) for p in written), file=sys.stderr)
+        raise
     written = save(runs, final=True) + [manifest.write(args.out)]
     results = build_results(runs, plan, meta)
     print(markdown_table(results))

@@ -279,8 +279,8 @@ def cache_statistics(cache: TandemCache) -> dict:
 
 # ---- running ------------------------------------------------------------------------------------------------
 class Runner:
-    """Runs an `EvalPlan` on a loaded model. `on_cell(results)` is called after each (task, length) so long
-    runs can save partial results."""
+    """Runs an `EvalPlan` on a loaded model. `on_sample(results)` is called after each sample (every variant
+    of it run), so that a long run keeps what it has measured when stopped."""
 
     def __init__(self, model, tokenizer, plan: EvalPlan, haystack: Haystack, progress: bool = True) -> None:
         text_config = model.config.get_text_config(decoder=True)
@@ -298,7 +298,7 @@ class Runner:
         doc = len(plan.variants) if any(t in DOCUMENT_TASKS for t in plan.tasks) else 0
         return (gen + doc) * len(plan.lengths) * plan.samples
 
-    def run(self, on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    def run(self, on_sample: Callable[[list[dict]], None] | None = None) -> list[dict]:
         from tqdm.auto import tqdm
 
         plan = self.plan
@@ -309,16 +309,14 @@ class Runner:
                     if task == "error" and "ppl" in plan.tasks:
                         continue  # measured in the same pass as ppl
                     if task in GENERATION_TASKS:
-                        self._generation_cell(task, length, bar)
+                        self._generation_cell(task, length, bar, on_sample)
                     else:
-                        self._document_cell(length, bar)
-                    if on_cell is not None:
-                        on_cell(self.runs)
+                        self._document_cell(length, bar, on_sample)
         bar.close()
         return self.runs
 
     # ---- generation tasks -----------------------------------------------------------------------------------
-    def _generation_cell(self, task: str, length: int, bar) -> None:
+    def _generation_cell(self, task: str, length: int, bar, on_sample=None) -> None:
         for sample in self.builder.samples(task, length, self.plan.samples):
             reference = None
             if self.plan.check_hf:
@@ -347,6 +345,8 @@ class Runner:
                     record["hf_score"] = score_answer(self._decode(reference), sample.answers)
                 self.runs.append(record)
                 bar.update()
+            if on_sample is not None:
+                on_sample(self.runs)
 
     def _generate(self, sample, cache) -> tuple[list[int], str, float]:
         ids = sample.input_ids.to(self.device)
@@ -366,7 +366,7 @@ class Runner:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # ---- document tasks (perplexity during decode, attention-output error) ----------------------------------
-    def _document_cell(self, length: int, bar) -> None:
+    def _document_cell(self, length: int, bar, on_sample=None) -> None:
         plan = self.plan
         for index in range(plan.samples):
             doc = self.builder.document(length, index)
@@ -406,6 +406,8 @@ class Runner:
                     # fluxion's statistics are over every step, the fraction attended over the measured ones
                     self.runs[-1]["fraction_attended"] = result["step_fraction_attended"]
                 bar.update()
+            if on_sample is not None:
+                on_sample(self.runs)
 
     def decode_document(self, doc: torch.Tensor, config: TandemConfig) -> dict:
         """Teacher-forced pass over doc [1, L]: prefill L - ppl_tokens tokens, then decode the rest one token

@@ -379,6 +379,32 @@ def test_eval_full_matches_hf_and_streaming_loses_the_needle(smollm, monkeypatch
 
 
 @pytest.mark.model
+def test_an_interrupted_eval_keeps_every_finished_sample(smollm, monkeypatch, tmp_path, capsys):
+    """Ctrl-C (or `timeout -s INT`) in the third sample: results.json holds the first two, marked incomplete."""
+    from tandem.evaluation.runner import Runner
+
+    monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: smollm)
+    generate = Runner._generate
+    calls = []
+
+    def interrupt_third_sample(self, sample, cache):
+        calls.append(sample.index)
+        if sample.index == 2:
+            raise KeyboardInterrupt
+        return generate(self, sample, cache)
+
+    monkeypatch.setattr(Runner, "_generate", interrupt_third_sample)
+    args = ["eval", "--policies", "full,streaming", "--tasks", "niah", "--lengths", "1k", "--samples", "4"]
+    assert main(args + ["--no-progress", "--no-plots", "--out", str(tmp_path)]) == 130
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted((r["policy"], r["sample"]) for r in results["runs"]) == [
+        ("full", 0), ("full", 1), ("streaming", 0), ("streaming", 1),
+    ]  # fmt: skip
+    assert results["meta"]["complete"] is False
+    assert "partial results" in capsys.readouterr().err
+
+
+@pytest.mark.model
 def test_attention_output_error_is_zero_for_full_only(smollm, prose):
     model, tok = smollm
     plan = make_plan("full,streaming,quest", "ppl,error", "1k", samples=1, ppl_tokens=12, error_steps=3)
