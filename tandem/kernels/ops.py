@@ -410,6 +410,17 @@ def hot_attention(q, keys, values, valid, scale: float, maw=None, alpha: float =
     return reference.hot_decode_attention(q, keys, values, valid, scale, maw=maw, alpha=alpha)
 
 
+def certify_histogram(mass, lower, free, top):
+    """The certified selection's histogram (`reference.certify_histogram`): the Triton kernel on CUDA, where a
+    scatter into 192 bins serialises on the last one; the reference elsewhere."""
+    floats = mass.dtype == torch.float32 and (lower is None or lower.dtype == torch.float32)
+    if floats and _triton_on(mass.device):
+        from . import gpu
+
+        return gpu.certify_histogram(mass, lower, free, top)
+    return reference.certify_histogram(mass, lower, free, top)
+
+
 def merge_lse_(out_a, lse_a, out_b, lse_b):
     """In-place exact LSE merge of (out_b, lse_b) into (out_a, lse_a); float32. Returns (out_a, lse_a)."""
     _check(out_a.shape == out_b.shape, f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} differ")

@@ -29,6 +29,31 @@ CERTIFY_BUCKET_NATS = 0.125
 CERTIFY_TAIL_MARGIN = 1e-9
 
 
+def certify_histogram(
+    mass: torch.Tensor, lower: torch.Tensor | None, free: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The certified selection's histogram (`policies.certify.certified_blocks`): per row r of R (a request's
+    query head), the units in each of CERTIFY_BUCKETS bins of CERTIFY_BUCKET_NATS under top[r], the last taking
+    everything further down.
+
+    mass: [R, n] float32 log upper mass bound per unit; lower: [R, n] float32 log lower bound, or None; free:
+    [R, n] bool, the units ranked (the others count nowhere); top: [R] float64, finite. Returns (tail, count,
+    gained) [R, CERTIFY_BUCKETS]: the sums of exp(mass - top) (float64), the units (int64) and the sums of
+    exp(lower - top) (float64; None without `lower`) per bin."""
+    rows, _ = mass.shape
+    top = top.double()[:, None]
+    bucket = ((top - mass.double()) / CERTIFY_BUCKET_NATS).clamp(0, CERTIFY_BUCKETS - 1).long()
+    bucket = bucket.masked_fill(~free, CERTIFY_BUCKETS)  # a bin past the last for units not ranked
+    bins = torch.zeros(rows, CERTIFY_BUCKETS + 1, dtype=torch.float64, device=mass.device)
+    tail = bins.scatter_add(-1, bucket, (mass.double() - top).exp().masked_fill(~free, 0.0))
+    count = torch.zeros_like(bins, dtype=torch.long).scatter_add_(-1, bucket, free.long())
+    gained = None
+    if lower is not None:
+        gained = bins.scatter_add(-1, bucket, (lower.double() - top).exp().masked_fill(~free, 0.0))
+        gained = gained[:, :CERTIFY_BUCKETS]
+    return tail[:, :CERTIFY_BUCKETS], count[:, :CERTIFY_BUCKETS], gained
+
+
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     # [B, Hq, Lq, D] -> [B, Hkv, G*Lq, D]: one matmul per KV head serves its whole query group
     batch, num_q_heads, q_len, head_dim = q.shape

@@ -213,17 +213,18 @@ def certified_blocks(
     free = live & ~first  # the units the histogram ranks
     top = torch.maximum(mass.masked_fill(~free, -math.inf).amax(-1), known_lse.float())
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).double()[..., None]  # [B, Hq, 1]
-    bucket = ((top - mass.double()) / BUCKET_NATS).clamp(0, BUCKETS - 1).long()
-    bucket = bucket.masked_fill(~free, BUCKETS)  # a bin past the last for units that are not ranked
-    bins = torch.zeros(batch, num_q_heads, BUCKETS + 1, dtype=torch.float64, device=mass.device)
-    up = (mass.double() - top).exp().masked_fill(~free, 0.0)
-    tail = bins.scatter_add(-1, bucket, up)[..., :BUCKETS]
-    count = torch.zeros_like(bins, dtype=torch.long).scatter_add_(-1, bucket, free.long())[..., :BUCKETS]
+    rows = batch * num_q_heads
+    tail, count, gained = ops.certify_histogram(
+        mass.reshape(rows, n), None if lower is None else lower.reshape(rows, n), free.reshape(rows, n),
+        top.reshape(rows),
+    )  # fmt: skip
+    tail, count = tail.view(batch, num_q_heads, BUCKETS), count.view(batch, num_q_heads, BUCKETS)
     known = (known_lse.double()[..., None] - top).exp()  # [B, Hq, 1]
     if lower is not None:
-        low = (lower.double() - top).exp().masked_fill(~live, 0.0)
-        known = known + low.masked_fill(~first, 0.0).sum(-1, keepdim=True)
-        gained = bins.scatter_add(-1, bucket, low.masked_fill(~free, 0.0))[..., :BUCKETS].cumsum(-1)
+        if forced is not None:
+            low = (lower.double() - top).exp().masked_fill(~(first & live), 0.0)
+            known = known + low.sum(-1, keepdim=True)
+        gained = gained.view(batch, num_q_heads, BUCKETS).cumsum(-1)
         known = torch.cat([known, known + gained], -1)  # [B, Hq, BUCKETS + 1]: keeping buckets [0, j)
     # what keeping buckets [0, j) leaves: summed from the far end (positive terms, no cancellation)
     tail = torch.cat([tail.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(tail[..., :1])], -1)
@@ -236,6 +237,7 @@ def certified_blocks(
     cap_at = (units <= most).sum(-1, keepdim=True) - 1  # the last j within the cap (j = 0: forced units only)
     needed = units.gather(-1, need_at)[..., 0]
     take_at = torch.minimum(need_at, cap_at)
+    bucket = ((top - mass.double()) / BUCKET_NATS).clamp(0, BUCKETS - 1).long()
     picked = first | (free & (bucket < take_at))
     union = picked.view(batch, num_kv_heads, group, n).any(dim=2)
     return union, needed, units.gather(-1, take_at)[..., 0]
