@@ -410,6 +410,17 @@ def hot_attention(q, keys, values, valid, scale: float, maw=None, alpha: float =
     return reference.hot_decode_attention(q, keys, values, valid, scale, maw=maw, alpha=alpha)
 
 
+def certify_sketch_bounds(q, codes, row_scale, error, row_valid, scale: float):
+    """The key sketch's logit bounds (`policies.certify.sketch_logit_bounds`) through the Triton kernel on CUDA,
+    which reads the int8 codes where the torch version makes an fp32 copy of them all; None elsewhere (the caller
+    then runs the torch version)."""
+    if not _triton_on(q.device) or codes.dtype != torch.int8 or codes.stride(-1) != 1:
+        return None
+    from . import gpu
+
+    return gpu.sketch_bounds(q, codes, row_scale, error, row_valid, scale)
+
+
 def certify_histogram(mass, lower, free, top):
     """The certified selection's histogram (`reference.certify_histogram`): the Triton kernel on CUDA, where a
     scatter into 192 bins serialises on the last one; the reference elsewhere."""

@@ -91,7 +91,11 @@ def key_sketch(keys: torch.Tensor, valid: torch.Tensor):
 def sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale: float):
     """(upper, lower) bounds of the scaled logits of every row, per query head: [B, Hq, n] float32 each, -inf
     for a padding row: scale (q.k~_i +- ||q|| e_i), widened by the slack. q: [B, Hq, D]; codes: [B, Hkv, n, D]
-    int8; row_scale / error: [B, Hkv, n] (`key_sketch`); row_valid: [B, n] bool."""
+    int8; row_scale / error: [B, Hkv, n] (`key_sketch`); row_valid: [B, n] bool. On CUDA a Triton kernel
+    computes the same (`kernels.gpu.sketch_bounds`), reading the codes as they are."""
+    fused = ops.certify_sketch_bounds(q, codes, row_scale, error, row_valid, scale)
+    if fused is not None:
+        return fused
     batch, num_q_heads, dim = q.shape
     num_kv_heads, n = codes.shape[1], codes.shape[2]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)

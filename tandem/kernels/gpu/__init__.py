@@ -11,7 +11,7 @@ what the launchers share (the optional triton import, the interpreter's set-up, 
 
 from ._common import interpreted, triton_available
 from .attention import host_block_attention, hot_decode_attention, merge_lse_, prefill_attention
-from .certify import certify_histogram
+from .certify import certify_histogram, sketch_bounds
 from .queue import claim_probe, queue_attention
 from .recall import recall_blocks, recall_plan
 from .selection import block_scores, top_blocks
@@ -28,6 +28,7 @@ __all__ = [
     "queue_attention",
     "recall_blocks",
     "recall_plan",
+    "sketch_bounds",
     "top_blocks",
     "triton_available",
 ]

@@ -56,3 +56,74 @@ def certify_histogram_kernel(
     tl.atomic_add(count_ptr + row * BUCKETS + bins, count, mask=keep)
     if HAS_LOWER:
         tl.atomic_add(gained_ptr + row * BUCKETS + bins, gained, mask=keep)
+
+
+@triton.jit
+def sketch_bounds_kernel(
+    q_ptr,  # [B, Hq, D]
+    codes_ptr,  # [B, Hkv, n, D] int8
+    row_scale_ptr,  # [B, Hkv, n] fp32
+    error_ptr,  # [B, Hkv, n] fp32
+    valid_ptr,  # [B, n] uint8
+    upper_ptr,  # [B, Hq, n] fp32
+    lower_ptr,  # [B, Hq, n] fp32
+    n,
+    group,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_cn,
+    stride_sb,
+    stride_sh,
+    stride_eb,
+    stride_eh,
+    stride_vb,
+    stride_ob,
+    stride_oh,
+    slack_abs,
+    slack_rel,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The key sketch's logit bounds of BLOCK_N rows for one (request, KV head)'s query group: scale (q.c_i s_i
+    +- ||q|| e_i), widened by the slack, -inf at invalid rows. The int8 codes become fp32 in registers, never in
+    memory. Grid: (B, Hkv, cdiv(n, BLOCK_N))."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    heads = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d[None, :] < HEAD_DIM
+    head_ok = heads < group
+    q = tl.load(
+        q_ptr + b * stride_qb + (h * group + heads)[:, None] * stride_qh + d[None, :],
+        mask=head_ok[:, None] & d_ok,
+        other=0.0,
+    ).to(tl.float32)
+    inside = cols < n
+    codes = tl.load(
+        codes_ptr + b * stride_cb + h * stride_ch + cols[:, None] * stride_cn + d[None, :],
+        mask=inside[:, None] & d_ok,
+        other=0,
+    ).to(tl.float32)
+    dots = tl.dot(q, tl.trans(codes), input_precision="ieee")  # [GROUP_PAD, BLOCK_N]
+    row_scale = tl.load(row_scale_ptr + b * stride_sb + h * stride_sh + cols, mask=inside, other=0.0)
+    error = tl.load(error_ptr + b * stride_eb + h * stride_eh + cols, mask=inside, other=0.0)
+    norm = tl.sqrt(tl.sum(q * q, axis=1))  # [GROUP_PAD]
+    centre = dots * row_scale[None, :] * scale
+    reach = norm[:, None] * error[None, :] * scale
+    upper = centre + reach
+    lower = centre - reach
+    upper = upper + slack_abs + slack_rel * tl.abs(upper)
+    lower = lower - slack_abs - slack_rel * tl.abs(lower)
+    valid = tl.load(valid_ptr + b * stride_vb + cols, mask=inside, other=0) != 0
+    upper = tl.where(valid[None, :], upper, float("-inf"))
+    lower = tl.where(valid[None, :], lower, float("-inf"))
+    out = b * stride_ob + (h * group + heads)[:, None] * stride_oh + cols[None, :]
+    keep = head_ok[:, None] & inside[None, :]
+    tl.store(upper_ptr + out, upper, mask=keep)
+    tl.store(lower_ptr + out, lower, mask=keep)

@@ -1,5 +1,6 @@
-"""The certified selection's histogram kernel (`kernels.gpu.certify`) against `reference.certify_histogram`: on
-CUDA, or on CPU tensors under Triton's interpreter."""
+"""The certified selection's Triton kernels (`kernels.gpu.certify`): the histogram against
+`reference.certify_histogram`, the sketch bounds against the torch version, both inside the selection. On CUDA, or
+on CPU tensors under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -85,3 +86,43 @@ def test_the_certified_selection_is_the_same_through_the_kernel(monkeypatch, for
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert 0 < int(want[0].sum()) < want[0].numel()  # a selection, neither empty nor everything
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, n", [(4, 1, 27), (8, 2, 113), (6, 6, 200)])
+def test_sketch_bounds_match_the_torch_version(monkeypatch, dtype, num_q_heads, num_kv_heads, n):
+    """The kernel against `certify.sketch_logit_bounds` in torch, over a view of a wider store (the device
+    mirror is capacity-wide) with padding rows; within fp32 rounding, which the bounds' slack covers."""
+    from tandem.kernels import ops
+    from tandem.policies import certify
+
+    gen = torch.Generator().manual_seed(n)
+    batch, dim, capacity = 2, 64, n + 37
+    keys = torch.randn(batch, num_kv_heads, capacity, dim, generator=gen)
+    live = torch.rand(batch, capacity, generator=gen) > 0.2
+    codes, row_scale, error = (t.to(DEVICE) for t in certify.key_sketch(keys, live))
+    q = torch.randn(batch, num_q_heads, dim, generator=gen).to(DEVICE, dtype)
+    args = (q, codes[:, :, :n], row_scale[:, :, :n], error[:, :, :n], live[:, :n].to(DEVICE), dim**-0.5)
+    monkeypatch.setattr(ops, "_triton_on", lambda device: False)
+    want = certify.sketch_logit_bounds(*args)
+    monkeypatch.setattr(ops, "_triton_on", lambda device: True)
+    got = certify.sketch_logit_bounds(*args)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float32 and a.shape == (batch, num_q_heads, n)
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sketch_bounds_refuse_bad_inputs():
+    from tandem.kernels.gpu import certify as launch
+
+    q = torch.randn(1, 4, 16).to(DEVICE)
+    codes = torch.zeros(1, 2, 10, 16, dtype=torch.int8).to(DEVICE)
+    side = torch.zeros(1, 2, 10).to(DEVICE)
+    valid = torch.ones(1, 10, dtype=torch.bool).to(DEVICE)
+    with pytest.raises(ValueError, match="codes"):
+        launch.sketch_bounds(q, codes.float(), side, side, valid, 0.25)
+    with pytest.raises(ValueError, match="row_valid"):
+        launch.sketch_bounds(q, codes, side, side, valid[:, :5], 0.25)
+    with pytest.raises(ValueError, match="scale"):
+        launch.sketch_bounds(q, codes, side, side, valid, -1.0)
