@@ -12,9 +12,12 @@ haystack with one planted fact).
 Prints and saves certified.json / certified.md (+ a manifest, and certified.png with matplotlib: certified against
 measured p, both bounds). Every soundness violation is counted; there must be none.
 
-`--cost` instead times the certified selection (bounds, hot mass, sort and tail, union), with the digest and with
-the sketch bound, against quest's own selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's
-digests and key sketch (random keys), side by side:
+`--cost` instead times the certified selection (bounds, hot mass, ranking and tail, union), with the digest and
+with the sketch bound over blocks, and over single rows as the default selects (`certify.certified_rows`, the
+sketch bound), against quest's own selection (block bounds + top-k) on one Llama-3.1-8B-shaped layer's digests
+and key sketch (random keys), side by side. On CUDA each is recorded in a CUDA graph and timed by replays, as the
+engine runs it, and the row selection runs twice: with the Triton kernels (sketch bounds, histogram) and with the
+torch versions they replace:
 
     python benchmarks/bench_certified.py --cost --contexts 32768,131072 --out benchmarks/results/<...>_certified_cost
 
@@ -238,7 +241,46 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
         union, _, _ = certify.certified_blocks(mass, known, 0.05, nb // 2, kv_heads, lower)
         return mask_to_ids(union), value_norm
 
+    def rows_selection():
+        known = certify.hot_mass(q, hot_keys, hot_valid, scale)
+        union, *_ = certify.certified_rows(
+            q,
+            codes,
+            row_scale,
+            error,
+            row_valid,
+            scale,
+            known,
+            0.05,
+            context // 2,
+            kv_heads,
+            value_norm,
+            block,
+        )
+        return mask_to_ids(union)
+
+    def torch_only(fn):
+        def run():
+            saved = ops._triton_on
+            ops._triton_on = lambda device: False
+            try:
+                return fn()
+            finally:
+                ops._triton_on = saved
+
+        return run
+
     def timed(fn):
+        if device == "cuda":  # as the engine runs it: recorded once, replayed
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            fn = graph.replay
         fn()
         seconds = []
         for _ in range(repeats):
@@ -253,9 +295,12 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
 
     quest_s = timed(quest)
     digest_s, sketch_s = timed(lambda: certified("digest")), timed(lambda: certified("sketch"))
-    return {"context": context, "batch": batch, "device": device, "quest_ms": quest_s * 1e3,
-            "certified_ms": digest_s * 1e3, "ratio": digest_s / quest_s,
-            "sketch_ms": sketch_s * 1e3, "sketch_ratio": sketch_s / quest_s}  # fmt: skip
+    rows_s, rows_torch_s = timed(rows_selection), timed(torch_only(rows_selection))
+    return {"context": context, "batch": batch, "device": device, "graphs": device == "cuda",
+            "quest_ms": quest_s * 1e3, "certified_ms": digest_s * 1e3, "ratio": digest_s / quest_s,
+            "sketch_ms": sketch_s * 1e3, "sketch_ratio": sketch_s / quest_s,
+            "rows_ms": rows_s * 1e3, "rows_ratio": rows_s / quest_s,
+            "rows_torch_ms": rows_torch_s * 1e3, "rows_torch_ratio": rows_torch_s / quest_s}  # fmt: skip
 
 
 def _output_overstatement(row: dict) -> str:
@@ -369,11 +414,14 @@ def main() -> None:
         _report(
             args.out, "certified_cost", rows,
             f"# Certified selection against quest's selection, one Llama-3.1-8B layer ({args.device}, random keys)",
-            "Median of 20 calls each, batch 1, side by side in one run.",
-            "| context | quest selection (ms) | certified, digest bound (ms) | digest / quest | "
-            "certified, sketch bound (ms) | sketch / quest |",
+            "Median of 20 calls each (on CUDA: replays of a recorded graph), batch 1, side by side in one run. "
+            "Rows: the default's selection (single rows, sketch bound); torch: the same without the Triton kernels.",
+            "| context | quest selection (ms) | certified blocks, digest bound (ms) | / quest | "
+            "certified blocks, sketch bound (ms) | / quest | certified rows (ms) | / quest | "
+            "certified rows, torch (ms) | / quest |",
             lambda r: f"| {r['context']} | {r['quest_ms']:.3f} | {r['certified_ms']:.3f} | {r['ratio']:.1f}x | "
-            f"{r['sketch_ms']:.3f} | {r['sketch_ratio']:.1f}x |",
+            f"{r['sketch_ms']:.3f} | {r['sketch_ratio']:.1f}x | {r['rows_ms']:.3f} | {r['rows_ratio']:.1f}x | "
+            f"{r['rows_torch_ms']:.3f} | {r['rows_torch_ratio']:.1f}x |",
         )  # fmt: skip
         return
     torch.manual_seed(0)
