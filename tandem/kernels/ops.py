@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -410,6 +411,32 @@ def hot_attention(q, keys, values, valid, scale: float, maw=None, alpha: float =
     return reference.hot_decode_attention(q, keys, values, valid, scale, maw=maw, alpha=alpha)
 
 
+# the certified selection's Triton kernels that failed to build or launch on this machine -> the error; the torch
+# versions then stand in for the life of the process (a default policy must not fail on a compiler's gap)
+_CERTIFY_FALLBACK: dict[str, str] = {}
+
+
+def _certify_kernel(name: str, launch):
+    """launch() through the Triton kernel `name`, or None where it failed once here: input errors (ValueError)
+    propagate; any other error is reported once and the caller's torch version stands in from then on. Builds
+    happen on a kernel's first call, in the engine's eager warm-up steps, never inside a graph's capture."""
+    if name in _CERTIFY_FALLBACK:
+        return None
+    try:
+        return launch()
+    except ValueError:
+        raise
+    except Exception as err:  # a Triton build or launch failure on this GPU / driver
+        _CERTIFY_FALLBACK[name] = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"the Triton kernel {name} failed ({_CERTIFY_FALLBACK[name][:300]}); the certified selection uses "
+            "its torch version from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
 def certify_sketch_bounds(q, codes, row_scale, error, row_valid, scale: float):
     """The key sketch's logit bounds (`policies.certify.sketch_logit_bounds`) through the Triton kernel on CUDA,
     which reads the int8 codes where the torch version makes an fp32 copy of them all; None elsewhere (the caller
@@ -418,7 +445,9 @@ def certify_sketch_bounds(q, codes, row_scale, error, row_valid, scale: float):
         return None
     from . import gpu
 
-    return gpu.sketch_bounds(q, codes, row_scale, error, row_valid, scale)
+    return _certify_kernel(
+        "sketch_bounds", lambda: gpu.sketch_bounds(q, codes, row_scale, error, row_valid, scale)
+    )
 
 
 def certify_histogram(mass, lower, free, top):
@@ -428,7 +457,9 @@ def certify_histogram(mass, lower, free, top):
     if floats and _triton_on(mass.device):
         from . import gpu
 
-        return gpu.certify_histogram(mass, lower, free, top)
+        done = _certify_kernel("certify_histogram", lambda: gpu.certify_histogram(mass, lower, free, top))
+        if done is not None:
+            return done
     return reference.certify_histogram(mass, lower, free, top)
 
 

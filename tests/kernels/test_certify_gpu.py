@@ -126,3 +126,31 @@ def test_sketch_bounds_refuse_bad_inputs():
         launch.sketch_bounds(q, codes, side, side, valid[:, :5], 0.25)
     with pytest.raises(ValueError, match="scale"):
         launch.sketch_bounds(q, codes, side, side, valid, -1.0)
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_torch_version_in_its_place(monkeypatch):
+    """A Triton build failure on some GPU must not take the default policy down: warned once, then the torch
+    version for the rest of the process. Input errors still raise."""
+    from tandem.kernels import gpu, ops
+
+    monkeypatch.setattr(ops, "_CERTIFY_FALLBACK", {})
+    monkeypatch.setattr(ops, "_triton_on", lambda device: True)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(gpu, "certify_histogram", broken)
+    mass, lower, free, top = inputs(3, 50, seed=3)
+    want = reference.certify_histogram(mass, lower, free, top)
+    with pytest.warns(RuntimeWarning, match="certify_histogram failed"):
+        got = ops.certify_histogram(mass, lower, free, top)
+    again = ops.certify_histogram(mass, lower, free, top)  # no second try, no second warning
+    assert calls == [1]
+    for a, b, c in zip(got, want, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    with pytest.raises(ValueError, match="top"):
+        monkeypatch.setattr(ops, "_CERTIFY_FALLBACK", {})
+        monkeypatch.setattr(gpu, "certify_histogram", gpu_certify.certify_histogram)
+        ops.certify_histogram(mass, lower, free, top.float())
