@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "smollm2-135m-8k.json"
-LIGHT_SCORE_STD = (
-    0.1  # a light row's score spread: flat, as random keys of KV_STD give a random-weight 8B model
-)
+# a light row's score spread: nearly flat, as the random keys of `baselines.KV_STD` give a random-weight 8B model
+LIGHT_SCORE_STD = 0.1
 TOP = (0.001, 0.01, 0.05)
 HEAVY_FRACTIONS = (0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
 _QUERIES = 16  # query draws of a fit
