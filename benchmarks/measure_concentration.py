@@ -9,9 +9,12 @@ The host rows of a query at position p are those Tandem keeps on the host with i
 attention (`output_attentions`) for the last queries, after a prefill of the rest with SDPA.
 
     python benchmarks/measure_concentration.py --lengths 4096 --out benchmarks/results/<date>_<machine>_concentration
+    python benchmarks/measure_concentration.py --lengths 4096 --task niah --samples 4   # `tandem eval`'s prompts
 
 Prints and saves concentration.json (per layer, head and query length) and concentration.md (medians and spread
-over heads, per layer and over all). The default model, float32, on the CPU; the haystack is Python's docs.
+over heads, per layer and over all). The default model, float32, on the CPU; the haystack is Python's docs. With
+`--task`, the prompts are `tandem eval`'s samples of that task (seed 0) instead of plain prose, and every sample's
+heads are pooled: the oracle beside the share a certified selection attends on the same prompts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from transformers import DynamicCache
 
 from tandem import load_model, manifest
 from tandem.evaluation.haystack import load_haystack
+from tandem.evaluation.tasks import TaskBuilder
 
 TOP = (0.001, 0.01, 0.05)
 POSITION_BINS = 5
@@ -104,7 +108,7 @@ def _spread(values: list[float]) -> str:
 
 def markdown(results: dict, args) -> str:
     lines = [
-        f"Default model, float32, CPU. Prose from Python's docs; the last {args.queries} positions of each prompt; "
+        f"Default model, float32, CPU. {_prompts(args)}; the last {args.queries} positions of each prompt; "
         f"host rows: past the first {args.sink_tokens}, before the last {args.window_tokens}. Medians over heads "
         "(10th-90th percentile). Shares of the host mass held by the top rows; oracle: the fewest host rows "
         f"that leave at most epsilon {args.epsilon:g} of the total mass out, as a share of the host rows; a KV "
@@ -142,6 +146,25 @@ def markdown(results: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _prompts(args) -> str:
+    if args.task is None:
+        return "Prose from Python's docs"
+    return (
+        f"`tandem eval`'s {args.task} prompts, {args.samples} per length (seed 0, Python's docs as haystack)"
+    )
+
+
+def _pooled(runs: list[list[dict]]) -> list[dict]:
+    """Per layer, the heads and KV-head unions of several prompts' `measure`, pooled."""
+    return [
+        {
+            "heads": [h for run in runs for h in run[i]["heads"]],
+            "kv_union": [u for run in runs for u in run[i]["kv_union"]],
+        }
+        for i in range(len(runs[0]))
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,12 +174,26 @@ def main() -> None:
     parser.add_argument("--sink-tokens", type=int, default=64)
     parser.add_argument("--window-tokens", type=int, default=256)
     parser.add_argument("--epsilon", type=float, default=0.05)
+    parser.add_argument(
+        "--task", default=None, help="a `tandem eval` task whose prompts to measure (default: prose)"
+    )
+    parser.add_argument("--samples", type=int, default=4, help="with --task: prompts per length")
     parser.add_argument("--out", default=None, help="folder for concentration.json / .md and a manifest")
     args = parser.parse_args()
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
-    ids = tokenizer(load_haystack().text, return_tensors="pt").input_ids
     results = {}
-    for length in (int(x) for x in args.lengths.split(",")):
+    if args.task is not None:
+        builder = TaskBuilder(tokenizer, load_haystack(), seed=0)
+        for length in (int(x) for x in args.lengths.split(",")):
+            runs = [
+                measure(
+                    model, sample.input_ids, args.queries, args.sink_tokens, args.window_tokens, args.epsilon
+                )
+                for sample in builder.samples(args.task, length, args.samples)
+            ]
+            results[length] = _pooled(runs)
+    ids = tokenizer(load_haystack().text, return_tensors="pt").input_ids
+    for length in (int(x) for x in args.lengths.split(",") if args.task is None):
         if length > ids.shape[1] or length > model.config.max_position_embeddings:
             raise SystemExit(f"--lengths: {length} is more than the haystack or the model's positions allow")
         results[length] = measure(
