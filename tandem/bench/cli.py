@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how the cache is filled, comma list to compare (Tandem rows; HF rows are always synthetic): "
         "synthetic: random K/V (default; a random-weight prompt carries nothing, and its attention is flat); "
         "concentrated: random K/V whose attention is as concentrated as the default model's, measured per head "
-        "(docs/benchmarks.md); model: a real chunked prefill of random tokens",
+        "(docs/engine.md, `tandem bench`); model: a real chunked prefill of random tokens",
     )
     p.add_argument(
         "--chunk-tokens", type=int, default=8192, help="prefill chunk with --fill model (default 8192)"

@@ -124,9 +124,8 @@ class _Draws:
     def __init__(self, host_rows: int, sink_rows: int, window_rows: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.host = torch.randn(_QUERIES, host_rows, generator=gen, dtype=torch.float64)
-        self.rank = torch.rand(
-            host_rows, generator=gen, dtype=torch.float64
-        )  # row i heavy iff rank < fraction
+        # row i is heavy iff rank[i] < the fraction tried
+        self.rank = torch.rand(host_rows, generator=gen, dtype=torch.float64)
         self.sinks = torch.randn(_QUERIES, sink_rows, generator=gen, dtype=torch.float64)
         self.window = torch.randn(_QUERIES, window_rows, generator=gen, dtype=torch.float64)
 

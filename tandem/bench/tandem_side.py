@@ -147,8 +147,8 @@ def run_tandem(
     forward: str = "auto",
     agree=None,
 ) -> dict:
-    """Fill (synthetic K/V, concentrated or not, or a real chunked prefill of random tokens), decode `warmup + steps` greedy steps,
-    and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
+    """Fill (synthetic K/V, concentrated or not, or a real chunked prefill of random tokens), decode
+    `warmup + steps` greedy steps, and return one row timed over the last `steps`. Out-of-memory (GPU or host) gives status "oom", any other
     failure "error"; neither raises. agree: for tensor-parallel shards, as in `baselines.run_hf_baseline`."""
     if fill not in FILLS:
         raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
