@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from tandem import load_model, manifest
 from tandem.evaluation.haystack import load_haystack
+from tandem.evaluation.names import GENERATION_TASKS
 from tandem.evaluation.tasks import TaskBuilder
 
 TOP = (0.001, 0.01, 0.05)
@@ -175,16 +176,20 @@ def main() -> None:
     parser.add_argument("--window-tokens", type=int, default=256)
     parser.add_argument("--epsilon", type=float, default=0.05)
     parser.add_argument(
-        "--task", default=None, help="a `tandem eval` task whose prompts to measure (default: prose)"
+        "--task",
+        default=None,
+        choices=GENERATION_TASKS,
+        help="a `tandem eval` task whose prompts to measure (default: prose)",
     )
     parser.add_argument("--samples", type=int, default=4, help="with --task: prompts per length")
     parser.add_argument("--out", default=None, help="folder for concentration.json / .md and a manifest")
     args = parser.parse_args()
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
+    lengths = [int(x) for x in args.lengths.split(",")]
     results = {}
     if args.task is not None:
         builder = TaskBuilder(tokenizer, load_haystack(), seed=0)
-        for length in (int(x) for x in args.lengths.split(",")):
+        for length in lengths:
             runs = [
                 measure(
                     model, sample.input_ids, args.queries, args.sink_tokens, args.window_tokens, args.epsilon
@@ -192,13 +197,16 @@ def main() -> None:
                 for sample in builder.samples(args.task, length, args.samples)
             ]
             results[length] = _pooled(runs)
-    ids = tokenizer(load_haystack().text, return_tensors="pt").input_ids
-    for length in (int(x) for x in args.lengths.split(",") if args.task is None):
-        if length > ids.shape[1] or length > model.config.max_position_embeddings:
-            raise SystemExit(f"--lengths: {length} is more than the haystack or the model's positions allow")
-        results[length] = measure(
-            model, ids[:, :length], args.queries, args.sink_tokens, args.window_tokens, args.epsilon
-        )
+    else:
+        ids = tokenizer(load_haystack().text, return_tensors="pt").input_ids
+        for length in lengths:
+            if length > ids.shape[1] or length > model.config.max_position_embeddings:
+                raise SystemExit(
+                    f"--lengths: {length} is more than the haystack or the model's positions allow"
+                )
+            results[length] = measure(
+                model, ids[:, :length], args.queries, args.sink_tokens, args.window_tokens, args.epsilon
+            )
     text = markdown(results, args)
     print(text)
     if args.out:

@@ -1,6 +1,7 @@
 """Triton GPU kernels: hot-tier decode attention (with HGCA's moving average), zero-copy attention over
-selected blocks of a pinned host store, the certified selection's histogram, Quest's block bounds over the digests and its top-k, quest's recall
-cache, an in-place LSE merge, the GPU's side of a step's task queue, and the model's fused small layers.
+selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, the certified
+selection's sketch bounds and histogram, quest's recall cache, an in-place LSE merge, the GPU's side of a step's
+task queue, and the model's fused small layers.
 
 Each concern is a pair: `<concern>_kernels.py` holds only its `@triton.jit` functions, `<concern>.py` their
 launchers, which validate inputs and launch (`attention`, `selection`, `recall`, `layers`). `_common.py` holds

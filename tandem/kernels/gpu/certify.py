@@ -110,12 +110,12 @@ def certify_histogram(mass, lower, free, top):
     if rows == 0 or n == 0:
         return tail, count, gained
     free_bytes = free.view(torch.uint8)
+    lower_arg = lower if lower is not None else mass  # not read without HAS_LOWER
     grid = (rows, triton.cdiv(n, HISTOGRAM_TILE))
     with _guard(device):
         _kernels.certify_histogram_kernel[grid](
-            mass, lower if lower is not None else mass, free_bytes, top.contiguous(), tail, count,
-            gained if gained is not None else tail, n, mass.stride(0),
-            (lower if lower is not None else mass).stride(0), free_bytes.stride(0),
+            mass, lower_arg, free_bytes, top.contiguous(), tail, count, gained if gained is not None else tail,
+            n, mass.stride(0), lower_arg.stride(0), free_bytes.stride(0),
             BUCKETS=CERTIFY_BUCKETS, BUCKETS_PAD=triton.next_power_of_2(CERTIFY_BUCKETS),
             NATS=CERTIFY_BUCKET_NATS, HAS_LOWER=lower is not None, TILE=HISTOGRAM_TILE,
             BLOCK_N=HISTOGRAM_BLOCK_N,

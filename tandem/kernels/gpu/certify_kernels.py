@@ -1,4 +1,4 @@
-"""The certified selection's histogram kernel. Only `@triton.jit` functions live here; `certify.py` validates and
+"""The certified selection's kernels: the histogram that ranks the units and the key sketch's bounds. Only `@triton.jit` functions live here; `certify.py` validates and
 launches."""
 
 import triton
@@ -40,7 +40,7 @@ def certify_histogram_kernel(
         inside = cols < n
         free = tl.load(free_ptr + row * stride_f + cols, mask=inside, other=0) != 0
         mass = tl.load(mass_ptr + row * stride_m + cols, mask=free, other=0.0).to(tl.float64)
-        bucket = ((top - mass) / NATS).to(tl.float64)
+        bucket = (top - mass) / NATS  # float64, as the reference
         bucket = tl.minimum(tl.maximum(bucket, 0.0), BUCKETS - 1).to(tl.int32)  # truncation: floor of >= 0
         bucket = tl.where(free, bucket, BUCKETS_PAD)  # matches no bin
         hit = bucket[:, None] == bins[None, :]  # [BLOCK_N, BUCKETS_PAD]
