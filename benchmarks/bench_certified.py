@@ -222,11 +222,14 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
     hot_keys = torch.randn(batch, kv_heads, 256, dim, generator=gen).to(torch.bfloat16).to(device)
     hot_valid = torch.ones(batch, 256, dtype=torch.bool, device=device)
     scale = dim**-0.5
-    k = torch.tensor([max(1, nb // 20)], device=device)
+    k_max = max(1, nb // 20)
+    k = torch.tensor([k_max], device=device)
+    # the caps as device tensors: an int would be copied from pageable memory, which a graph's capture refuses
+    half_blocks, half_rows = (torch.tensor(v, device=device) for v in (nb // 2, context // 2))
 
     def quest():
         scores = ops.block_scores_matmul(q, key_min, key_max, valid)
-        return ops.top_blocks(scores, k, int(k))
+        return ops.top_blocks(scores, k, k_max)
 
     def certified(bound):
         if bound == "sketch":
@@ -238,7 +241,7 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
             )
             lower = certify.ball_lower_mass(q, centre, radius, rows, scale)
         known = certify.hot_mass(q, hot_keys, hot_valid, scale)
-        union, _, _ = certify.certified_blocks(mass, known, 0.05, nb // 2, kv_heads, lower)
+        union, _, _ = certify.certified_blocks(mass, known, 0.05, half_blocks, kv_heads, lower)
         return mask_to_ids(union), value_norm
 
     def rows_selection():
@@ -252,7 +255,7 @@ def selection_cost(context: int, batch: int, device: str, repeats: int = 20) -> 
             scale,
             known,
             0.05,
-            context // 2,
+            half_rows,
             kv_heads,
             value_norm,
             block,

@@ -115,17 +115,20 @@ def instrument() -> None:
         if self.flags is not None:  # handoff="memops": one launch, then the hand-offs through flags
             start = time.perf_counter()
             self.flags.reset()
-            self.segments[0][0].replay()
+            graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
+            # as `DecodeStep.replay`: a graph longer than the launch queue returns from its launch only once the
+            # GPU passed hand-offs served here, so it is launched from the engine's launcher thread
+            self.launcher.start(lambda: step_module._replay_on(graph, stream))
             TIMERS["launch"] += time.perf_counter() - start
             if self.compiled_host_side:  # as the engine serves them (compiled parts: no per-part timers)
                 start = time.perf_counter()
-                handoff_module.run_host_side(self.flags, self.actions, None, True)
+                handoff_module.run_host_side(self.flags, self.actions, self.launcher, True)
                 TIMERS["host_side"] += time.perf_counter() - start
                 return
             try:
                 for i, action in enumerate(self.actions):
                     start = time.perf_counter()
-                    self.flags.wait_ready(i)
+                    self.flags.wait_ready(i, self.launcher.failed)
                     middle = time.perf_counter()
                     TIMERS["q_wait"] += middle - start
                     action()
@@ -134,6 +137,8 @@ def instrument() -> None:
             except BaseException:
                 self.flags.set_all_done()
                 raise
+            finally:
+                self.launcher.join()
             return
         for graph, after in self.segments:
             start = time.perf_counter()
@@ -257,6 +262,11 @@ def main() -> None:
         action="store_true",
         help="serve every hand-off from Python with per-part timers (the engine serves compiled parts in C++)",
     )
+    p.add_argument(
+        "--certify-kernels",
+        default="on",
+        help="the certified selection's Triton kernels (sketch bounds, histogram): on, off or on,off",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = build_random_model(args.model, "cuda", torch.bfloat16, num_layers=args.layers)
@@ -275,8 +285,16 @@ def main() -> None:
     first = torch.zeros(args.batch, dtype=torch.long)
     for text in args.contexts.split(","):
         context = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-        combos = itertools.product(args.configs.split(","), args.handoff.split(","), args.fused.split(","))
-        for spec, handoff, fused in combos:
+        combos = itertools.product(
+            args.configs.split(","),
+            args.handoff.split(","),
+            args.fused.split(","),
+            args.certify_kernels.split(","),
+        )
+        for spec, handoff, fused, kernels in combos:
+            ops._CERTIFY_FALLBACK.clear()
+            if kernels == "off":  # the torch versions stand in, as after a kernel's failure
+                ops._CERTIFY_FALLBACK.update(sketch_bounds="off", certify_histogram="off")
             policy, _, rest = spec.partition(":")
             share, _, host_dtype = rest.partition(":")
             config = TandemConfig(
@@ -295,6 +313,7 @@ def main() -> None:
             steps = PER_STEP[1:][4:]  # PER_STEP[i + 1] holds step i's timers; skip warm-up and capture
             row = {"context": context, "batch": args.batch, "config": spec, "handoff": runner.handoff}
             row["fused"] = fused
+            row["certify_kernels"] = kernels
             row["step_ms"] = round(statistics.median(seconds[4:]) * 1e3, 2)
             row["host_side"] = "python" if args.python_host_side else "compiled"
             row["cpu_parts_ms"] = round(statistics.median(runner.host_seconds[4:]) * 1e3, 3)

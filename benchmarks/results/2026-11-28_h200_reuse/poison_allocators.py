@@ -1,4 +1,5 @@
 """pytest plugin (scratch): before each test, fill freed CUDA (and pinned host) allocator memory with NaN."""
+
 import os
 
 import pytest
@@ -16,8 +17,13 @@ def poison(value=float("nan")):
     torch.cuda.synchronize()
     del keep
     if os.environ.get("POISON_PINNED"):
-        keep = [torch.full((s // 4,), value).pin_memory() for s in [1 << i for i in range(9, 23)] for _ in range(32)]
+        keep = [
+            torch.full((s // 4,), value).pin_memory()
+            for s in [1 << i for i in range(9, 23)]
+            for _ in range(32)
+        ]
         del keep
+
 
 @pytest.fixture(autouse=True)
 def _poison_allocators():

@@ -1,6 +1,6 @@
 """Launchers of the certified selection's kernels (`certify_kernels`), inside a captured decode step: the key
 sketch's logit bounds of every host row, read from the int8 codes, and the histogram that ranks the units (each
-query head's units in bins under its best bound, summed without a scatter's contention)."""
+query head's units in bins under its best bound, the far bin summed without a scatter's contention)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ except ImportError:  # the torch reference remains usable without triton
     triton = None
     _kernels = None
 
-# units per program, in steps of HISTOGRAM_BLOCK_N: a row of 128K units takes 32 programs, so each bin takes 32
-# atomic adds where a scatter takes one per unit
+# units per program, in steps of HISTOGRAM_BLOCK_N: a row of 128K units takes 32 programs, so the last bin (nearly
+# every unit) takes 32 atomic adds where a scatter takes one per unit
 HISTOGRAM_TILE = 4096
-HISTOGRAM_BLOCK_N = 32
+HISTOGRAM_BLOCK_N = 256
 SKETCH_BLOCK_N = 64  # rows per program of `sketch_bounds`
 
 
@@ -116,7 +116,7 @@ def certify_histogram(mass, lower, free, top):
         _kernels.certify_histogram_kernel[grid](
             mass, lower_arg, free_bytes, top.contiguous(), tail, count, gained if gained is not None else tail,
             n, mass.stride(0), lower_arg.stride(0), free_bytes.stride(0),
-            BUCKETS=CERTIFY_BUCKETS, BUCKETS_PAD=triton.next_power_of_2(CERTIFY_BUCKETS),
+            BUCKETS=CERTIFY_BUCKETS,
             NATS=CERTIFY_BUCKET_NATS, HAS_LOWER=lower is not None, TILE=HISTOGRAM_TILE,
             BLOCK_N=HISTOGRAM_BLOCK_N,
         )  # fmt: skip

@@ -19,22 +19,22 @@ def certify_histogram_kernel(
     stride_l,
     stride_f,
     BUCKETS: tl.constexpr,
-    BUCKETS_PAD: tl.constexpr,
     NATS: tl.constexpr,
     HAS_LOWER: tl.constexpr,
     TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One row's TILE units, BLOCK_N at a time: each unit's bin (in float64, as the reference) as a one-hot row,
-    summed in registers, then added to the row's bins once per program. Atomics per bin: one per tile, where a
-    scatter into the bins makes one per unit, nearly all into the last bin (the units far under the best)."""
+    """One row's TILE units, BLOCK_N at a time. Nearly every unit lies far under the best and falls in the last
+    bin: those are summed in registers and added once per program. The few in the nearer bins are added one by
+    one (atomics on a handful of addresses, with little contention), so the work is O(n), not O(n x bins), and a
+    scatter's serialisation on the last bin is gone."""
     row = tl.program_id(0)
     start = tl.program_id(1) * TILE
     top = tl.load(top_ptr + row)
-    bins = tl.arange(0, BUCKETS_PAD)
-    tail = tl.zeros([BUCKETS_PAD], dtype=tl.float64)
-    gained = tl.zeros([BUCKETS_PAD], dtype=tl.float64)
-    count = tl.zeros([BUCKETS_PAD], dtype=tl.int64)
+    out = row * BUCKETS
+    tail_far = tl.zeros([BLOCK_N], dtype=tl.float64)
+    gained_far = tl.zeros([BLOCK_N], dtype=tl.float64)
+    count_far = tl.zeros([BLOCK_N], dtype=tl.int32)
     for offset in range(0, TILE, BLOCK_N):
         cols = start + offset + tl.arange(0, BLOCK_N)
         inside = cols < n
@@ -42,20 +42,23 @@ def certify_histogram_kernel(
         mass = tl.load(mass_ptr + row * stride_m + cols, mask=free, other=0.0).to(tl.float64)
         bucket = (top - mass) / NATS  # float64, as the reference
         bucket = tl.minimum(tl.maximum(bucket, 0.0), BUCKETS - 1).to(tl.int32)  # truncation: floor of >= 0
-        bucket = tl.where(free, bucket, BUCKETS_PAD)  # matches no bin
-        hit = bucket[:, None] == bins[None, :]  # [BLOCK_N, BUCKETS_PAD]
+        far = free & (bucket == BUCKETS - 1)
+        near = free & (bucket < BUCKETS - 1)
         up = tl.where(free, tl.exp(mass - top), 0.0)
-        tail += tl.sum(tl.where(hit, up[:, None], 0.0), axis=0)
-        count += tl.sum(hit.to(tl.int64), axis=0)
+        tail_far += tl.where(far, up, 0.0)
+        count_far += far.to(tl.int32)
+        tl.atomic_add(tail_ptr + out + bucket, up, mask=near)
+        tl.atomic_add(count_ptr + out + bucket, near.to(tl.int64), mask=near)
         if HAS_LOWER:
             low = tl.load(lower_ptr + row * stride_l + cols, mask=free, other=0.0).to(tl.float64)
             low = tl.where(free, tl.exp(low - top), 0.0)
-            gained += tl.sum(tl.where(hit, low[:, None], 0.0), axis=0)
-    keep = bins < BUCKETS
-    tl.atomic_add(tail_ptr + row * BUCKETS + bins, tail, mask=keep)
-    tl.atomic_add(count_ptr + row * BUCKETS + bins, count, mask=keep)
+            gained_far += tl.where(far, low, 0.0)
+            tl.atomic_add(gained_ptr + out + bucket, low, mask=near)
+    last = out + BUCKETS - 1
+    tl.atomic_add(tail_ptr + last, tl.sum(tail_far, axis=0))
+    tl.atomic_add(count_ptr + last, tl.sum(count_far, axis=0).to(tl.int64))
     if HAS_LOWER:
-        tl.atomic_add(gained_ptr + row * BUCKETS + bins, gained, mask=keep)
+        tl.atomic_add(gained_ptr + last, tl.sum(gained_far, axis=0))
 
 
 @triton.jit
