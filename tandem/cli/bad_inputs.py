@@ -158,9 +158,6 @@ def command_line_cases() -> list[Case]:
                 _cli(*g, "--do-sample", f"{flag}={value}"),
             )
         )
-    cases.append(
-        Case("command line", "generate --engine on --do-sample", _cli(*g, "--engine", "on", "--do-sample"))
-    )
     bench = ("bench", "--model", "tiny-llama", "--device", "cpu")
     for flag, value in (("--contexts", "-1k"), ("--contexts", "0"), ("--contexts", "abc"), ("--batches", "0"),
                         ("--batches", "-4"), ("--steps", "0"), ("--warmup", "1"), ("--hf", "hf-magic"),

@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine",
         choices=("auto", "on", "off"),
         default="auto",
-        help="decode with Tandem's engine (chunked prefill, a CUDA graph per step; greedy only) instead of "
-        "model.generate; auto: on with CUDA and greedy decoding (default)",
+        help="decode with Tandem's engine (chunked prefill, a CUDA graph per step, greedy or sampled inside the "
+        "step) instead of model.generate; auto: on with CUDA (default)",
     )
     p.add_argument(
         "--json",
@@ -245,21 +245,28 @@ class _Streamer:
             sys.stdout.flush()
 
 
-def _engine_generate(model, cache, ids, max_new_tokens: int, streamer):
-    """Greedy tokens from Tandem's engine: chunked prefill, then decode steps (one CUDA graph each on a GPU),
-    printed as they come, up to an end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
+def _engine_generate(model, cache, ids, max_new_tokens: int, streamer, sampling=None):
+    """Tokens from Tandem's engine: chunked prefill, then decode steps (one CUDA graph each on a GPU), each
+    token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as they come, up to an
+    end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
     import torch
 
-    from ..engine import TandemRunner
+    from ..engine import Sampler, TandemRunner
     from ..models import end_of_sequence_ids
 
     eos = end_of_sequence_ids(model)
     runner = TandemRunner(model, cache)
+    sampler = Sampler(sampling, 1, runner.device) if sampling is not None else None
+    choose = sampler if sampler is not None else (lambda logits: logits.argmax(-1))
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
-    token = runner.prefill(ids, chunk_tokens=ENGINE_CHUNK_TOKENS, max_new_tokens=max_new_tokens).argmax(-1)
+    token = choose(runner.prefill(ids, chunk_tokens=ENGINE_CHUNK_TOKENS, max_new_tokens=max_new_tokens))
     tokens = [token.cpu()]
     streamer.put(tokens[-1])
-    steps = runner.stream(token, max_new_tokens - 1) if int(tokens[-1][0]) not in eos else iter(())
+    steps = (
+        runner.stream(token, max_new_tokens - 1, sampler=sampler)
+        if int(tokens[-1][0]) not in eos
+        else iter(())
+    )
     try:
         for token in steps:
             tokens.append(token.cpu())
@@ -367,8 +374,6 @@ def _run(args) -> int:
             raise ValueError(f"--temperature={args.temperature} is out of range: allowed a number > 0")
         if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
             raise ValueError(f"--top-p={args.top_p} is out of range: allowed (0, 1]")
-    if args.engine == "on" and args.do_sample:
-        raise ValueError("--engine on decodes greedily: drop --do-sample, or pass --engine off to sample")
     config = build_config(args)
     prompt = _read_prompt(args)
     rank = _start_rank(args)
@@ -400,9 +405,7 @@ def _run(args) -> int:
     cache = TandemCache.for_model(model, config)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    use_engine = args.engine == "on" or (
-        args.engine == "auto" and device.type == "cuda" and not args.do_sample
-    )
+    use_engine = args.engine == "on" or (args.engine == "auto" and device.type == "cuda")
     streamer = _Streamer(tokenizer, enabled=not args.json)
     bar = None
     if prompt_tokens >= PROGRESS_MIN_TOKENS:
@@ -432,7 +435,10 @@ def _run(args) -> int:
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     if use_engine:
-        new_tokens = _engine_generate(model, cache, ids, args.max_new_tokens, streamer)
+        from ..engine import SamplingParams
+
+        params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
+        new_tokens = _engine_generate(model, cache, ids, args.max_new_tokens, streamer, params)
     else:
         with torch.inference_mode():
             out = model.generate(

@@ -9,8 +9,9 @@ output / LSE live in fixed pinned buffers. That lets CUDA graphs hold a whole st
 owns the recording and the hand-offs between GPU and host): Tandem's own decode forward for the Llama family
 (`forward.py`: concatenated projections, fused norms, RoPE and SiLU), or for other models their transformers code
 with Tandem's registered attention (`forward="hf"`). Python per step is then the bookkeeping (slot, block
-evictions) and one CPU part per layer. Without CUDA the same step runs eagerly; `use_graphs=False` does that on
-CUDA too (still overlapped per layer).
+evictions) and one CPU part per layer. Each step chooses its tokens inside the step (greedy, or a `Sampler`'s
+draw: temperature, top-p and seed per row, `sampling.py`). Without CUDA the same step runs eagerly;
+`use_graphs=False` does that on CUDA too (still overlapped per layer).
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
 from .fused import FusedLayers
+from .sampling import Sampler
 from .step import DecodeStep
 
 HANDOFFS = ("auto", "memops", "launches")
 FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def device_memory_error(err: BaseException, device: torch.device, during: str, levers: str) -> MemoryError:
@@ -201,20 +207,28 @@ class TandemRunner:
 
     # ---- decode --------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, first_tokens: torch.Tensor, steps: int):
-        """Greedy decode: feed `first_tokens` [B] (e.g. the argmax of the prefill logits), then each step's
-        argmax. Returns (tokens [B, steps] int64 on the CPU: the tokens produced, seconds per step).
+    def decode(self, first_tokens: torch.Tensor, steps: int, sampler: Sampler | None = None):
+        """Decode: feed `first_tokens` [B] (e.g. the argmax of the prefill logits), then each step's choice: the
+        argmax, or `sampler`'s draw (`tandem.engine.sampling.Sampler`: temperature, top-p and seed per row).
+        Returns (tokens [B, steps] int64 on the CPU: the tokens produced, seconds per step).
         """
         seconds: list[float] = []
-        tokens = list(self.stream(first_tokens, steps, seconds))
+        tokens = list(self.stream(first_tokens, steps, seconds, sampler))
         batch = first_tokens.shape[0]
         history = torch.stack(tokens, dim=1) if tokens else torch.empty(batch, 0, dtype=torch.long)
         return history.cpu(), seconds
 
-    def stream(self, first_tokens: torch.Tensor, steps: int, seconds: list | None = None):
+    def stream(
+        self,
+        first_tokens: torch.Tensor,
+        steps: int,
+        seconds: list | None = None,
+        sampler: Sampler | None = None,
+    ):
         """`decode` as a generator: yields each step's tokens [B] (int64, on the model's device) once the step
         has run, so a caller can print them as they come or stop early (at an end-of-sequence token: close the
-        generator, or just stop iterating). `seconds`, if given, receives each step's wall time."""
+        generator, or just stop iterating). `seconds`, if given, receives each step's wall time. `sampler`: as
+        in `decode`; the step's graph records its draw, and its rows move one step per decode step."""
         if self.next_position is None:
             raise ValueError("decode needs a prefilled cache: call prefill() (or fill the cache) first")
         if steps < 0:
@@ -228,12 +242,23 @@ class TandemRunner:
                 f"context of {self.layers[0].seq_len + steps} tokens exceeds the model's maximum of {limit} "
                 "positions (config.max_position_embeddings); decode fewer steps"
             )
-        return self._stream(first_tokens, steps, seconds if seconds is not None else [])
+        if sampler is not None:
+            if not isinstance(sampler, Sampler):
+                raise ValueError(
+                    f"sampler must be a tandem.engine.Sampler or None, got {type(sampler).__name__}"
+                )
+            if sampler.step.shape[0] != batch or sampler.step.device != self.device:
+                raise ValueError(
+                    f"sampler must hold {batch} rows on {self.device}, got {sampler.step.shape[0]} on "
+                    f"{sampler.step.device}"
+                )
+        return self._stream(first_tokens, steps, seconds if seconds is not None else [], sampler)
 
-    def _stream(self, first_tokens: torch.Tensor, steps: int, seconds: list):
+    def _stream(self, first_tokens: torch.Tensor, steps: int, seconds: list, sampler: Sampler | None = None):
         batch = self.next_position.shape[0]
         self._ids = first_tokens.to(self.device, torch.long).reshape(batch, 1).clone()
         self._positions = self.next_position.reshape(batch, 1).clone()
+        self._choose = sampler if sampler is not None else _argmax
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
         self.host_seconds = []  # per step: seconds in the CPU parts
         flags = None
@@ -291,10 +316,11 @@ class TandemRunner:
             self._step_body()
 
     def _step_body(self) -> None:
-        """One decode step at fixed addresses: model forward, greedy pick, inputs of the next step."""
+        """One decode step at fixed addresses: model forward, the tokens' choice (greedy or the sampler's), inputs
+        of the next step."""
         if self.decoder is not None:
             logits = self.decoder(self._ids, self._positions)
-            self._ids.copy_(logits.argmax(dim=-1, keepdim=True))
+            self._ids.copy_(self._choose(logits)[:, None])
             self._positions.add_(1)
             return
         out = self.model(
@@ -304,7 +330,7 @@ class TandemRunner:
             logits_to_keep=1,
             **self.cache_kwargs,
         )
-        self._ids.copy_(out.logits[:, -1].argmax(dim=-1, keepdim=True))
+        self._ids.copy_(self._choose(out.logits[:, -1])[:, None])
         self._positions.add_(1)
 
     def _sync(self) -> None:

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.sampling import sample
 
-def choose_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+
+def choose_token(logits: torch.Tensor, temperature: float, top_p: float, seed: int, step: int) -> int:
     """One token from float logits [V]: the argmax at temperature 0, else a draw from softmax(logits / T)
-    restricted to the smallest set of most likely tokens whose mass reaches `top_p`."""
+    restricted to the smallest set of most likely tokens whose mass reaches `top_p`: the engine's draw
+    (`tandem.engine.sampling.sample`) for the request's `seed` (an int64) at its `step`-th token."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above each one
-        sorted_probs[before >= top_p] = 0.0  # the first token is always kept (before = 0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    row = dict(device=logits.device)
+    return int(
+        sample(
+            logits[None], torch.tensor([float(temperature)], **row), torch.tensor([float(top_p)], **row),
+            torch.tensor([seed], dtype=torch.int64, **row), torch.tensor([step], dtype=torch.int64, **row),
+            nucleus=top_p < 1,
+        )[0]
+    )  # fmt: skip
 
 
 class TextStream:

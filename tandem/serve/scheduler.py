@@ -75,7 +75,7 @@ class Request:
     prefilled: int = 0
     tokens: list[int] = field(default_factory=list)
     text: TextStream | None = None
-    generator: torch.Generator | None = None
+    draw_seed: int = 0  # the key of the request's draws (`sampling.choose_token`), set at its first chunk
     cancelled: bool = False
     finish_reason: str | None = None
     generated: int = 0  # tokens chosen, an end-of-sequence token included
@@ -310,11 +310,9 @@ class Scheduler:
             if request.cache is None:
                 request.cache = self._new_cache(request)
                 request.text = TextStream(self.tokenizer, request.stop)
-                request.generator = torch.Generator()
-                # without a seed, a fresh one (torch.seed() would also reseed the process's global generator)
-                request.generator.manual_seed(
-                    request.seed if request.seed is not None else secrets.randbits(63)
-                )
+                # the draws' key (an int64): the request's seed, or a fresh one
+                seed = request.seed if request.seed is not None else secrets.randbits(63)
+                request.draw_seed = seed - (1 << 64) if seed >= 1 << 63 else seed
             total = len(request.prompt_ids)
             s, e = request.prefilled, min(total, request.prefilled + self.limits.prefill_chunk)
             # hgca scores the prompt with its last chunk's queries: that chunk holds all it observes
@@ -376,7 +374,7 @@ class Scheduler:
 
     def _accept(self, request: Request, logits: torch.Tensor) -> None:
         """Choose the request's next token from its logits [V], release its text, end it if it is done."""
-        token = choose_token(logits, request.temperature, request.top_p, request.generator)
+        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
         now = time.perf_counter()
         if request.first_token is None:
             request.first_token = now

@@ -99,39 +99,35 @@ def test_released_text_is_the_decoded_text_cut_at_the_first_stop(tokens, stops):
 
 
 # ---- choose_token -------------------------------------------------------------------------------------------------
-def _generator(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+def _draws(logits, temperature: float, top_p: float, seed: int, n: int, first: int = 0) -> list[int]:
+    """A request's tokens at steps first .. first + n - 1 (the logits held fixed)."""
+    return [choose_token(logits, temperature, top_p, seed, step) for step in range(first, first + n)]
 
 
 def test_temperature_zero_is_the_argmax():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    assert choose_token(logits, 0.0, 1.0, _generator(0)) == 1
-    assert choose_token(logits, 0.0, 0.01, _generator(0)) == 1
+    assert choose_token(logits, 0.0, 1.0, 0, 0) == 1
+    assert choose_token(logits, 0.0, 0.01, 0, 5) == 1
 
 
 def test_a_small_top_p_keeps_only_the_top_token():
     logits = torch.tensor([1.0, 1.2, 0.9, 1.1])  # nearly flat: without the nucleus every token comes up
-    g = _generator(3)
-    assert {choose_token(logits, 1.0, 0.05, g) for _ in range(50)} == {1}
-    assert len({choose_token(logits, 1.0, 1.0, g) for _ in range(200)}) == 4
+    assert set(_draws(logits, 1.0, 0.05, 3, 50)) == {1}
+    assert len(set(_draws(logits, 1.0, 1.0, 3, 200))) == 4
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
-    g = _generator(5)
-    assert {choose_token(logits, 1.0, 0.5, g) for _ in range(200)} == {0, 1}  # 0.4 < 0.5 <= 0.4 + 0.3
-    assert {choose_token(logits, 1.0, 0.75, g) for _ in range(300)} == {0, 1, 2}
+    assert set(_draws(logits, 1.0, 0.5, 5, 200)) == {0, 1}  # 0.4 < 0.5 <= 0.4 + 0.3
+    assert set(_draws(logits, 1.0, 0.75, 5, 300)) == {0, 1, 2}
 
 
 def test_draws_follow_the_tempered_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
-    g, n = _generator(11), 4000
+    n = 4000
 
     def frequencies(temperature: float) -> torch.Tensor:
-        draws = torch.tensor([choose_token(probs.log(), temperature, 1.0, g) for _ in range(n)])
-        return torch.bincount(draws, minlength=3) / n
+        return torch.bincount(torch.tensor(_draws(probs.log(), temperature, 1.0, 11, n)), minlength=3) / n
 
     assert torch.allclose(frequencies(1.0), probs, atol=0.03)
     sharpened = torch.softmax(probs.log() / 0.5, 0)  # temperature 0.5: p^2, renormalized
@@ -140,7 +136,8 @@ def test_draws_follow_the_tempered_distribution():
 
 
 def test_the_same_seed_gives_the_same_draws():
-    logits = torch.randn(1000, generator=_generator(0))
-    draws = [[choose_token(logits, 0.9, 0.95, g) for _ in range(20)] for g in (_generator(7), _generator(7))]
-    assert draws[0] == draws[1]
-    assert draws[0] != [choose_token(logits, 0.9, 0.95, _generator(8)) for _ in range(20)]
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert _draws(logits, 0.9, 0.95, 7, 20) == _draws(logits, 0.9, 0.95, 7, 20)
+    assert _draws(logits, 0.9, 0.95, 7, 20) != _draws(logits, 0.9, 0.95, 8, 20)
+    # a step's draw does not depend on the steps before it (a request resumed at step 10 draws the same)
+    assert _draws(logits, 0.9, 0.95, 7, 10, first=10) == _draws(logits, 0.9, 0.95, 7, 20)[10:]
