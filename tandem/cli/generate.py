@@ -246,38 +246,20 @@ class _Streamer:
 
 
 def _engine_generate(model, cache, ids, max_new_tokens: int, streamer, sampling=None):
-    """Tokens from Tandem's engine: chunked prefill, then decode steps (one CUDA graph each on a GPU), each
-    token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as they come, up to an
-    end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
-    import torch
-
+    """Tokens from Tandem's engine (`TandemRunner.generate`): chunked prefill, then decode steps (one CUDA graph
+    each on a GPU), each token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as
+    they come, up to an end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
     from ..engine import Sampler, TandemRunner
     from ..models import end_of_sequence_ids
 
-    eos = end_of_sequence_ids(model)
     runner = TandemRunner(model, cache)
     sampler = Sampler(sampling, 1, runner.device) if sampling is not None else None
-    choose = sampler if sampler is not None else (lambda logits: logits.argmax(-1))
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
-    token = choose(runner.prefill(ids, chunk_tokens=ENGINE_CHUNK_TOKENS, max_new_tokens=max_new_tokens))
-    tokens = [token.cpu()]
-    streamer.put(tokens[-1])
-    steps = (
-        runner.stream(token, max_new_tokens - 1, sampler=sampler)
-        if int(tokens[-1][0]) not in eos
-        else iter(())
+    tokens = runner.generate(
+        ids, max_new_tokens, sampler, end_of_sequence_ids(model), ENGINE_CHUNK_TOKENS, on_token=streamer.put
     )
-    try:
-        for token in steps:
-            tokens.append(token.cpu())
-            streamer.put(tokens[-1])
-            if int(tokens[-1][0]) in eos:
-                break
-    finally:
-        if hasattr(steps, "close"):
-            steps.close()
     streamer.end()
-    return torch.cat(tokens)
+    return tokens
 
 
 def _start_rank(args):

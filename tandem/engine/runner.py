@@ -205,6 +205,45 @@ class TandemRunner:
             raise ValueError(f"next_position must be [batch], got {tuple(next_position.shape)}")
         self.next_position = next_position.to(self.device, torch.long)
 
+    # ---- one request ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        stop_ids=(),
+        chunk_tokens: int = 8192,
+        on_token=None,
+    ) -> torch.Tensor:
+        """One prompt's new tokens [n] int64 on the CPU: prefill, then decode steps, each token greedy or drawn by
+        `sampler` (one row), up to `max_new_tokens` or a token in `stop_ids`, which is kept (as model.generate
+        keeps its end-of-sequence token). input_ids: [1, T]; on_token(token [1] on the CPU) is called as each
+        token comes (the caller prints it)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be [1, tokens] (one prompt), got {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stop = set(stop_ids)
+        logits = self.prefill(input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
+        token = sampler(logits) if sampler is not None else logits.argmax(-1)
+        tokens = [token.cpu()]
+        if on_token is not None:
+            on_token(tokens[-1])
+        if int(tokens[-1][0]) in stop or max_new_tokens == 1:
+            return torch.cat(tokens)
+        steps = self.stream(token, max_new_tokens - 1, sampler=sampler)
+        try:
+            for token in steps:
+                tokens.append(token.cpu())
+                if on_token is not None:
+                    on_token(tokens[-1])
+                if int(tokens[-1][0]) in stop:
+                    break
+        finally:
+            steps.close()
+        return torch.cat(tokens)
+
     # ---- decode --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, first_tokens: torch.Tensor, steps: int, sampler: Sampler | None = None):

@@ -90,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument(
+        "--engine",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="generate Tandem's answers with its engine (chunked prefill, a CUDA graph per decode step) or with "
+        "model.generate (off); auto: the engine with CUDA (default). DynamicCache's answers use model.generate",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
@@ -143,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(
         args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
     )
-    runner = Runner(model, tokenizer, plan, haystack, progress=not args.no_progress)
+    runner = Runner(model, tokenizer, plan, haystack, progress=not args.no_progress, engine=args.engine)
     meta = {
         "model": Path(args.model).name if args.model else default_model_path().name,
         "machine": machine_description(runner.device),

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from ..config import POLICIES, TandemConfig, parse_number
 from ..integrations.hf import TandemCache, generate_cache_kwargs
-from ..models import attention_shape
+from ..models import attention_shape, end_of_sequence_ids
 from ..policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
@@ -280,15 +280,30 @@ def cache_statistics(cache: TandemCache) -> dict:
 # ---- running ------------------------------------------------------------------------------------------------
 class Runner:
     """Runs an `EvalPlan` on a loaded model. `on_sample(results)` is called after each sample (every variant
-    of it run), so that a long run keeps what it has measured when stopped."""
+    of it run), so that a long run keeps what it has measured when stopped.
 
-    def __init__(self, model, tokenizer, plan: EvalPlan, haystack: Haystack, progress: bool = True) -> None:
+    engine: how a Tandem variant generates: "on" through Tandem's engine (`TandemRunner.generate`: chunked
+    prefill, a CUDA graph per decode step on a GPU), "off" through model.generate with the cache, "auto" (the
+    default) the engine on CUDA. The DynamicCache reference (`check_hf`) always runs model.generate."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        plan: EvalPlan,
+        haystack: Haystack,
+        progress: bool = True,
+        engine: str = "auto",
+    ) -> None:
+        if engine not in ("auto", "on", "off"):
+            raise ValueError(f"engine must be 'auto', 'on' or 'off', got {engine!r}")
         text_config = model.config.get_text_config(decoder=True)
         check_lengths(plan.lengths, getattr(text_config, "max_position_embeddings", None))
         check_profiles(plan.variants, text_config)
         self.model, self.tokenizer, self.plan, self.haystack = model, tokenizer, plan, haystack
         self.builder = TaskBuilder(tokenizer, haystack, seed=plan.seed)
         self.device = next(model.parameters()).device
+        self.engine = engine == "on" or (engine == "auto" and self.device.type == "cuda")
         self.progress = progress
         self.runs: list[dict] = []
 
@@ -339,6 +354,7 @@ class Runner:
                     "answers": list(sample.answers),
                     "info": sample.info,
                     "seconds": round(seconds, 2),
+                    "engine": self.engine,  # generated through TandemRunner (else model.generate)
                 }
                 if reference is not None:
                     record["hf_identical"] = tokens == reference
@@ -351,6 +367,13 @@ class Runner:
     def _generate(self, sample, cache) -> tuple[list[int], str, float]:
         ids = sample.input_ids.to(self.device)
         start = time.perf_counter()
+        if self.engine and isinstance(cache, TandemCache):
+            from ..engine import TandemRunner
+
+            runner = TandemRunner(self.model, cache)
+            new = runner.generate(ids, sample.max_new_tokens, stop_ids=end_of_sequence_ids(self.model))
+            tokens = new.tolist()
+            return tokens, self._decode(tokens), time.perf_counter() - start
         out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

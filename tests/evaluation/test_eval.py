@@ -379,6 +379,29 @@ def test_eval_full_matches_hf_and_streaming_loses_the_needle(smollm, monkeypatch
 
 
 @pytest.mark.model
+def test_eval_through_the_engine_gives_model_generate_s_answers(smollm, monkeypatch, tmp_path, capsys):
+    """--engine on (the runner, eager on CPU): full attention still equals DynamicCache's tokens, and quest
+    answers as it does through model.generate."""
+    monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: smollm)
+    runs = {}
+    for engine in ("on", "off"):
+        out = tmp_path / engine
+        code = main(
+            ["eval", "--policies", "full,quest", "--tasks", "niah", "--lengths", "1k", "--samples", "2",
+             "--check-hf", "--engine", engine, "--no-progress", "--no-plots", "--out", str(out)]
+        )  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+        runs[engine] = {
+            (r["policy"], r["sample"]): r for r in json.loads((out / "results.json").read_text())["runs"]
+        }
+    for i in range(2):
+        assert runs["on"]["full", i]["engine"] and not runs["off"]["full", i]["engine"]
+        assert runs["on"]["full", i]["hf_identical"]
+        assert runs["on"]["quest", i]["output"] == runs["off"]["quest", i]["output"]
+        assert runs["on"]["quest", i]["fraction_attended"] > 0
+
+
+@pytest.mark.model
 def test_an_interrupted_eval_keeps_every_finished_sample(smollm, monkeypatch, tmp_path, capsys):
     """Ctrl-C (or `timeout -s INT`) in the third sample: results.json holds the first two, marked incomplete."""
     from tandem.evaluation.runner import Runner
