@@ -61,6 +61,7 @@ class DecodeBuffers:
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
         self._all_blocks, self._all_key = None, None
+        self._hot_call, self._hot_key, self._hot_bufs = None, None, None
 
     def all_blocks(self, host, num_kv_heads: int) -> Selection:
         """Every live block of the host tier as a block selection whose index and length tensors stay the same
@@ -111,6 +112,30 @@ class DecodeBuffers:
             )  # fmt: skip
             self._prepared_key = key
         return self._prepared_call
+
+    def hot_call(self, layer, q3: torch.Tensor, scale: float):
+        """With the hot tier in host memory: (call, q, out, lse), the compiled attention over every hot slot
+        (the ring's invalid slots masked) prepared for fixed buffers, rebuilt when the hot tier moves; call
+        attends `q` into out / lse. None without the compiled kernels."""
+        hot = layer.hot
+        key = (id(hot), hot.generation, hot.keys.data_ptr(), tuple(q3.shape), q3.dtype, scale)
+        if key != self._hot_key:
+            batch, num_kv_heads, slots = hot.keys.shape[:3]
+            q = torch.zeros_like(q3)
+            out = torch.zeros(q3.shape, dtype=torch.float32)
+            lse = torch.full(q3.shape[:2], float("-inf"))
+            indices = torch.arange(slots).expand(batch, num_kv_heads, slots).contiguous()
+            lengths = torch.full((batch, num_kv_heads), slots, dtype=torch.long)
+            call = ops.prepared_attention_call(
+                q, hot.keys, hot.values, indices, lengths, scale, out, lse, hot.valid, None,
+                layer.config.cpu_threads,
+            )  # fmt: skip
+            self._hot_bufs = (q, out, lse, indices, lengths)
+            self._hot_call, self._hot_key = call, key
+        if self._hot_call is None:
+            return None
+        q, out, lse = self._hot_bufs[:3]
+        return self._hot_call, q, out, lse
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
@@ -184,9 +209,18 @@ def _queue_plan(layer, q3: torch.Tensor, ranked):
     return qb
 
 
-def hot_part(layer, q3: torch.Tensor, scale: float):
-    """(out [B, Hq, D], lse [B, Hq]) float32 of q3 over the hot tier (HGCA's moving average updated in place)."""
+def hot_part(layer, q3: torch.Tensor, scale: float, bufs: DecodeBuffers | None = None):
+    """(out [B, Hq, D], lse [B, Hq]) float32 of q3 over the hot tier (HGCA's moving average updated in place).
+    With `bufs` and the hot tier in host memory (no moving average to keep), one prepared compiled call attends
+    it (`DecodeBuffers.hot_call`), as the host tier's rows are attended."""
     hot = layer.hot
+    if bufs is not None and not q3.is_cuda and not layer.policy.needs_maw:
+        prepared = bufs.hot_call(layer, q3, scale)
+        if prepared is not None:
+            call, q, out, lse = prepared
+            q.copy_(q3)
+            call()
+            return out.clone(), lse.clone()
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
@@ -203,7 +237,7 @@ def overlapped(
     (eager: set here from the policy). on_seconds: called with the CPU part's seconds.
     """
     if not q3.is_cuda:
-        out, lse = hot_part(layer, q3, scale)
+        out, lse = hot_part(layer, q3, scale, bufs)
         device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
         if nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are

@@ -25,6 +25,7 @@ CERT_COUNTERS = (
     "head_steps", "p_sum", "p_max", "bound_sum", "bound_max", "met", "excess_max", "units_kept", "units_live",
 )  # fmt: skip
 _MAXIMA = ("p_max", "bound_max", "excess_max")
+ALL_COUNTERS = ("head_steps", "met", "units_kept", "units_live")  # what an `attend_all` step adds to (p = 0)
 
 
 def host_digests(host, device):
@@ -108,6 +109,13 @@ class Step(NamedTuple):
         return self.needed <= self.kept
 
 
+class AllStep(NamedTuple):
+    """A step that attends every host row (`Certifier.attend_all`): nothing is skipped, so every head's
+    certificate holds with p = 0. live: the live units [B, 1]."""
+
+    live: torch.Tensor
+
+
 class Certifier:
     """One layer's certified selection and its counters.
 
@@ -123,11 +131,13 @@ class Certifier:
     def __init__(self, config) -> None:
         self.config = config
         self.rows = certifies_rows(config)
-        self.step: Step | None = None  # the step in flight, for after_attention
+        self.step: Step | AllStep | None = None  # the step in flight, for after_attention
         self._counters: torch.Tensor | None = None
         self._maxima: torch.Tensor | None = None  # which counters keep a maximum instead of a sum
         # (p [B, Hq], output bound [B, Hq]) of the last step's certificate, None when it had no host tier
         self.last_certificate: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._all_counts = dict.fromkeys(ALL_COUNTERS, 0.0)  # `attend_all` steps, counted on the host
+        self._all_zeros: torch.Tensor | None = None
 
     def select(self, layer, q: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor | None:
         """[B, Hkv, n] bool: the units each KV head attends (rows, or blocks: `unit`), `forced` [B, Hkv, nb]
@@ -156,6 +166,20 @@ class Certifier:
         self.step = Step(union, needed, kept, live, tail, skipped_norm)
         return union
 
+    def attend_all(self, layer, q: torch.Tensor) -> None:
+        """Record a step in which each KV head attends every host row, selected by no bound (a policy's choice
+        where that costs less than selecting); `after_attention` counts its certificate, p = 0."""
+        host = layer.host
+        if host is None or host.rows == 0:
+            self.step = None
+            return
+        n = span_blocks(host, q.device) * host.block_size
+        if self.rows:
+            live = host.row_valid_dev[:, :n].sum(-1, keepdim=True)
+        else:
+            live = (host.block_rows_dev[:, : n // host.block_size] > 0).sum(-1, keepdim=True)
+        self.step = AllStep(live)
+
     def _select_rows(self, layer, q, scale: float, known, forced) -> Step:
         """Every row a unit of its own (`certify.certified_rows`); a block's value norm bounds each of its rows'."""
         host = layer.host
@@ -183,6 +207,9 @@ class Certifier:
         if self.step is None:
             return
         s, self.step = self.step, None
+        if isinstance(s, AllStep):
+            self._count_all(layer, s, lse)
+            return
         with torch.no_grad():
             p, bound = certify.certificate_from_tail(s.tail, s.skipped_norm, lse, out)
             self.last_certificate = (p, bound)
@@ -199,11 +226,29 @@ class Certifier:
             counters = self._counters
             counters.copy_(torch.where(self._maxima, torch.maximum(counters, step), counters + step))
 
+    def _count_all(self, layer, s: AllStep, lse: torch.Tensor) -> None:
+        """An `attend_all` step: every head met epsilon with p = 0 and kept every live unit. It runs eagerly on
+        the host (`QuestPolicy.attends_all`), so it counts on the host, apart from the device counters."""
+        heads = lse.numel()
+        units = float(s.live.sum()) * layer.num_kv_heads
+        counts = self._all_counts
+        counts["head_steps"] += heads
+        counts["met"] += heads
+        counts["units_kept"] += units
+        counts["units_live"] += units
+        if self._all_zeros is None or self._all_zeros.shape != lse.shape:
+            self._all_zeros = torch.zeros(lse.shape, dtype=torch.float32, device=lse.device)
+        self.last_certificate = (self._all_zeros, self._all_zeros)
+
     def statistics(self) -> dict:
         """The counters since the last reset (one device read): see CERT_COUNTERS."""
         values = self._counters.tolist() if self._counters is not None else [0.0] * len(CERT_COUNTERS)
-        return dict(zip(CERT_COUNTERS, values))
+        counts = dict(zip(CERT_COUNTERS, values))
+        for name, value in self._all_counts.items():
+            counts[name] += value
+        return counts
 
     def reset_statistics(self) -> None:
+        self._all_counts = dict.fromkeys(ALL_COUNTERS, 0.0)
         if self._counters is not None:
             self._counters.zero_()  # in place: a recorded step keeps adding to this tensor

@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..kernels import ops
-from .base import NONE, Policy, Selection
+from .base import ALL, NONE, Policy, Selection
 from .certified import Certifier
 from .granularity import ids_selection, mask_to_ids
 
@@ -121,13 +121,32 @@ class QuestPolicy(Policy):
         return Selection("blocks", blocks, lengths, host.block_size)
 
     # ---- certified selection (`epsilon`) ------------------------------------------------------------------
+    def attends_all(self, layer, q: torch.Tensor) -> bool:
+        """Whether this step attends every host row instead of selecting: with policy "certified" (the default)
+        on a cache whose hot tier is on the CPU. There one CPU both selects and attends, and the certified
+        selection measured slower than attending every row at each context measured (docs/certified.md § The
+        default on a CPU); attending all of them is exact, so the certificate holds with p = 0. `quest` with an
+        epsilon always selects."""
+        host = layer.host
+        return (
+            self.config.policy == "certified"
+            and q.device.type == "cpu"
+            and host is not None
+            and host.rows > 0
+        )
+
     def _certified_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """[B, Hkv, n] int64: each KV head's certified units (rows or blocks) ascending, then n (none); see
-        `certified`."""
+        `certified`. None where the step attends every host row (`attends_all`) or there is none."""
+        if self.attends_all(layer, q):
+            self.certifier.attend_all(layer, q)
+            return None
         union = self.certifier.select(layer, q)
         return None if union is None else mask_to_ids(union)
 
     def _certified_selection(self, layer, q, from_device) -> Selection:
+        if from_device is None and self.attends_all(layer, q):
+            return ALL
         if from_device is None:
             from_device = self._certified_select(layer, q[:, :, 0])
             if from_device is None:

@@ -1,5 +1,7 @@
 """Hybrid attention over the tiered cache against plain dense attention (kernels.reference)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from tandem.attention.hybrid import causal_mask
 from tandem.cache import LayerKV
 from tandem.config import TandemConfig
 from tandem.kernels import reference
+from tandem.kernels.ops import native_cpu_available
 from tests.tolerances import TOLERANCES
 
 DEVICES = [
@@ -170,3 +173,41 @@ def test_task_pool_threads_do_not_change_results(policy, inference_mode):
             seq.feed(layer, pool, 0, 100)
             outs.append(torch.cat([seq.feed(layer, pool, t, t + 1) for t in range(100, 140)], dim=2))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not native_cpu_available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_hot_tier_call_matches_the_reference(dtype):
+    """On the CPU the hot tier is attended by one prepared compiled call (`DecodeBuffers.hot_call`): the same
+    out / lse as the torch reference, invalid ring slots left out, within the dtype's tolerance; a hot tier that
+    moves gets a new call."""
+    from tandem.attention.decode import DecodeBuffers, hot_part
+    from tests.tolerances import assert_close
+
+    gen = torch.Generator().manual_seed(0)
+    batch, hq, hkv, slots, dim = 2, 6, 2, 40, 16
+    layer = SimpleNamespace(
+        hot=SimpleNamespace(
+            keys=torch.randn(batch, hkv, slots, dim, generator=gen).to(dtype),
+            values=torch.randn(batch, hkv, slots, dim, generator=gen).to(dtype),
+            valid=torch.rand(batch, slots, generator=gen) > 0.3,
+            generation=0,
+            maw=None,
+        ),
+        policy=SimpleNamespace(needs_maw=False),
+        config=SimpleNamespace(cpu_threads=1),
+    )
+    layer.hot.valid[:, 0] = True
+    bufs = DecodeBuffers(batch, hq, dim, dtype, torch.device("cpu"))
+    for _ in range(2):  # the second call reuses the prepared one
+        q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
+        out, lse = hot_part(layer, q, 0.25, bufs)
+        hot = layer.hot
+        want_out, want_lse = reference.hot_decode_attention(q, hot.keys, hot.values, hot.valid, 0.25)
+        assert_close(out, want_out.float(), dtype, "out")
+        assert_close(lse, want_lse.float(), dtype, "lse")
+    first = bufs._hot_call
+    layer.hot.keys = layer.hot.keys.clone()  # the tier moved
+    layer.hot.generation = 1
+    hot_part(layer, q, 0.25, bufs)
+    assert bufs._hot_call is not first

@@ -93,3 +93,36 @@ def test_the_default_decodes_a_deep_model_through_one_graph_per_step():
         [sys.executable, "-c", _DEEP_DEFAULT], capture_output=True, text=True, timeout=400, check=False
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def test_the_default_on_a_cpu_attends_every_host_row_and_equals_dynamic_cache():
+    """policy "certified" with the hot tier on the CPU attends every host row (the selection costs more there
+    than what it leaves out): greedy tokens equal DynamicCache's, every head meets epsilon with p = 0, and quest
+    with the same epsilon still selects."""
+    from transformers import DynamicCache
+
+    from tandem import generate_cache_kwargs
+
+    model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 128, (2, 180), generator=torch.Generator().manual_seed(1))
+    small = dict(sink_tokens=4, window_tokens=16, block_size=4)
+
+    def generate(cache):
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
+            **generate_cache_kwargs(model, cache),
+        )  # fmt: skip
+        return out[:, ids.shape[1] :]
+
+    default = TandemCache.for_model(model, TandemConfig(**small))
+    assert torch.equal(generate(default), generate(DynamicCache()))
+    stats = default.stats()
+    assert stats["mean_fraction_attended"] == 1.0
+    cert = stats["certified"]
+    assert cert["head_steps"] == 2 * 8 * 2 * 11  # batch x query heads x layers x decode steps
+    assert cert["met_share"] == 1.0 and cert["max_p"] == 0.0 and cert["mean_kept"] == 1.0
+    quest = TandemCache.for_model(model, TandemConfig(policy="quest", epsilon=0.05, **small))
+    generate(quest)
+    assert quest.stats()["mean_fraction_attended"] < 1.0
+    assert quest.stats()["certified"]["mean_kept"] < 1.0
