@@ -138,7 +138,7 @@ class LayerKV:
             else None,
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
-            bounds_device=keys.device if self.policy.needs_bounds else None,
+            bounds_device=keys.device if self.policy.needs_bounds_on(keys.device) else None,
             keep_sketch=cfg.certify_bound == "sketch",
             split=self.split,
         )

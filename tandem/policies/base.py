@@ -81,6 +81,11 @@ class Policy:
     def __init__(self, config) -> None:
         self.config = config
 
+    def needs_bounds_on(self, device: torch.device) -> bool:
+        """Whether a host tier whose compute device is `device` keeps the certified selection's bounds
+        (`needs_bounds`): a policy that never selects by them there leaves them out."""
+        return self.needs_bounds
+
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         return None
 

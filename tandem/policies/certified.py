@@ -168,16 +168,19 @@ class Certifier:
 
     def attend_all(self, layer, q: torch.Tensor) -> None:
         """Record a step in which each KV head attends every host row, selected by no bound (a policy's choice
-        where that costs less than selecting); `after_attention` counts its certificate, p = 0."""
+        where that costs less than selecting; the host tier need keep no bounds); `after_attention` counts its
+        certificate, p = 0."""
         host = layer.host
         if host is None or host.rows == 0:
             self.step = None
             return
-        n = span_blocks(host, q.device) * host.block_size
+        host.wait()
         if self.rows:
-            live = host.row_valid_dev[:, :n].sum(-1, keepdim=True)
-        else:
-            live = (host.block_rows_dev[:, : n // host.block_size] > 0).sum(-1, keepdim=True)
+            live = host.valid_rows()[:, None]
+        else:  # blocks with a live row
+            live = (
+                host.valid[:, : host.rows].view(host.batch, -1, host.block_size).any(-1).sum(-1, keepdim=True)
+            )
         self.step = AllStep(live)
 
     def _select_rows(self, layer, q, scale: float, known, forced) -> Step:

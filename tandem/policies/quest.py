@@ -128,12 +128,14 @@ class QuestPolicy(Policy):
         default on a CPU); attending all of them is exact, so the certificate holds with p = 0. `quest` with an
         epsilon always selects."""
         host = layer.host
-        return (
-            self.config.policy == "certified"
-            and q.device.type == "cpu"
-            and host is not None
-            and host.rows > 0
-        )
+        return self._all_on(q.device) and host is not None and host.rows > 0
+
+    def _all_on(self, device: torch.device) -> bool:
+        return self.config.policy == "certified" and device.type == "cpu"
+
+    def needs_bounds_on(self, device: torch.device) -> bool:
+        """The default on a CPU never selects (`attends_all`): its host tier keeps no bounds or key sketch."""
+        return self.needs_bounds and not self._all_on(device)
 
     def _certified_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """[B, Hkv, n] int64: each KV head's certified units (rows or blocks) ascending, then n (none); see
