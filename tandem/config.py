@@ -39,9 +39,10 @@ DEFAULT_GPU_CACHE = 4.0
 CPU_THREADS_ENV = "TANDEM_CPU_THREADS"  # set by a tensor-parallel rank for its share of the cores
 
 
-def default_cpu_threads() -> int:
-    """$TANDEM_CPU_THREADS where set (a tensor-parallel rank's share, `distributed.launch`), else all cores but
-    one: that one launches GPU work."""
+def default_cpu_threads(device: str = "auto") -> int:
+    """$TANDEM_CPU_THREADS where set (a tensor-parallel rank's share, `distributed.launch`); else, for a cache on
+    a GPU (`device` "cuda", or "auto" with CUDA present), all cores but one, which launches GPU work; else all
+    cores: with the hot tier on the CPU nothing else runs while the CPU part does."""
     env = os.environ.get(CPU_THREADS_ENV, "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
@@ -49,7 +50,15 @@ def default_cpu_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    if device == "cpu" or (device == "auto" and not _cuda_present()):
+        return cores
     return max(1, cores - 1)
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def parse_number(text: str) -> int | float:
@@ -80,7 +89,8 @@ class TandemConfig:
     Attributes:
         policy: which offloaded (host) entries each head attends during decode: `certified` (the default: quest's
             selection with `epsilon`, DEFAULT_EPSILON unless set: each query head keeps the fewest host rows whose
-            skipped attention is provably at most epsilon of its attention), `full` (all), `streaming`
+            skipped attention is provably at most epsilon of its attention; with the hot tier on the CPU it attends
+            every host row, which costs less there than selecting), `full` (all), `streaming`
             (none: sinks + window only), `hgca` (moving-average attention weight above `beta / n`, per head),
             `quest` (top `budget` fraction of blocks by the min/max key bound, per KV head), `fluxion` (per-head
             budgets that keep each head's output within `tau` of full attention, streaming heads skipped, the
@@ -99,7 +109,8 @@ class TandemConfig:
         observation_tokens: for `hgca`, how many final prompt tokens score the prompt's entries after a
             prefill or append (their mean attention weight starts each entry's MAW).
         prefill_chunk: query tokens per chunk of a prefill/append, so no full attention matrix is built.
-        cpu_threads: threads for CPU attention (default: all cores but one).
+        cpu_threads: threads for CPU attention (default: all cores but one with the hot tier on a GPU, all cores with
+            it on the CPU; `default_cpu_threads`).
         gpu_share: for `quest`, the fraction of each step's selected host blocks that the compute device attends
             itself, reading them from pinned host memory over PCIe (zero-copy) while the CPU attends the rest
             (Fluxion's CPU+GPU split), in [0, 1]; 0 = the CPU reads everything. None (default): DEFAULT_GPU_SHARE
@@ -265,7 +276,7 @@ class TandemConfig:
         self._check_int("observation_tokens", 1, 1 << 16)
         self._check_int("prefill_chunk", 1, 1 << 24)
         if self.cpu_threads is None:
-            self.cpu_threads = default_cpu_threads()
+            self.cpu_threads = default_cpu_threads(self.device)
         self._check_int("cpu_threads", 1, 4096)
         if self.gpu_share is not None:
             self._check_float("gpu_share", 0.0, 1.0, "None or a fraction in [0, 1]", low_open=False)
