@@ -102,7 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel over N GPUs of this host (heads and MLP split; each rank its own cache and CPU "
         "cores): starts N processes under torchrun (default 1). With --device cpu, N ranks over gloo",
     )
-    p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1 with a GPU, all cores without)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU attention threads (default: cores - 1 with a GPU, all cores without)",
+    )
     p.add_argument("--out", default="tandem_bench", help="output folder (bench.json, bench.md, PNGs)")
     p.add_argument("--seed", type=int, default=0)
 

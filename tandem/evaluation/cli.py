@@ -87,7 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (default: cores - 1 with a GPU, all cores without)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU attention threads (default: cores - 1 with a GPU, all cores without)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument(
         "--engine",
