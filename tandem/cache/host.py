@@ -118,14 +118,19 @@ class HostTier:
                 f"the Tandem host tier ({err}); reduce the batch size or context length"
             ) from err
 
-    def reserve(self, rows: int) -> None:
+    def reserve(self, rows: int, headroom: bool = True) -> None:
         """Make room for `rows` live rows; grows geometrically so appends stay amortized O(1). Staged rows do not
-        move (`stage` reserves before it writes them, and nothing reserves again before they are appended)."""
+        move (`stage` reserves before it writes them, and nothing reserves again before they are appended).
+
+        headroom: the first allocation (a prompt's rows) leaves an eighth more for the decode that follows, so its
+        first evictions do not copy the whole tier at once (False: exactly `rows`, for a known final size)."""
         if rows <= self.capacity:
             return
         self.wait()  # the old buffers may still be the target of an async copy
         bs = self.block_size
         new_cap = max(rows, int(self.capacity * 1.5), 64 * bs)
+        if headroom and self.capacity == 0:
+            new_cap = max(new_cap, rows + rows // 8)
         new_cap = -(-new_cap // bs) * bs
         b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
         try:

@@ -145,7 +145,7 @@ class LayerKV:
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
             host_rows = self.capacity_hint - cfg.sink_tokens
-            self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size)
+            self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size, headroom=False)
 
     def recall_cache(self, ranked: torch.Tensor, width: int) -> RecallCache | None:
         """The recall cache for this step's selection `ranked` [B, Hkv, K] and a device share `width` blocks

@@ -211,23 +211,26 @@ def test_an_append_over_staged_rows_writes_them_again():
 def test_host_tier_failed_growth_raises_host_memory_error_and_keeps_state(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     host = make_host()
-    chunks = [random_blocks(gen, 64, torch.float32)]  # exactly the first capacity
+    chunks = [random_blocks(gen, 64, torch.float32)]
     host.append(*chunks[0])
-    assert (host.rows, host.capacity) == (256, 256)
+    assert (host.rows, host.capacity) == (256, 288)  # the first allocation leaves an eighth for the decode
+    chunks.append(random_blocks(gen, 8, torch.float32))  # exactly the first capacity
+    host.append(*chunks[-1])
+    assert (host.rows, host.capacity) == (288, 288)
 
     def no_memory(self, shape, dtype):
         raise MemoryError()
 
     # reserve() turns a plain MemoryError from any of its allocations into HostMemoryError
     monkeypatch.setattr(HostTier, "_zeros", no_memory)
-    with pytest.raises(HostMemoryError, match=r"host memory exhausted .* 384 rows") as info:
+    with pytest.raises(HostMemoryError, match=r"host memory exhausted .* 432 rows") as info:
         host.append(*random_blocks(gen, 1, torch.float32))
     assert isinstance(info.value, MemoryError) and type(info.value.__cause__) is MemoryError
-    assert (host.rows, host.capacity) == (256, 256)
+    assert (host.rows, host.capacity) == (288, 288)
     check_host_content(host, chunks)
     monkeypatch.undo()
     chunks.append(random_blocks(gen, 1, torch.float32))
-    assert host.append(*chunks[-1]) == 256
+    assert host.append(*chunks[-1]) == 288
     check_host_content(host, chunks)
 
 
