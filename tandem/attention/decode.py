@@ -130,12 +130,11 @@ class DecodeBuffers:
                 q, hot.keys, hot.values, indices, lengths, scale, out, lse, hot.valid, None,
                 layer.config.cpu_threads,
             )  # fmt: skip
-            self._hot_bufs = (q, out, lse, indices, lengths)
+            self._hot_bufs = (q, out, lse)  # the call keeps its index lists alive
             self._hot_call, self._hot_key = call, key
         if self._hot_call is None:
             return None
-        q, out, lse = self._hot_bufs[:3]
-        return self._hot_call, q, out, lse
+        return (self._hot_call, *self._hot_bufs)
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype

@@ -226,7 +226,7 @@ class TandemRunner:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stop = set(stop_ids)
         logits = self.prefill(input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
-        token = sampler(logits) if sampler is not None else logits.argmax(-1)
+        token = (sampler if sampler is not None else _argmax)(logits)
         tokens = [token.cpu()]
         if on_token is not None:
             on_token(tokens[-1])

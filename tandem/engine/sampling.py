@@ -20,6 +20,11 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def seed_key(seed: int) -> int:
+    """A 64-bit seed, signed or unsigned (in [-2**63, 2**64)), as the int64 with its bits: the draws' key."""
+    return _int64(seed % (1 << 64))
+
+
 GOLDEN = _int64(0x9E3779B97F4A7C15)  # SplitMix64's increment
 MIX_1 = _int64(0xBF58476D1CE4E5B9)
 MIX_2 = _int64(0x94D049BB133111EB)
@@ -107,7 +112,7 @@ class Sampler:
         self.nucleus = any(p.top_p < 1 for p in rows)
         self.temperature = torch.tensor([float(p.temperature) for p in rows], device=device)
         self.top_p = torch.tensor([float(p.top_p) for p in rows], device=device)
-        self.seed = torch.tensor([_int64(s % (1 << 64)) for s in seeds], dtype=torch.int64, device=device)
+        self.seed = torch.tensor([seed_key(s) for s in seeds], dtype=torch.int64, device=device)
         self.step = torch.zeros(batch, dtype=torch.int64, device=device)
         self.step.add_(torch.as_tensor(first_step, dtype=torch.int64).to(device))
 

@@ -35,6 +35,7 @@ import torch
 
 from ..attention import TaskPool
 from ..config import TandemConfig
+from ..engine.sampling import seed_key
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
 from ..models import attention_shape, end_of_sequence_ids
@@ -310,9 +311,10 @@ class Scheduler:
             if request.cache is None:
                 request.cache = self._new_cache(request)
                 request.text = TextStream(self.tokenizer, request.stop)
-                # the draws' key (an int64): the request's seed, or a fresh one
-                seed = request.seed if request.seed is not None else secrets.randbits(63)
-                request.draw_seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+                # the draws' key: the request's seed, or a fresh one
+                request.draw_seed = seed_key(
+                    request.seed if request.seed is not None else secrets.randbits(63)
+                )
             total = len(request.prompt_ids)
             s, e = request.prefilled, min(total, request.prefilled + self.limits.prefill_chunk)
             # hgca scores the prompt with its last chunk's queries: that chunk holds all it observes
