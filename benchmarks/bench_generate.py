@@ -1,6 +1,7 @@
 """`tandem generate` as a user runs it, against Hugging Face's DynamicCache on the same prompt, in one run: the
 decode rate of each policy (a fresh `tandem generate --json` process each, so compilation and graph capture are
-paid as a user pays them) beside `model.generate` with a DynamicCache in this process.
+paid as a user pays them) beside `model.generate` with a DynamicCache in this process, and beside the engine's
+steady state for each policy in this process (the rate `tandem bench` reports: what a long answer approaches).
 
     python benchmarks/bench_generate.py --model /path/to/model.gguf --prompt-tokens 3500 --tokens 96 \
         --policies certified,streaming,quest --out benchmarks/results/<date>_<machine>_generate
@@ -63,6 +64,25 @@ def hf_dynamic(model, ids: torch.Tensor, tokens: int) -> dict:
             "decode_tokens_per_s": rate}  # fmt: skip
 
 
+def steady_state(model, ids: torch.Tensor, args, policy: str) -> float:
+    """The engine's steady decode rate for `policy` on the same prompt, in this process: the median step of
+    `--tokens` steps taken after the warm-up request, the eager steps and the recording (what `tandem bench`
+    reports), as tokens/s."""
+    from tandem import TandemCache
+    from tandem.cli import build_parser
+    from tandem.cli.generate import build_config
+    from tandem.engine import TandemRunner
+
+    cli = build_parser().parse_args(["generate", "--prompt", "-", "--policy", policy, *args.extra])
+    runner = TandemRunner(model, TandemCache.for_model(model, build_config(cli)))
+    runner.warm_up(ids.shape[1])
+    skip = runner.warmup_steps + 4
+    logits = runner.prefill(ids, max_new_tokens=skip + args.tokens)
+    _, seconds = runner.decode(logits.argmax(-1), skip + args.tokens)
+    steps = sorted(seconds[skip:])
+    return 1.0 / steps[len(steps) // 2]
+
+
 def tandem_generate(args, prompt_file: str, policy: str) -> dict:
     command = [sys.executable, "-m", "tandem.cli", "generate", "--prompt-file", prompt_file, "--json",
                "--max-new-tokens", str(args.tokens), "--policy", policy]  # fmt: skip
@@ -80,6 +100,7 @@ def tandem_generate(args, prompt_file: str, policy: str) -> dict:
     stats = json.loads(done.stdout.strip().splitlines()[-1])["stats"]
     return {"system": policy, "generated_tokens": stats["generated_tokens"], "prefill_seconds": stats["prefill_seconds"],
             "decode_tokens_per_s": stats["decode_tokens_per_s"], "engine": stats.get("engine"),
+            "warmup_seconds": stats.get("warmup_seconds"),
             "fraction_attended": stats.get("mean_fraction_attended")}  # fmt: skip
 
 
@@ -105,12 +126,14 @@ def main() -> None:
     hf_dynamic(model, ids[:, :256], 4)  # warm-up: kernels loaded, allocator grown
     rows = [hf_dynamic(model, ids, args.tokens)]
     print(json.dumps(rows[-1]), flush=True)
+    steady = {policy: steady_state(model, ids, args, policy) for policy in args.policies.split(",")}
+    print(json.dumps({"steady_tokens_per_s": steady}), flush=True)
     del model
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
         for policy in args.policies.split(","):
-            rows.append(tandem_generate(args, f.name, policy))
+            rows.append(dict(tandem_generate(args, f.name, policy), steady_tokens_per_s=steady[policy]))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         os.unlink(f.name)
@@ -119,20 +142,24 @@ def main() -> None:
         f"# `tandem generate` against DynamicCache: {args.model or 'the default model'} on {machine['gpu'] or machine['cpu']}",
         "",
         f"A {ids.shape[1]}-token prose prompt, {args.tokens} greedy tokens. Decode rate = (generated - 1) / seconds "
-        "from the first token to the last; each `tandem generate` a fresh process.",
+        "from the first token to the last; each `tandem generate` a fresh process. Steady state: the engine's "
+        "median step in this process on the same prompt and policy, past its warm-up, eager steps and recording.",
         "",
-        "| system | decode tokens/s | vs DynamicCache | generated | prefill s | host entries attended |",
-        "|---|---|---|---|---|---|",
+        "| system | decode tokens/s | vs DynamicCache | steady state tokens/s | vs steady state | generated | "
+        "prefill s | warm-up s | host entries attended |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['system']} | failed: {r['error']} | | | | | | | |")
             continue
-        rate = r["decode_tokens_per_s"]
+        rate, steady_rate = r["decode_tokens_per_s"], r.get("steady_tokens_per_s")
         ratio = f"{rate / base:.2f}x" if rate and base else "-"
         share = "-" if r.get("fraction_attended") is None else f"{r['fraction_attended']:.1%}"
-        lines.append(f"| {r['system']} | {rate or 0:.1f} | {ratio} | {r['generated_tokens']} | "
-                     f"{r['prefill_seconds']:.2f} | {share} |")  # fmt: skip
+        steady_cells = f"{steady_rate:.1f} | {rate / steady_rate:.2f}x" if rate and steady_rate else "- | -"
+        warmup = "-" if r.get("warmup_seconds") is None else f"{r['warmup_seconds']:.2f}"
+        lines.append(f"| {r['system']} | {rate or 0:.1f} | {ratio} | {steady_cells} | {r['generated_tokens']} | "
+                     f"{r['prefill_seconds']:.2f} | {warmup} | {share} |")  # fmt: skip
     print("\n".join(lines))
     if args.out:
         manifest.save_results(

@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "step) instead of model.generate; auto: on with CUDA (default)",
     )
     p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="with the engine: skip the warm-up request before the prompt (a short throwaway prompt that builds "
+        "the kernels and the graph machinery, so that the answer's decode does not pay for them)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with `text` and `stats` instead of streaming",
@@ -245,14 +251,14 @@ class _Streamer:
             sys.stdout.flush()
 
 
-def _engine_generate(model, cache, ids, max_new_tokens: int, streamer, sampling=None):
+def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None):
     """Tokens from Tandem's engine (`TandemRunner.generate`): chunked prefill, then decode steps (one CUDA graph
     each on a GPU), each token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as
     they come, up to an end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
-    from ..engine import Sampler, TandemRunner
+    from ..engine import Sampler
     from ..models import end_of_sequence_ids
 
-    runner = TandemRunner(model, cache)
+    model = runner.model
     sampler = Sampler(sampling, 1, runner.device) if sampling is not None else None
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
     tokens = runner.generate(
@@ -366,6 +372,9 @@ def _run(args) -> int:
         from ..distributed.loading import load_shard
 
         model, tokenizer = load_shard(args.model, rank, dtype=args.dtype, cache=model_cache)
+    from ..engine import freeze_heap
+
+    freeze_heap()  # the model lives as long as the process: out of the collector's passes during the decode
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
@@ -415,12 +424,20 @@ def _run(args) -> int:
         else dict(do_sample=False)
     )
     torch.manual_seed(args.seed)
+    warmup_seconds = 0.0
+    if use_engine:
+        from ..engine import TandemRunner
+
+        runner = TandemRunner(model, cache)
+        if not args.no_warmup:
+            # the process's one-time costs (kernel builds, graph machinery) before the request, not inside it
+            warmup_seconds = runner.warm_up(prompt_tokens)
     start = time.perf_counter()
     if use_engine:
         from ..engine import SamplingParams
 
         params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
-        new_tokens = _engine_generate(model, cache, ids, args.max_new_tokens, streamer, params)
+        new_tokens = _engine_generate(runner, ids, args.max_new_tokens, streamer, params)
     else:
         with torch.inference_mode():
             out = model.generate(
@@ -448,6 +465,7 @@ def _run(args) -> int:
         prompt_tokens=prompt_tokens,
         generated_tokens=generated,
         prefill_seconds=round(first - start, 3),
+        warmup_seconds=round(warmup_seconds, 3),
         decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
         device=str(device),
         engine=use_engine,

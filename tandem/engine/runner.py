@@ -33,6 +33,7 @@ from .step import DecodeStep
 
 HANDOFFS = ("auto", "memops", "launches")
 FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
+WARMUP_TOKENS = 4096  # the longest prompt `TandemRunner.warm_up` runs
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class TandemRunner:
         model,
         cache: TandemCache,
         use_graphs: bool | str = "auto",
-        warmup_steps: int = 2,
+        warmup_steps: int = 1,
         handoff: str = "auto",
         fused: bool | str = "auto",
         forward: str = "auto",
@@ -204,6 +205,35 @@ class TandemRunner:
         if next_position.dim() != 1:
             raise ValueError(f"next_position must be [batch], got {tuple(next_position.shape)}")
         self.next_position = next_position.to(self.device, torch.long)
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, prompt_tokens: int, steps: int | None = None) -> float:
+        """Run one throwaway request through a cache of this runner's configuration, so that the process's
+        one-time costs fall before the first real request: kernel builds (Triton's, from its on-disk cache or
+        from source), CUDA's lazy module loads, cuBLAS handles and workspaces. `prompt_tokens`
+        random tokens (at most `WARMUP_TOKENS`: the real prompt's length where shorter, so that its tiers take the
+        same shape), then `steps` decode steps (default: the eager ones, one recorded, one replayed). Returns the
+        seconds it took. The runner's own cache is not touched."""
+        if prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        start = time.perf_counter()
+        cache = TandemCache.for_model(self.model, self.cache.config, pool=self.cache.pool)
+        twin = TandemRunner(
+            self.model, cache, use_graphs=self.use_graphs, warmup_steps=self.warmup_steps,
+            handoff=self.handoff, fused=self.fused_layers is not None, forward=self.forward,
+        )  # fmt: skip
+        steps = self.warmup_steps + 2 if steps is None else steps
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        tokens = min(prompt_tokens, WARMUP_TOKENS)
+        limit = cache.layers[0].max_positions
+        if limit is not None:
+            tokens = max(1, min(tokens, limit - steps))
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+        logits = twin.prefill(ids, max_new_tokens=steps)
+        twin.decode(logits.argmax(-1), steps)
+        self._sync()
+        return time.perf_counter() - start
 
     # ---- one request ---------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -101,6 +101,7 @@ def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, caps
         results[engine] = json.loads(out.out)
     on, off = results["on"], results["off"]
     assert on["stats"]["engine"] and not off["stats"]["engine"]
+    assert on["stats"]["warmup_seconds"] > 0 and off["stats"]["warmup_seconds"] == 0  # the engine warms up first
     assert on["text"] == off["text"] and "Paris" in on["text"]
     assert on["stats"]["generated_tokens"] == off["stats"]["generated_tokens"] < 24
 
@@ -112,14 +113,14 @@ def test_engine_samples_inside_the_step_and_a_seed_repeats_its_text(smollm, monk
     for seed in (5, 5, 6):
         code, out = _run(
             ["generate", "--prompt", "Once upon a time", "--max-new-tokens", "16", "--engine", "on", "--do-sample",
-             "--temperature", "1.2", "--seed", str(seed), "--json"],
+             "--temperature", "1.2", "--seed", str(seed), "--json", "--no-warmup"],
             monkeypatch,
             smollm,
             capsys,
         )  # fmt: skip
         assert code == 0, out.err
         result = json.loads(out.out)
-        assert result["stats"]["engine"]
+        assert result["stats"]["engine"] and result["stats"]["warmup_seconds"] == 0
         texts.append(result["text"])
     assert texts[0] == texts[1] and texts[0] != texts[2]
 

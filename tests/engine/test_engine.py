@@ -385,3 +385,17 @@ def test_real_model_greedy_matches_dynamic_cache(smollm, prose):
     ours, runner = _run(model, ids, None, config, 12, chunk_tokens=256)
     assert torch.equal(_hf_greedy(model, ids, None, 12), ours)
     assert runner.cache.stats()["host_rows"] > 500
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warm_up_leaves_the_runners_cache_alone_and_the_answer_unchanged(device):
+    model = _tiny(device=device)
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=8, block_size=4, budget=0.5, gpu_cache=0)
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(8)).to(device)
+    cold = TandemRunner(model, TandemCache.for_model(model, config)).generate(ids, 10)
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    assert runner.warm_up(ids.shape[1]) > 0
+    assert runner.layers[0].seq_len == 0 and runner.next_position is None
+    assert torch.equal(runner.generate(ids, 10), cold)
+    with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
+        runner.warm_up(0)
