@@ -101,7 +101,7 @@ def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, caps
         results[engine] = json.loads(out.out)
     on, off = results["on"], results["off"]
     assert on["stats"]["engine"] and not off["stats"]["engine"]
-    assert on["stats"]["warmup_seconds"] > 0 and off["stats"]["warmup_seconds"] == 0  # the engine warms up first
+    assert on["stats"]["warmup_seconds"] > 0 and off["stats"]["warmup_seconds"] == 0  # the engine's warm-up
     assert on["text"] == off["text"] and "Paris" in on["text"]
     assert on["stats"]["generated_tokens"] == off["stats"]["generated_tokens"] < 24
 

@@ -390,7 +390,9 @@ def test_real_model_greedy_matches_dynamic_cache(smollm, prose):
 @pytest.mark.parametrize("device", DEVICES)
 def test_warm_up_leaves_the_runners_cache_alone_and_the_answer_unchanged(device):
     model = _tiny(device=device)
-    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=8, block_size=4, budget=0.5, gpu_cache=0)
+    config = TandemConfig(
+        policy="quest", sink_tokens=4, window_tokens=8, block_size=4, budget=0.5, gpu_cache=0
+    )
     ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(8)).to(device)
     cold = TandemRunner(model, TandemCache.for_model(model, config)).generate(ids, 10)
     runner = TandemRunner(model, TandemCache.for_model(model, config))
