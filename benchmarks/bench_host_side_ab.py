@@ -43,7 +43,7 @@ def ab_row(model, policy: str, batch: int, context: int, rounds: int, steps: int
     seconds: list[float] = []
     for i, _ in enumerate(runner.stream(torch.zeros(batch, dtype=torch.long), len(plan), seconds)):
         if i + 1 < len(plan):  # the next step's side
-            cache.decode_step.compiled_host_side = plan[i + 1] != "python"
+            cache.step_context.compiled_host_side = plan[i + 1] != "python"
     times: dict[str, list[float]] = {"compiled": [], "python": []}
     for side, value in zip(plan, seconds, strict=True):
         if side is not None:

@@ -68,8 +68,8 @@ def switch(runner, cache, scheduler: str, share: float | None, programs: int | N
     for layer in cache.tandem_layers():
         layer.gpu_share = config.gpu_share_on("cuda")
         layer.gpu_cache = config.gpu_cache_on("cuda")
-    if cache.decode_step is not None:
-        cache.decode_step.segments = []
+    if cache.step_context is not None:
+        cache.step_context.segments = []
     runner.warmup_steps = step + 2
 
 

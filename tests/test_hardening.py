@@ -312,7 +312,7 @@ def test_device_memory_exhausted_mid_decode_is_a_memory_error_and_the_step_is_cl
     _out_of_memory_at(monkeypatch, torch.Tensor, "new_zeros", 1)  # the ring's first growth
     with pytest.raises(MemoryError, match=r"ring could not grow .*window_tokens"):
         runner.decode(first, 40)
-    assert cache.decode_step is None and {t.name for t in threading.enumerate()} <= threads
+    assert cache.step_context is None and {t.name for t in threading.enumerate()} <= threads
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="unusable: a step failed .*ring could not grow"):
         runner.decode(first, 1)
@@ -345,7 +345,7 @@ def test_a_cpu_worker_raising_inside_a_step_fails_the_step_and_leaves_no_thread_
     with pytest.raises(RuntimeError, match="simulated CPU worker failure"):
         runner.decode(first, 4)
     assert {t.name for t in threading.enumerate()} <= threads  # no new thread left running or waiting
-    assert cache.decode_step is None  # the step was closed
+    assert cache.step_context is None  # the step was closed
     with pytest.raises(RuntimeError, match="unusable: a step failed .*simulated CPU worker failure"):
         runner.decode(first, 1)
 

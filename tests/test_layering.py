@@ -11,9 +11,11 @@ sideways, never up, and no two groups of modules import each other.
 """
 
 import ast
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tandem"
 CALIBRATION_MATH = ("features", "predictor", "profile", "search", "replay")
@@ -145,3 +147,94 @@ def test_only_the_cpu_kernels_package_binds_the_compiled_library():
         if target == "tandem.kernels.cpu._library"
     ]
     assert not outside, outside
+
+
+# ---- the engine's state stays the engine's -------------------------------------------------------------------
+ENGINE_FREE = (
+    "attention",
+    "cache",
+    "policies",
+    "integrations",
+)  # they serve every caller, the engine among them
+
+
+def _own_attributes(paths) -> set[str]:
+    """Names the code in `paths` gives its objects: what it assigns on `self`, and every function it defines
+    (methods, and module functions reached as `module.name`)."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                names.add(node.name)
+    return names
+
+
+ENGINE_STATE = (
+    "runner.py",
+    "step.py",
+    "handoff.py",
+    "sampling.py",
+)  # the run's state: runner, step, hand-offs
+
+
+def engine_only_state() -> set[str]:
+    """Attributes only the engine's run-time objects hold (its runner, step, hand-off flags and sampler): what
+    their classes assign on `self` and the functions they define, less the step context's contract (`attention.context.StepContext`, which
+    the engine's step implements) and less whatever the engine-free packages' own classes also hold. (The
+    engine's model code, `forward.py` and `fused.py`, holds model attributes, which everyone reads.)"""
+    engine = _own_attributes(PACKAGE / "engine" / name for name in ENGINE_STATE)
+    # reads of torch's, threading's and transformers' objects (`.forward`, `.start`, a Cache's `.layers`)
+    engine -= set(dir(torch.nn.Module)) | set(dir(torch.Tensor)) | set(dir(threading.Thread)) | {"layers"}
+    free = _own_attributes(path for name in ENGINE_FREE for path in sorted((PACKAGE / name).rglob("*.py")))
+    return engine - free
+
+
+def engine_reads(paths) -> list[str]:
+    """`file:line attribute` for every read in `paths` of an attribute only the engine holds."""
+    private = engine_only_state()
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{path}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_attention_cache_policies_and_integrations_import_nothing_of_the_engine():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for name in ENGINE_FREE
+        for path in sorted((PACKAGE / name).rglob("*.py"))
+        for target, line in imports(path)
+        if target.startswith("tandem.engine")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_attention_cache_policies_and_integrations_read_no_engine_state():
+    """They reach a fixed-address step only through its `StepContext`: no attribute the engine alone holds (its
+    recorded graphs, hand-off flags, launcher, sampler, ...) is read there."""
+    engine = engine_only_state()
+    assert {
+        "segments",
+        "launcher",
+        "warmup_steps",
+        "capture",
+        "replay",
+        "warm_up",
+    } <= engine  # it sees the engine
+    paths = [path for name in ENGINE_FREE for path in sorted((PACKAGE / name).rglob("*.py"))]
+    found = engine_reads(paths)
+    assert not found, "\n".join(found)
+
+
+def test_the_state_checker_sees_a_read_of_the_engines_graphs(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(cache, q):\n    cache.step_context.replay()\n    return cache.step_context.segments\n",
+        encoding="utf-8",
+    )
+    assert sorted(line.split(" ")[-1] for line in engine_reads([probe])) == [".replay", ".segments"]

@@ -8,9 +8,10 @@ Only q, the CPU output and its LSE cross PCIe, plus the device share's selected 
 
 The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back
 (`decode_layer`, `overlapped`). The parts are plain functions: `prepare` (buffers, the device-side ranking and
-recall plan), `hot_part`, `device_part` and the CPU part (`cpu_part`, or `CpuPart` to run later). The engine
-(`tandem.engine.step`) records the same order in CUDA graphs and owns the hand-off between them; nothing here
-knows about graphs.
+recall plan), `hot_part`, `device_part` and the CPU part (`cpu_part`, or `CpuPart` to run later). `decode_layer`
+is every caller's one decode path: with a fixed-address step's `StepContext` (`context.py`) the token goes to a
+reserved slot and the CPU part goes through the context's hooks, which a runner that records its steps
+(`tandem.engine`) runs at replay; nothing here knows about graphs.
 """
 
 from __future__ import annotations
@@ -147,17 +148,57 @@ class DecodeBuffers:
         return self.split.to_heads(self.out_dev), self.split.to_heads(self.lse_dev)
 
 
-def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool) -> torch.Tensor:
-    """Attention of one decode query per request over everything `layer` caches plus the new token, run eagerly
-    (the engine's captured steps compose the same parts: `tandem.engine.step`).
+def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, context=None) -> torch.Tensor:
+    """A layer's decode attention: one query per request over everything `layer` caches plus the new token.
+    The one decode path of every caller (the HF drop-in, the engine's eager and recorded steps).
 
     q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D]; valid_new: [B, 1] bool.
+    context: a fixed-address step's `StepContext` (`attention.context`): the token goes to its reserved `slot`
+    (valid), the device share's block count is its `device_blocks`, and the CPU part goes through its hooks,
+    deferred while it `defers_host_work`. None: the token is appended here, and everything runs at once.
     Returns [B, Hq, 1, D] float32.
     """
-    layer.append(k_new, v_new, valid_new)
+    if context is None:
+        layer.append(k_new, v_new, valid_new)
+    else:
+        layer.hot.write_slot(context.slot, k_new, v_new)
     q3 = q[:, :, 0]
     bufs, ranked, plan = prepare(layer, q3, scale)
-    return overlapped(layer, bufs, q3, ranked, plan, scale, pool)[:, :, None]
+    if context is None:
+        out = overlapped(layer, bufs, q3, ranked, plan, scale, pool)
+    elif not (context.defers_host_work and q.is_cuda):
+        out = overlapped(
+            layer, bufs, q3, ranked, plan, scale, pool, context.device_blocks, context.add_host_seconds
+        )
+    else:
+        out = _deferred(layer, bufs, q3, ranked, plan, scale, pool, context)
+    return out[:, :, None]
+
+
+def _deferred(layer, bufs, q3, ranked, plan, scale: float, pool, context) -> torch.Tensor:
+    """`overlapped`'s order with the CPU part handed to `context` to run later (a recorded step): q's copy and
+    its `q_ready`, the hot tier and the device share, the CPU part as `host_work`, its result's copy and the
+    merge queued behind it. A layer with no CPU part (a policy that never attends the host tier, or a device
+    that attends the whole selection) hands off nothing: its statistics are `after_replay` work."""
+    if not layer.policy.attends_host:
+        out, _ = hot_part(layer, q3, scale)
+        context.after_replay(partial(record_no_host_part, layer))
+        return out
+    if device_only(layer, plan):
+        out, lse = hot_part(layer, q3, scale)
+        device_part(layer, bufs, q3, ranked, out, lse, scale, context.device_blocks, plan)
+        context.after_replay(partial(record_device_only, layer))
+        return out
+    bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
+    context.q_ready(bufs.q_copied.record)
+    out, lse = hot_part(layer, q3, scale)
+    device_part(layer, bufs, q3, ranked, out, lse, scale, context.device_blocks, plan)
+    context.host_work(CpuPart(layer, bufs, scale, pool, context.waits_for_copy, context.add_host_seconds))
+    bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+    bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+    ops.merge_lse_(out, lse, *bufs.cpu_result())
+    layer.policy.after_attention(layer, out, lse)
+    return out
 
 
 def prepare(layer, q3: torch.Tensor, scale: float):

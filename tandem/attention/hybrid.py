@@ -25,15 +25,18 @@ from .tasks import TaskPool
 FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash-style exact append
 
 
-def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool) -> torch.Tensor:
+def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool, context=None) -> torch.Tensor:
     """Attention of `q` over everything cached in `layer` plus the new tokens, which it then caches.
 
     q:         [B, Hq, Lq, D]   on the hot tier's device
     k_new:     [B, Hkv, Lq, D]  keys/values of the same Lq new tokens (RoPE applied)
     valid_new: [B, Lq] bool     False for padding tokens
+    context:   a fixed-address decode step's `StepContext` (one new token each, its slot reserved), or None
     Returns [B, Hq, Lq, D] in q's dtype.
     """
-    if layer.initialized and layer.seq_len > 0 and q.shape[2] == 1:
+    if context is not None and q.shape[2] == 1:
+        out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool, context)
+    elif layer.initialized and layer.seq_len > 0 and q.shape[2] == 1:
         out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool)
     else:
         out = _append(layer, q, k_new, v_new, valid_new, scale, pool)

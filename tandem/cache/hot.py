@@ -67,6 +67,15 @@ class HotTier:
         if self.maw is not None:
             self.maw[:, :, slot : slot + n].zero_()
 
+    def write_slot(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one new token per request [B, Hkv, 1, D], valid, at the slot the device tensor `slot` [1] holds
+        (reserved beforehand: a recorded step writes wherever its slot points at replay)."""
+        self.keys.index_copy_(2, slot, keys)
+        self.values.index_copy_(2, slot, values)
+        self.valid.index_fill_(1, slot, True)
+        if self.maw is not None:
+            self.maw.index_fill_(2, slot, 0.0)
+
     def take_free_block(self) -> int:
         if not self.free:
             self._grow()

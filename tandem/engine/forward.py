@@ -223,7 +223,7 @@ class DecodeForward:
             self._valid = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
         hidden = self.embed(input_ids)  # [B, 1, H]
         cos, sin = self.rotary_emb(hidden, position_ids)
-        step, pool = self.cache.decode_step, self.cache.pool
+        step, pool = self.cache.step_context, self.cache.pool
         heads, kv_heads, dim = self.num_q_heads, self.num_kv_heads, self.head_dim
         residual, out = hidden, None
         for i, layer in enumerate(self.layers):
@@ -238,10 +238,7 @@ class DecodeForward:
             v = v.view(batch, 1, kv_heads, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             kv = self.cache.layers[i].kv
-            if step is not None:
-                attn = step.attend(kv, q, k, v, layer.scale, pool)
-            else:
-                attn = decode_layer(kv, q, k, v, self._valid, layer.scale, pool)
+            attn = decode_layer(kv, q, k, v, self._valid, layer.scale, pool, step)
             attn = attn.to(hidden.dtype)
             attn = layer.o_proj(attn.transpose(1, 2).reshape(batch, 1, heads * dim))
             residual, x = self.add_norm(attn, residual, *layer.norm2)

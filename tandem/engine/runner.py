@@ -333,7 +333,7 @@ class TandemRunner:
         flags = None
         if self.use_graphs and self.handoff == "memops":
             flags = handoff_module.HostFlags(len(self.layers), self.device)
-        step = self.cache.decode_step = DecodeStep(self.device, flags)
+        step = self.cache.step_context = DecodeStep(self.device, flags)
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         fused = self.fused_layers or contextlib.nullcontext()
         try:
@@ -350,7 +350,7 @@ class TandemRunner:
                 yield history[:, t]
         finally:
             step.close()
-            self.cache.decode_step = None
+            self.cache.step_context = None
             self.next_position = self._positions[:, 0].clone()
 
     def _decode_step(self, step: DecodeStep, t: int) -> None:

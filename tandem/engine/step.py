@@ -1,9 +1,9 @@
 """One decode step of the engine: the token's bookkeeping in every layer, and its record / replay as CUDA graphs.
 
-The step composes `tandem.attention.decode`'s parts for each layer (`DecodeStep.attend`) in the order the eager
-path runs them, and owns what happens between them when the step is recorded: the new token's slot is a device
-tensor (`slot`), so one recording serves every step, and the host meets the GPU twice per layer (take q, give
-back the CPU part's out / LSE), in one of two ways (`flags`):
+Each layer runs its one decode function (`tandem.attention.decode.decode_layer`) with the step as its
+`StepContext`; the step owns what happens between the layers' parts when it is recorded. The new token's slot
+is a device tensor (`slot`), so one recording serves every step, and the host meets the GPU twice per layer
+(take q, give back the CPU part's out / LSE), in one of two ways (`flags`):
 
 - "memops": the step is one graph; the hand-offs are flags in pinned memory that the graph writes and waits on
   (CUDA stream memory operations, `handoff.py`). A second thread launches it, while the calling thread spins on
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from functools import partial
 
 import torch
 
-from ..attention import decode
-from ..kernels import ops
+from ..attention.context import StepContext
 from . import handoff as handoff_module
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -56,15 +54,11 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-class DecodeStep:
-    """What the fixed-address decode path shares across the layers of one cache.
+class DecodeStep(StepContext):
+    """The engine's `attention.StepContext`: what the fixed-address decode path shares across the layers of one
+    cache (`slot`, `device_blocks`: see there), and the recording of a step whose hand-offs the layers mark
+    through the context's hooks while `capture` runs (`defers_host_work`).
 
-    slot:       [1] int64 on the model's device: this step's hot-tier slot (the same in every layer, since all
-                layers store the same tokens with the same geometry)
-    device_blocks: [1] int64 on the model's device: how many ranked host blocks per KV head the device attends
-                itself this step (a quest `gpu_share`; the same in every layer, whose host tiers grow together)
-    capturing:  True while `capture` records a step; the layers then mark their hand-offs (`q_ready`,
-                `host_work`)
     flags:      the hand-off flags (`handoff="memops"`), or None: the recording is cut at each CPU part
     launcher:   with flags, the thread that launches the graph (`handoff.Launcher`), or None; `close()` ends it.
                 Hand-offs must be served while the launch call is still submitting: a large graph's launch blocks
@@ -77,17 +71,15 @@ class DecodeStep:
     """
 
     def __init__(self, device: torch.device, flags: handoff_module.HostFlags | None = None) -> None:
-        self.device = device
+        super().__init__(device)
         self.flags = flags
+        # with flags the graph itself says when q has landed: no event to wait on
+        self.waits_for_copy = flags is None
         self.launcher = handoff_module.Launcher() if flags is not None else None
         self.compiled_host_side = True
         self.actions: list = []
         self.after: list = []  # host work after each replay that needs no hand-off (statistics)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
         self._device_blocks_value = 0
-        self.capturing = False
-        self.host_seconds = 0.0  # time spent in the CPU parts of this step (a profile of where a step goes)
         self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
         self.generations: list[int] = []  # host tier buffer generations the segments were recorded with
         self._graph = None
@@ -136,53 +128,6 @@ class DecodeStep:
                     layer.host.wait()
         return slot
 
-    # ---- one layer's attention -----------------------------------------------------------------------------
-    def attend(self, layer, q, k_new, v_new, scale: float, pool) -> torch.Tensor:
-        """Attention of one decode query per request over `layer`'s cache plus the new token, whose slot
-        `prepare` reserved (every new token counts as valid). q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D].
-        Returns [B, Hq, 1, D] float32. While the step is recorded, the layer's hand-offs are marked here."""
-        hot = layer.hot
-        hot.keys.index_copy_(2, self.slot, k_new)
-        hot.values.index_copy_(2, self.slot, v_new)
-        hot.valid.index_fill_(1, self.slot, True)
-        if hot.maw is not None:
-            hot.maw.index_fill_(2, self.slot, 0.0)
-        q3 = q[:, :, 0]
-        bufs, ranked, plan = decode.prepare(layer, q3, scale)
-        if not (self.capturing and q.is_cuda):
-            out = decode.overlapped(
-                layer, bufs, q3, ranked, plan, scale, pool, self.device_blocks, self.add_host_seconds
-            )
-            return out[:, :, None]
-        if not layer.policy.attends_host:
-            # a policy that never attends the host tier (streaming) has no CPU part: no hand-off, no q copy, no
-            # merge; the host records the step's statistics after the replay
-            out, _ = decode.hot_part(layer, q3, scale)
-            self.after_replay(partial(decode.record_no_host_part, layer))
-            return out[:, :, None]
-        if decode.device_only(layer, plan):
-            # the device attends the whole selection (gpu_share 1 with a recall cache): the CPU's list is always
-            # empty, so no hand-off, no q copy and no merge of a CPU part; the host counts the step after the replay
-            out, lse = decode.hot_part(layer, q3, scale)
-            decode.device_part(layer, bufs, q3, ranked, out, lse, scale, self.device_blocks, plan)
-            self.after_replay(partial(decode.record_device_only, layer))
-            return out[:, :, None]
-        # at replay the calling thread runs what `host_work` is given, where the eager path runs the CPU part
-        bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
-        self.q_ready(bufs.q_copied.record)
-        out, lse = decode.hot_part(layer, q3, scale)
-        decode.device_part(layer, bufs, q3, ranked, out, lse, scale, self.device_blocks, plan)
-        # with flags (handoff="memops") the graph itself says when q has landed: no event to wait on
-        self.host_work(decode.CpuPart(layer, bufs, scale, pool, self.flags is None, self.add_host_seconds))
-        bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
-        bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
-        ops.merge_lse_(out, lse, *bufs.cpu_result())
-        layer.policy.after_attention(layer, out, lse)
-        return out[:, :, None]
-
-    def add_host_seconds(self, seconds: float) -> None:
-        self.host_seconds += seconds
-
     # ---- capture -------------------------------------------------------------------------------------------
     def capture(self, body) -> None:
         """Record `body()` (one decode step) as CUDA graphs sharing one memory pool: one graph with hand-off
@@ -208,7 +153,7 @@ class DecodeStep:
         self.actions = []
         self.after = []
         self._pool = torch.cuda.graph_pool_handle()  # one pool for all segments, replayed in capture order
-        self.capturing = True
+        self.defers_host_work = True
         try:
             with torch.cuda.stream(stream):
                 try:
@@ -226,7 +171,7 @@ class DecodeStep:
             self.segments = []
             raise
         finally:
-            self.capturing = False
+            self.defers_host_work = False
             self._graph = None
         torch.cuda.current_stream(self.device).wait_stream(stream)
 

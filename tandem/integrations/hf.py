@@ -61,8 +61,8 @@ class TandemLayer(CacheLayerMixin):
                 f"sets model attention to '{ATTENTION_NAME}', and do not change it afterwards"
             )
         total = self.kv.seq_len + key_states.shape[2]
-        if self.owner.decode_step is None and self.max_positions is not None and total > self.max_positions:
-            # (an engine's decode step has placed its token already and checks the length itself)
+        if self.owner.step_context is None and self.max_positions is not None and total > self.max_positions:
+            # (a fixed-address step has placed its token already, and its runner checks the length itself)
             raise ValueError(
                 f"context of {total} tokens exceeds the model's maximum of {self.max_positions} positions "
                 "(config.max_position_embeddings); shorten the prompt or max_new_tokens"
@@ -80,17 +80,13 @@ class TandemLayer(CacheLayerMixin):
         batch, _, q_len, _ = query.shape
         valid = padding_valid(attention_mask, batch, q_len, query.device)
         owner, kv = self.owner, self.kv
-        step = owner.decode_step
         kv.check_usable()
         if kv.initialized:
             kv.check_continues(
                 key
             )  # a wrong batch is refused before anything changes: the cache stays usable
         try:
-            if step is not None and q_len == 1:
-                out = step.attend(kv, query, key, value, scale, owner.pool).to(query.dtype)
-            else:
-                out = attend(kv, query, key, value, valid, scale, owner.pool)
+            out = attend(kv, query, key, value, valid, scale, owner.pool, owner.step_context)
         except BaseException as err:
             owner.mark_failed(err)  # the layers before this one hold the step's token, the rest do not
             raise
@@ -184,8 +180,8 @@ class TandemCache(Cache):
         ]
         super().__init__(layers=layers)
         self.on_prefill_layer = None  # optional callback(layer_idx) after each layer's prefill/append
-        # a `tandem.engine.DecodeStep` while an engine runs fixed-address decode steps
-        self.decode_step = None
+        # the `attention.StepContext` of the fixed-address decode steps a runner is taking (`tandem.engine`), or None
+        self.step_context = None
 
     @classmethod
     def for_model(

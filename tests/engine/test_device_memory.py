@@ -105,7 +105,7 @@ def test_out_of_device_memory_mid_decode_is_a_memory_error_and_frees_everything(
     assert "window_tokens" in message and (
         "ring could not grow" in message or "during decode step" in message
     )
-    assert cache.decode_step is None
+    assert cache.step_context is None
     assert {t.name for t in threading.enumerate()} <= threads  # no thread left waiting on a flag
     with pytest.raises(RuntimeError, match="unusable"):
         runner.decode(first, 1)

@@ -179,7 +179,7 @@ def test_stream_yields_decodes_tokens_and_stops_early(device):
             break
     steps.close()
     assert torch.equal(torch.stack(got, dim=1), expected[:, :5])
-    assert runners[1].cache.decode_step is None
+    assert runners[1].cache.step_context is None
     rest, _ = runners[1].decode(got[-1].to(device), 3)  # picks up where the stream stopped
     assert torch.equal(rest, expected[:, 5:])
 
@@ -236,7 +236,7 @@ def test_streaming_graph_has_no_hand_off_and_matches_eager(handoff):
         tokens, steps = [], []
         for token in runner.stream(first, 15):
             tokens.append(token.cpu())
-            steps.append(runner.cache.decode_step)
+            steps.append(runner.cache.step_context)
         results.append((torch.stack(tokens, 1), [layer.decode_steps for layer in runner.layers], runner))
     (eager, eager_counts, _), (graphs, graph_counts, runner) = results
     assert torch.equal(eager, graphs)
@@ -266,7 +266,7 @@ def test_quest_read_wholly_by_the_device_has_no_hand_off_and_matches_eager(budge
         tokens, steps = [first.cpu()], []
         for token in runner.stream(first, 15):
             tokens.append(token.cpu())
-            steps.append(runner.cache.decode_step)
+            steps.append(runner.cache.step_context)
         for layer in runner.layers:
             layer.collect_statistics()
         counts = [(layer.rows_attended, layer.rows_available, layer.decode_steps) for layer in runner.layers]
