@@ -473,6 +473,8 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
         from . import gpu
 
         return gpu.merge_lse_(out_a, lse_a, out_b, lse_b)
+    if not out_a.is_cuda and native_cpu_available():
+        return _native.merge_lse_(out_a, lse_a, out_b, lse_b)
     out, lse = reference.merge_lse(out_a, lse_a, out_b, lse_b)
     out_a.copy_(out)
     lse_a.copy_(lse)

@@ -450,3 +450,29 @@ def test_omp_num_threads_sets_default(omp_threads):
     result = run_script(THREADS_SCRIPT, OMP_NUM_THREADS=omp_threads)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok")
+
+
+@pytest.mark.skipif(not cpu.is_available(), reason="compiled CPU kernels unavailable")
+def test_compiled_merge_lse_matches_reference_and_ignores_an_empty_side():
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 3, 7)
+    out_a, out_b = torch.randn(*shape, 100, generator=gen), torch.randn(*shape, 100, generator=gen)
+    lse_a, lse_b = torch.randn(*shape, generator=gen) * 4, torch.randn(*shape, generator=gen) * 4
+    lse_a[0, 0, :3] = float("-inf")  # a empty
+    lse_b[0, 1, :3] = float("-inf")  # b empty
+    lse_a[1, 2, :2] = lse_b[1, 2, :2] = float("-inf")  # both empty
+    out_a[torch.isinf(lse_a)] = 0.0
+    out_b[torch.isinf(lse_b)] = float("nan")  # garbage in an empty side is never read
+    clean_b = torch.where(torch.isinf(lse_b)[..., None], 0.0, out_b)
+    ref_out, ref_lse = reference.merge_lse(out_a, lse_a, clean_b, lse_b)
+    got = cpu.merge_lse_(out_a, lse_a, out_b, lse_b)
+    assert got[0] is out_a and got[1] is lse_a
+    torch.testing.assert_close(lse_a, ref_lse, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_a, ref_out, atol=1e-6, rtol=1e-6)
+    assert torch.all(out_a[1, 2, :2] == 0) and torch.all(lse_a[1, 2, :2] == float("-inf"))
+    strided = torch.randn(4, 2, 8, generator=gen).transpose(0, 1)  # not contiguous: the reference runs
+    lse_s = torch.randn(2, 4, generator=gen)
+    expected = reference.merge_lse(strided, lse_s, strided, lse_s)
+    cpu.merge_lse_(strided, lse_s, strided.clone(), lse_s.clone())
+    torch.testing.assert_close(strided, expected[0])
+    torch.testing.assert_close(lse_s, expected[1])

@@ -199,6 +199,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_topk": (None, [p, i64, i64, i64, p, p, i32]),
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),
         "tandem_read_sum": (ctypes.c_double, [i32, p, i64, i32]),
+        "tandem_merge_lse": (None, [p, p, p, p, i64, i64]),
         "tandem_serve_handoffs": (i64, [p, i64, p, p, i64, p, ctypes.c_double, p]),
         "tandem_claim_probe": (i64, [p, p, i64, i32]),
         "tandem_queue_gpu_claim": (ctypes.c_int32, [p, i64, i64, p]),

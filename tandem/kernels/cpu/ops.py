@@ -339,6 +339,23 @@ def ranked_block_attention(
     return out, lse, call.lengths
 
 
+def merge_lse_(out_a, lse_a, out_b, lse_b):
+    """`reference.merge_lse` in place into (out_a, lse_a), one compiled loop: out_* [..., D] and lse_* [...]
+    float32, contiguous, on the CPU (the launcher `ops.merge_lse_` checks the shapes). Without the compiled
+    library, or for other layouts, the reference runs. Returns (out_a, lse_a)."""
+    lib = _native()
+    tensors = (out_a, lse_a, out_b, lse_b)
+    if lib is None or not all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors):
+        out, lse = reference.merge_lse(out_a, lse_a, out_b, lse_b)
+        out_a.copy_(out)
+        lse_a.copy_(lse)
+        return out_a, lse_a
+    lib.tandem_merge_lse(
+        out_a.data_ptr(), lse_a.data_ptr(), out_b.data_ptr(), lse_b.data_ptr(), lse_a.numel(), out_a.shape[-1]
+    )
+    return out_a, lse_a
+
+
 def claim_probe(counter: torch.Tensor, owner: torch.Tensor, n: int, threads: int) -> int:
     """Claim indices [0, n) from `counter` ([1] int32, pinned or not) with `threads` threads and atomic fetch-adds,
     writing (1 << 20) + thread into `owner` ([n] int32) at each index taken; returns how many this call took

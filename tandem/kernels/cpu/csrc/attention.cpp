@@ -210,4 +210,30 @@ int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* ar
   return attend_all(table, dtype, a, out, lse, num_threads);
 }
 
+// In-place exact merge of two partial attentions over disjoint key sets: (out_a, lse_a) <- merge with
+// (out_b, lse_b); out_*: [rows, dim] fp32, lse_*: [rows] fp32, contiguous. A side with lse -inf adds nothing,
+// whatever its out holds; both -inf leaves out 0 and lse -inf.
+void tandem_merge_lse(float* out_a, float* lse_a, const float* out_b, const float* lse_b, int64_t rows,
+                      int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float la = lse_a[r], lb = lse_b[r];
+    float* oa = out_a + r * dim;
+    const float* ob = out_b + r * dim;
+    if (lb == -INFINITY) {
+      if (la == -INFINITY) std::fill(oa, oa + dim, 0.f);
+      continue;
+    }
+    if (la == -INFINITY) {
+      std::copy(ob, ob + dim, oa);
+      lse_a[r] = lb;
+      continue;
+    }
+    const float m = tandem::max_num(la, lb);
+    const float wa = std::exp(la - m), wb = std::exp(lb - m), total = wa + wb;
+    const float ca = wa / total, cb = wb / total;
+    for (int64_t d = 0; d < dim; ++d) oa[d] = ca * oa[d] + cb * ob[d];
+    lse_a[r] = m + std::log(total);
+  }
+}
+
 }  // extern "C"
