@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-batch", type=int, default=16, help="requests decoding at once, at most (default 16)"
     )
     p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up at start (one decode step at every batch size up to --max-batch on throwaway "
+        "requests, so that each batch shape's one-time costs and memory fall before the first request)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=256,
@@ -191,6 +197,9 @@ def build_server(args):
     scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads))
     name = args.served_model_name or (args.random_weights or model_name(args.model))
     server = Server(model, tokenizer, name, config, scheduler)
+    if not args.no_warmup:
+        seconds = scheduler.warm_up(config)
+        print(f"[tandem] warmed up batch sizes 1-{limits.max_batch} in {seconds:.1f} s", file=sys.stderr)
     freeze_heap()  # what lives now lives as long as the server: out of the collector's full passes
     return server
 

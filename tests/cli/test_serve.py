@@ -6,7 +6,7 @@ import pytest
 import tandem.models
 from tandem.cli import build_parser, main
 from tandem.cli.serve import GIB, build_server
-from tandem.serve.scheduler import Limits
+from tandem.serve.scheduler import Limits, Scheduler
 from tests.tiny import tiny_model
 
 
@@ -58,7 +58,12 @@ def test_build_server_from_flags(monkeypatch):
     monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: (model, None))
     argv = ["serve", "--max-batch", "3", "--max-queue", "0", "--prefill-chunk", "32", "--host-memory", "1.5"]
     argv += ["--policy", "quest", "--budget", "0.2", "--served-model-name", "tiny", "--cpu-threads", "1"]
+    warmed = []
+    monkeypatch.setattr(Scheduler, "warm_up", lambda self, config: warmed.append(config.policy) or 0.5)
     server = build_server(build_parser().parse_args(argv))
+    assert warmed == ["quest"]  # the server warms up before it serves, with the requests' configuration
+    build_server(build_parser().parse_args([*argv, "--no-warmup"]))
+    assert warmed == ["quest"]
     assert server.model_name == "tiny" and server.model is model
     assert server.scheduler.limits == Limits(3, 0, 32, int(1.5 * GIB), None)
     assert (server.config.policy, server.config.budget, server.config.cpu_threads) == ("quest", 0.2, 1)

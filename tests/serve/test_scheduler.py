@@ -206,3 +206,31 @@ def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(mode
             scheduler.submit(_job(5, 4).request)
     finally:
         scheduler.stop()
+
+
+def test_warm_up_steps_every_batch_size_and_keeps_nothing(model, monkeypatch):
+    scheduler = _scheduler(model, max_batch=4)
+    batches = []
+    forward = model.forward
+
+    def watched(*args, **kwargs):
+        batches.append(kwargs["input_ids"].shape)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", watched)
+    assert scheduler.warm_up(CONFIG, prompt_tokens=5) > 0
+    assert batches == [(1, 5)] * 4 + [(b, 1) for b in (1, 2, 3, 4)]  # four prompts, then steps of 1..4 rows
+    assert scheduler.counts()["live_caches"] == 0
+    with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
+        scheduler.warm_up(CONFIG, prompt_tokens=0)
+    monkeypatch.setattr(model, "forward", forward)
+    scheduler.start()
+    try:
+        with pytest.raises(RuntimeError, match="warm_up runs before start"):
+            scheduler.warm_up(CONFIG)
+        job = _job(12, 5)  # requests after the warm-up decode as without it
+        scheduler.submit(job.request)
+        assert job.done.wait(TIMEOUT)
+        assert job.request.tokens == _reference(model, job.request.prompt_ids, 5, CONFIG)
+    finally:
+        scheduler.stop()

@@ -345,7 +345,9 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
     library, or for other layouts, the reference runs. Returns (out_a, lse_a)."""
     lib = _native()
     tensors = (out_a, lse_a, out_b, lse_b)
-    if lib is None or not all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors):
+    if lib is None or not all(
+        t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors
+    ):
         out, lse = reference.merge_lse(out_a, lse_a, out_b, lse_b)
         out_a.copy_(out)
         lse_a.copy_(lse)
