@@ -382,6 +382,7 @@ def cache_cases() -> list[Case]:
         Case("caches", "decode past the model's context", decode_past_context),
         Case("caches", "prefill chunk_tokens=0", lambda: TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="full"))).prefill(torch.zeros(1, 4, dtype=torch.long), chunk_tokens=0)),
         Case("caches", "prefill of an empty prompt", lambda: TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="full"))).prefill(torch.zeros(1, 0, dtype=torch.long))),
+        Case("caches", "warm_up(prompt_tokens=0)", lambda: TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="full"))).warm_up(0)),
         Case("models", "load_model('/nonexistent')", lambda: load_model("/nonexistent")),
         Case("models", "load_model(dtype='int8')", lambda: load_model(dtype="int8")),
         Case("models", "load_model(device='tpu7')", lambda: load_model(device="tpu7")),
