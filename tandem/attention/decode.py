@@ -63,6 +63,7 @@ class DecodeBuffers:
         self._prepared_call, self._prepared_key = None, None
         self._all_blocks, self._all_key = None, None
         self._hot_call, self._hot_key, self._hot_bufs = None, None, None
+        self._merge, self._merge_key = None, None  # the prepared merge into the hot call's buffers
 
     def all_blocks(self, host, num_kv_heads: int) -> Selection:
         """Every live block of the host tier as a block selection whose index and length tensors stay the same
@@ -136,6 +137,23 @@ class DecodeBuffers:
         if self._hot_call is None:
             return None
         return (self._hot_call, *self._hot_bufs)
+
+    def returned(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` as a step returns it: a copy where it is the hot call's own buffer (`hot_part(in_place=True)`)."""
+        held = self._hot_bufs is not None and out is self._hot_bufs[1]
+        return out.clone() if held else out
+
+    def merge_cpu_result(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge the CPU part's (out, lse) into the step's (out, lse) in place (`ops.merge_lse_`); one prepared
+        compiled call where those are the hot call's own buffers and the CPU part's are this step's."""
+        held = self._hot_bufs is not None and out is self._hot_bufs[1] and lse is self._hot_bufs[2]
+        if not held or self.split is not None or not ops.native_cpu_available():
+            ops.merge_lse_(out, lse, *self.cpu_result())
+            return
+        key = (out.data_ptr(), self.out_host.data_ptr())
+        if key != self._merge_key:
+            self._merge, self._merge_key = cpu_ops.PreparedMerge(out, lse, self.out_host, self.lse_host), key
+        self._merge()
 
     def matches(self, q: torch.Tensor) -> bool:
         return self.q_host.shape == q.shape and self.q_host.dtype == q.dtype
@@ -249,10 +267,14 @@ def _queue_plan(layer, q3: torch.Tensor, ranked):
     return qb
 
 
-def hot_part(layer, q3: torch.Tensor, scale: float, bufs: DecodeBuffers | None = None):
+def hot_part(
+    layer, q3: torch.Tensor, scale: float, bufs: DecodeBuffers | None = None, in_place: bool = False
+):
     """(out [B, Hq, D], lse [B, Hq]) float32 of q3 over the hot tier (HGCA's moving average updated in place).
     With `bufs` and the hot tier in host memory (no moving average to keep), one prepared compiled call attends
-    it (`DecodeBuffers.hot_call`), as the host tier's rows are attended."""
+    it (`DecodeBuffers.hot_call`), as the host tier's rows are attended; `in_place`: return that call's own
+    buffers, which its next call overwrites (the caller copies what it keeps: `DecodeBuffers.returned`), else
+    copies."""
     hot = layer.hot
     if bufs is not None and not q3.is_cuda and not layer.policy.needs_maw:
         prepared = bufs.hot_call(layer, q3, scale)
@@ -260,7 +282,7 @@ def hot_part(layer, q3: torch.Tensor, scale: float, bufs: DecodeBuffers | None =
             call, q, out, lse = prepared
             q.copy_(q3)
             call()
-            return out.clone(), lse.clone()
+            return (out, lse) if in_place else (out.clone(), lse.clone())
     maw_args = {}
     if layer.policy.needs_maw:
         maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
@@ -277,13 +299,15 @@ def overlapped(
     (eager: set here from the policy). on_seconds: called with the CPU part's seconds.
     """
     if not q3.is_cuda:
-        out, lse = hot_part(layer, q3, scale, bufs)
+        # the hot tier's (out, lse) may be the prepared call's own buffers: merged into in place, and the result
+        # returned as a copy
+        out, lse = hot_part(layer, q3, scale, bufs, in_place=True)
         device_part(layer, bufs, q3, ranked, out, lse, scale, count, plan)
         if nothing_offloaded(layer):
             # nothing offloaded yet (a short context): the CPU part's (0, -inf) would leave (out, lse) as they are
             # (every rank of a request split agrees: their host tiers hold the same rows)
             layer.policy.after_attention(layer, out, lse)
-            return out
+            return bufs.returned(out)
         bufs.q_host.copy_(bufs.q_cpu)
         role = None
         if bufs.queue is not None:
@@ -298,6 +322,9 @@ def overlapped(
                 role.join()
         if role is not None:
             ops.merge_lse_(out, lse, *queue_module.finish_gpu_role(bufs.queue))
+        bufs.merge_cpu_result(out, lse)
+        layer.policy.after_attention(layer, out, lse)
+        return bufs.returned(out)
     else:
         bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
         bufs.q_copied.record()
@@ -544,13 +571,18 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         return
     selection = layer.policy.select(layer, q_host, ranked, skip)
     keeps = layer.policy.keeps_selection
-    if selection.kind == "all" and not skip and ops.native_cpu_available():
+    every_row = selection.kind == "all" and not skip and ops.native_cpu_available()
+    if every_row:
         # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
         selection, keeps = bufs.all_blocks(host, host.num_kv_heads), True
     call = bufs.prepared_call(layer, selection, scale) if keeps and not skip else None
     if call is not None:
         call()  # attends into out / lse_host
-        _record_selection(layer, selection)
+        if every_row:  # what _record_selection counts, where every real row is read
+            rows = int(host.valid_rows().sum()) * host.num_kv_heads
+            _record_counts(layer, rows, 0, rows)
+        else:
+            _record_selection(layer, selection)
         return
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])

@@ -476,3 +476,23 @@ def test_compiled_merge_lse_matches_reference_and_ignores_an_empty_side():
     cpu.merge_lse_(strided, lse_s, strided.clone(), lse_s.clone())
     torch.testing.assert_close(strided, expected[0])
     torch.testing.assert_close(lse_s, expected[1])
+
+
+@pytest.mark.skipif(not cpu.is_available(), reason="compiled CPU kernels unavailable")
+def test_prepared_merge_merges_its_buffers_at_every_call():
+    gen = torch.Generator().manual_seed(5)
+    out_a, out_b = torch.randn(2, 9, 64, generator=gen), torch.zeros(2, 9, 64)
+    lse_a, lse_b = torch.randn(2, 9, generator=gen), torch.zeros(2, 9)
+    merge = cpu.PreparedMerge(out_a, lse_a, out_b, lse_b)
+    for step in range(3):  # new contents in the same buffers, as a decode step writes them
+        out_b.copy_(torch.randn(2, 9, 64, generator=gen))
+        lse_b.copy_(torch.randn(2, 9, generator=gen))
+        lse_b[0, step] = float("-inf")
+        expected = reference.merge_lse(out_a.clone(), lse_a.clone(), out_b, lse_b)
+        merge()
+        torch.testing.assert_close(out_a, expected[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse_a, expected[1], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu.PreparedMerge(out_a.double(), lse_a, out_b, lse_b)
+    with pytest.raises(ValueError, match="must match"):
+        cpu.PreparedMerge(out_a, lse_a, out_b[:1], lse_b[:1])

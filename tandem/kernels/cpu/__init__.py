@@ -24,6 +24,7 @@ from tandem.kernels.cpu._library import (
 from tandem.kernels.cpu.certify import certified_rows
 from tandem.kernels.cpu.ops import (
     PreparedAttention,
+    PreparedMerge,
     QueueAttention,
     RankedAttention,
     claim_probe,
@@ -66,6 +67,7 @@ __all__ = [
     "TASK_FAILED",
     "TIMED_OUT",
     "PreparedAttention",
+    "PreparedMerge",
     "QueueAttention",
     "RankedAttention",
     "claim_probe",
