@@ -37,6 +37,15 @@ DEFAULT_GPU_CACHE = 4.0
 
 
 CPU_THREADS_ENV = "TANDEM_CPU_THREADS"  # set by a tensor-parallel rank for its share of the cores
+ENGINE_CHOICES = ("auto", "on", "off")  # `--engine` of generate and eval: Tandem's engine, or model.generate
+
+
+def uses_engine(choice: str, device_type: str) -> bool:
+    """Whether an `--engine` choice decodes through Tandem's engine on a device of `device_type`: "on", or
+    "auto" on CUDA (where its graph steps pay); "off" is model.generate."""
+    if choice not in ENGINE_CHOICES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {choice!r}")
+    return choice == "on" or (choice == "auto" and device_type == "cuda")
 
 
 def default_cpu_threads(device: str = "auto") -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import (
     DEFAULT_GPU_CACHE,
     DEFAULT_GPU_SHARE,
+    ENGINE_CHOICES,
     FLUXION_GRANULARITIES,
     FLUXION_MODES,
     HOST_DTYPES,
@@ -20,6 +21,7 @@ from ..config import (
     POLICIES,
     TandemConfig,
     parse_number,
+    uses_engine,
 )
 
 DESCRIPTION = (
@@ -54,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cache_arguments(p)
     p.add_argument(
         "--engine",
-        choices=("auto", "on", "off"),
+        choices=ENGINE_CHOICES,
         default="auto",
         help="decode with Tandem's engine (chunked prefill, a CUDA graph per step, greedy or sampled inside the "
         "step) instead of model.generate; auto: on with CUDA (default)",
@@ -396,7 +398,7 @@ def _run(args) -> int:
     cache = TandemCache.for_model(model, config)
     device = next(model.parameters()).device
     ids = ids.to(device)
-    use_engine = args.engine == "on" or (args.engine == "auto" and device.type == "cuda")
+    use_engine = uses_engine(args.engine, device.type)
     streamer = _Streamer(tokenizer, enabled=not args.json)
     bar = None
     if prompt_tokens >= PROGRESS_MIN_TOKENS:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .. import manifest
-from ..config import POLICIES
+from ..config import ENGINE_CHOICES, POLICIES
 from .haystack import PYDOC
 from .names import SETTABLE, TASKS
 
@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument(
         "--engine",
-        choices=("auto", "on", "off"),
+        choices=ENGINE_CHOICES,
         default="auto",
         help="generate Tandem's answers with its engine (chunked prefill, a CUDA graph per decode step) or with "
         "model.generate (off); auto: the engine with CUDA (default). DynamicCache's answers use model.generate",

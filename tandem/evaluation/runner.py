@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..config import POLICIES, TandemConfig, parse_number
+from ..config import POLICIES, TandemConfig, parse_number, uses_engine
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..models import attention_shape, end_of_sequence_ids
 from ..policies.fluxion import resolve_profile
@@ -295,15 +295,13 @@ class Runner:
         progress: bool = True,
         engine: str = "auto",
     ) -> None:
-        if engine not in ("auto", "on", "off"):
-            raise ValueError(f"engine must be 'auto', 'on' or 'off', got {engine!r}")
         text_config = model.config.get_text_config(decoder=True)
         check_lengths(plan.lengths, getattr(text_config, "max_position_embeddings", None))
         check_profiles(plan.variants, text_config)
         self.model, self.tokenizer, self.plan, self.haystack = model, tokenizer, plan, haystack
         self.builder = TaskBuilder(tokenizer, haystack, seed=plan.seed)
         self.device = next(model.parameters()).device
-        self.engine = engine == "on" or (engine == "auto" and self.device.type == "cuda")
+        self.engine = uses_engine(engine, self.device.type)
         self.progress = progress
         self.runs: list[dict] = []
 
