@@ -214,17 +214,14 @@ class Scheduler:
         for _ in range(self.limits.max_batch):
             cache = TandemCache.for_model(self.model, config, pool=self.pool)
             ids = torch.randint(0, vocab, (1, prompt_tokens), generator=draw).to(self.device)
-            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
+            self._logits(cache, ids, torch.arange(prompt_tokens, device=self.device)[None])
             caches.append(cache)
         for batch in range(1, self.limits.max_batch + 1):
             rows = caches[:batch]
             ids = torch.randint(0, vocab, (batch, 1), generator=draw).to(self.device)
             positions = torch.tensor([[cache.get_seq_length()] for cache in rows], device=self.device)
-            out = self.model(
-                input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_arg: RowsCache(rows)}
-            )
-            out.logits[:, -1].float().cpu()  # as a step reads its logits
-        del caches, rows, out
+            self._logits(RowsCache(rows), ids, positions)  # a decode step, as `_decode_step` runs it
+        del caches, rows
         gc.collect()  # (once, before the heap is frozen) whatever cycle still held a cache
         _return_free_heap()
         return time.perf_counter() - start
@@ -364,14 +361,7 @@ class Scheduler:
             for kv in request.cache.tandem_layers():  # only the last chunk's HGCA observation counts
                 kv.observe_appends = e == total
             ids = torch.tensor([request.prompt_ids[s:e]], device=self.device)
-            out = self.model(
-                input_ids=ids,
-                position_ids=torch.arange(s, e, device=self.device)[None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_arg: request.cache},
-            )
-            logits = out.logits[0, -1].float().cpu()
+            logits = self._logits(request.cache, ids, torch.arange(s, e, device=self.device)[None])[0]
             request.prefilled = e
             seconds = time.perf_counter() - start
             self.stats.max_prefill_chunk_seconds = max(self.stats.max_prefill_chunk_seconds, seconds)
@@ -396,13 +386,7 @@ class Scheduler:
             positions = torch.tensor(
                 [[len(r.prompt_ids) + len(r.tokens) - 1] for r in batch], device=self.device
             )
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                use_cache=True,
-                **{self.cache_arg: RowsCache([r.cache for r in batch])},
-            )
-            logits = out.logits[:, -1].float().cpu()
+            logits = self._logits(RowsCache([r.cache for r in batch]), ids, positions)
         except Exception as err:  # every cache of the step may hold half of it: end them all
             with self._cond:
                 for request in batch:
@@ -412,6 +396,14 @@ class Scheduler:
             self.stats.on_decode_step(time.perf_counter() - start, len(batch))
         for b, request in enumerate(batch):
             self._accept(request, logits[b])
+
+    def _logits(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One forward of `ids` [B, T] at `positions` [B, T] over `cache` (a request's `TandemCache`, or the
+        running requests' `RowsCache`): the last position's logits [B, V], float32 on the CPU."""
+        out = self.model(
+            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}
+        )
+        return out.logits[:, -1].float().cpu()
 
     def _accept(self, request: Request, logits: torch.Tensor) -> None:
         """Choose the request's next token from its logits [V], release its text, end it if it is done."""
