@@ -138,15 +138,19 @@ class DecodeBuffers:
             return None
         return (self._hot_call, *self._hot_bufs)
 
+    def _holds(self, out: torch.Tensor) -> bool:
+        """Whether `out` is the hot call's own output buffer (`hot_part(in_place=True)`; its LSE goes with it)."""
+        return self._hot_bufs is not None and out is self._hot_bufs[1]
+
     def returned(self, out: torch.Tensor) -> torch.Tensor:
-        """`out` as a step returns it: a copy where it is the hot call's own buffer (`hot_part(in_place=True)`)."""
-        held = self._hot_bufs is not None and out is self._hot_bufs[1]
-        return out.clone() if held else out
+        """`out` as a step returns it: a copy where it is the hot call's own buffer, which its next call
+        overwrites."""
+        return out.clone() if self._holds(out) else out
 
     def merge_cpu_result(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge the CPU part's (out, lse) into the step's (out, lse) in place (`ops.merge_lse_`); one prepared
         compiled call where those are the hot call's own buffers and the CPU part's are this step's."""
-        held = self._hot_bufs is not None and out is self._hot_bufs[1] and lse is self._hot_bufs[2]
+        held = self._holds(out) and lse is self._hot_bufs[2]
         if not held or self.split is not None or not ops.native_cpu_available():
             ops.merge_lse_(out, lse, *self.cpu_result())
             return

@@ -339,15 +339,18 @@ def ranked_block_attention(
     return out, lse, call.lengths
 
 
+def _mergeable(tensors) -> bool:
+    """The layout the compiled merge reads in place: float32, contiguous, on the CPU."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors)
+
+
 def merge_lse_(out_a, lse_a, out_b, lse_b):
     """`reference.merge_lse` in place into (out_a, lse_a), one compiled loop: out_* [..., D] and lse_* [...]
     float32, contiguous, on the CPU (the launcher `ops.merge_lse_` checks the shapes). Without the compiled
     library, or for other layouts, the reference runs. Returns (out_a, lse_a)."""
     lib = _native()
     tensors = (out_a, lse_a, out_b, lse_b)
-    if lib is None or not all(
-        t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors
-    ):
+    if lib is None or not _mergeable(tensors):
         out, lse = reference.merge_lse(out_a, lse_a, out_b, lse_b)
         out_a.copy_(out)
         lse_a.copy_(lse)
@@ -365,7 +368,7 @@ class PreparedMerge:
 
     def __init__(self, out_a, lse_a, out_b, lse_b) -> None:
         tensors = (out_a, lse_a, out_b, lse_b)
-        if not all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in tensors):
+        if not _mergeable(tensors):
             raise ValueError("PreparedMerge needs contiguous float32 CPU tensors")
         if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != out_a.shape[:-1]:
             raise ValueError(
