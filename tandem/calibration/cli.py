@@ -25,7 +25,9 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, help="local HF model directory or .gguf file (default: SmolLM2-135M)"
+        "--model",
+        default=None,
+        help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: SmolLM2-135M)",
     )
     p.add_argument(
         "--no-model-cache",

@@ -94,7 +94,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        help="local Hugging Face model directory or .gguf file, or a packaged model's name (gemma3-270m) "
+        "(default: SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--no-model-cache",

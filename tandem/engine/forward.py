@@ -11,8 +11,9 @@ same arithmetic with:
   model afterwards needs `safe_serialization=False` or a fresh load.)
 - the residual add and the next RMSNorm as one kernel, RoPE on q and k as one, and silu(gate) * up as one
   (`kernels.gpu.layers`; the torch references elsewhere), each rounding as the model's ops round;
-- Tandem's hybrid attention (`DecodeStep.attend`, or `attention.decode.decode_layer` outside a step) called
-  directly with the step's q / k / v.
+- Tandem's hybrid attention (`attention.decode.decode_layer`, with the step's context) called directly with
+  the step's q / k / v: over one cache for the whole batch, or, in a multi-request step, row b over request b's
+  own cache (`rows.py`).
 
 Weights come from the loaded Hugging Face model: nothing is downloaded or converted. `unsupported_reason`
 says why a model cannot run here; the engine then keeps transformers' code and says so in one line.
@@ -175,7 +176,7 @@ class DecodeForward:
     "torch" runs their torch references. Raises ValueError naming the reason for a model outside the family.
     """
 
-    def __init__(self, model, cache, kernels: str = "torch") -> None:
+    def __init__(self, model, cache=None, kernels: str = "torch") -> None:
         if kernels not in ("triton", "torch"):
             raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
         reason = unsupported_reason(model)
@@ -216,14 +217,20 @@ class DecodeForward:
                 "new load): make a new TandemRunner for the model as it is now"
             )
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids: [B, 1] int64 on the model's device. Returns the logits [B, V] (model dtype)."""
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches=None) -> torch.Tensor:
+        """input_ids, position_ids: [B, 1] int64 on the model's device. Returns the logits [B, V] (model dtype).
+
+        caches: the caches the step attends: None for this forward's own cache (all B rows), or B batch-1
+        `TandemCache`s, row b attending caches[b] (the requests of a multi-request step); each with its
+        `step_context` set, or None to decode eagerly."""
         batch = input_ids.shape[0]
         if self._valid is None or self._valid.shape[0] != batch or self._valid.device != input_ids.device:
             self._valid = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
+        caches = [self.cache] if caches is None else caches
+        if len(caches) != 1 and len(caches) != batch:
+            raise ValueError(f"{len(caches)} caches for a batch of {batch}: one cache, or one per row")
         hidden = self.embed(input_ids)  # [B, 1, H]
         cos, sin = self.rotary_emb(hidden, position_ids)
-        step, pool = self.cache.step_context, self.cache.pool
         heads, kv_heads, dim = self.num_q_heads, self.num_kv_heads, self.head_dim
         residual, out = hidden, None
         for i, layer in enumerate(self.layers):
@@ -237,12 +244,26 @@ class DecodeForward:
             k = k.view(batch, 1, kv_heads, dim).transpose(1, 2)
             v = v.view(batch, 1, kv_heads, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
-            kv = self.cache.layers[i].kv
-            attn = decode_layer(kv, q, k, v, self._valid, layer.scale, pool, step)
-            attn = attn.to(hidden.dtype)
+            attn = self._attend(caches, i, q, k, v, layer.scale).to(hidden.dtype)
             attn = layer.o_proj(attn.transpose(1, 2).reshape(batch, 1, heads * dim))
             residual, x = self.add_norm(attn, residual, *layer.norm2)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
             out = layer.down_proj(self.silu_mul(gate_up))
         _, x = self.add_norm(out, residual, *self.final_norm)
         return self.lm_head(x[:, -1])
+
+    def _attend(self, caches, i: int, q, k, v, scale: float) -> torch.Tensor:
+        """Layer i's decode attention [B, Hq, 1, D]: the whole batch over one cache, or row b over caches[b]."""
+        if len(caches) == 1:
+            cache = caches[0]
+            return decode_layer(
+                cache.layers[i].kv, q, k, v, self._valid, scale, cache.pool, cache.step_context
+            )
+        outs = []
+        for b, cache in enumerate(caches):
+            row = slice(b, b + 1)
+            kv, context = cache.layers[i].kv, cache.step_context
+            outs.append(
+                decode_layer(kv, q[row], k[row], v[row], self._valid[row], scale, cache.pool, context)
+            )
+        return torch.cat(outs)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..integrations.hf import TandemCache, generate_cache_kwargs, layer_windows
 from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
@@ -55,40 +55,27 @@ def device_memory_error(err: BaseException, device: torch.device, during: str, l
     )
 
 
-class TandemRunner:
-    """Chunked prefill and greedy decode of a Hugging Face causal LM over a `TandemCache`.
-
-    Example:
-        >>> from tandem import TandemCache, TandemConfig, load_model
-        >>> from tandem.engine import TandemRunner
-        >>> model, tok = load_model()
-        >>> runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="quest")))
-        >>> logits = runner.prefill(tok("The capital of France is", return_tensors="pt").input_ids)
-        >>> tokens, seconds = runner.decode(logits.argmax(-1), steps=8)
-    """
+class StepOptions:
+    """The engine's step options resolved for `model` (`TandemRunner`'s and `RowsRunner`'s arguments): whether
+    steps are recorded as CUDA graphs, the hand-off, the fused norm / RoPE kernels, and whose layer code the
+    decode step runs. Raises ValueError naming the argument and its allowed values."""
 
     def __init__(
-        self,
-        model,
-        cache: TandemCache,
-        use_graphs: bool | str = "auto",
-        warmup_steps: int = 1,
-        handoff: str = "auto",
-        fused: bool | str = "auto",
-        forward: str = "auto",
+        self, model, use_graphs="auto", handoff: str = "auto", fused="auto", forward: str = "auto"
     ) -> None:
-        if not isinstance(cache, TandemCache):
-            raise ValueError(
-                f"cache must be a TandemCache (TandemCache.for_model(model)), got {type(cache).__name__}"
-            )
         if use_graphs not in (True, False, "auto"):
             raise ValueError(f"use_graphs must be True, False or 'auto', got {use_graphs!r}")
-        self.model = model
-        self.cache = cache
         self.device = next(model.parameters()).device
+        # a sliding-window layer's cache is not at fixed addresses yet: its steps run eagerly
+        sliding = any(w is not None for w in layer_windows(model.config.get_text_config(decoder=True)))
+        if use_graphs is True and sliding:
+            raise ValueError(
+                "use_graphs=True: the model has sliding-window layers, whose steps run eagerly; use "
+                "use_graphs=False or 'auto'"
+            )
         if use_graphs is True and self.device.type != "cuda":
             raise ValueError(f"use_graphs=True needs the model on a CUDA device; it is on {self.device}")
-        self.use_graphs = self.device.type == "cuda" if use_graphs == "auto" else use_graphs
+        self.use_graphs = self.device.type == "cuda" and not sliding if use_graphs == "auto" else use_graphs
         if handoff not in HANDOFFS:
             raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
         if handoff == "memops" and self.use_graphs and not handoff_module.available():
@@ -121,11 +108,49 @@ class TandemRunner:
             )
         if forward == "auto" and reason is not None:
             print(f"tandem: decoding with transformers' layer code ({reason})", file=sys.stderr)
+        self.model = model
+        self.kernels = "triton" if use_fused else "torch"
         # Tandem's own decode forward (Llama family), else transformers' layers with the attention registered
-        self.decoder = None
-        if forward != "hf" and reason is None:
-            self.decoder = DecodeForward(model, cache, kernels="triton" if use_fused else "torch")
-        self.forward = "own" if self.decoder is not None else "hf"
+        self.forward = "own" if forward != "hf" and reason is None else "hf"
+
+    def decoder(self, cache=None) -> DecodeForward | None:
+        """Tandem's decode forward over `cache` (None: each step names its caches), or None with
+        transformers' layers."""
+        return DecodeForward(self.model, cache, kernels=self.kernels) if self.forward == "own" else None
+
+
+class TandemRunner:
+    """Chunked prefill and greedy decode of a Hugging Face causal LM over a `TandemCache`.
+
+    Example:
+        >>> from tandem import TandemCache, TandemConfig, load_model
+        >>> from tandem.engine import TandemRunner
+        >>> model, tok = load_model()
+        >>> runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig(policy="quest")))
+        >>> logits = runner.prefill(tok("The capital of France is", return_tensors="pt").input_ids)
+        >>> tokens, seconds = runner.decode(logits.argmax(-1), steps=8)
+    """
+
+    def __init__(
+        self,
+        model,
+        cache: TandemCache,
+        use_graphs: bool | str = "auto",
+        warmup_steps: int = 1,
+        handoff: str = "auto",
+        fused: bool | str = "auto",
+        forward: str = "auto",
+    ) -> None:
+        if not isinstance(cache, TandemCache):
+            raise ValueError(
+                f"cache must be a TandemCache (TandemCache.for_model(model)), got {type(cache).__name__}"
+            )
+        self.model = model
+        self.cache = cache
+        options = StepOptions(model, use_graphs, handoff, fused, forward)
+        self.device, self.use_graphs, self.handoff = options.device, options.use_graphs, options.handoff
+        self.fused_layers, self.forward = options.fused_layers, options.forward
+        self.decoder = options.decoder(cache)
         self.warmup_steps = max(1, warmup_steps)
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
@@ -144,7 +169,7 @@ class TandemRunner:
         input_ids: [B, T] int64 (left-padded for ragged batches); attention_mask: [B, T] (1 = token, 0 = pad).
         max_new_tokens sizes the host tier once for the prompt plus that many decode tokens.
         """
-        if self.layers[0].seq_len:
+        if self.cache.get_seq_length():
             raise ValueError("prefill runs on an empty cache; build a new TandemCache for a new prompt")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
@@ -306,9 +331,9 @@ class TandemRunner:
         if tuple(first_tokens.shape) != (batch,):
             raise ValueError(f"first_tokens must be [batch] = [{batch}], got {tuple(first_tokens.shape)}")
         limit = self.cache.layers[0].max_positions
-        if limit is not None and self.layers[0].seq_len + steps > limit:
+        if limit is not None and self.cache.get_seq_length() + steps > limit:
             raise ValueError(
-                f"context of {self.layers[0].seq_len + steps} tokens exceeds the model's maximum of {limit} "
+                f"context of {self.cache.get_seq_length() + steps} tokens exceeds the model's maximum of {limit} "
                 "positions (config.max_position_embeddings); decode fewer steps"
             )
         if sampler is not None:
@@ -363,7 +388,7 @@ class TandemRunner:
                 raise device_memory_error(
                     err,
                     self.device,
-                    f"decode step {t} ({graphs}) at {self.layers[0].seq_len} tokens",
+                    f"decode step {t} ({graphs}) at {self.cache.get_seq_length()} tokens",
                     "a smaller batch or window_tokens, gpu_cache=0 (quest), or use_graphs=False",
                 ) from err
             raise

@@ -79,15 +79,18 @@ class DecodeStep(StepContext):
         self.compiled_host_side = True
         self.actions: list = []
         self.after: list = []  # host work after each replay that needs no hand-off (statistics)
-        self._device_blocks_value = 0
         self.segments: list[tuple[torch.cuda.CUDAGraph, object]] = []
         self.generations: list[int] = []  # host tier buffer generations the segments were recorded with
         self._graph = None
         self._pool = None
 
-    def prepare(self, layers) -> int:
-        """Bookkeeping of one step in every layer (slot, evictions, device share); the device tensors are
-        updated in stream order."""
+    def prepare(self, layers, context: StepContext | None = None) -> int:
+        """Bookkeeping of one step in every layer of one cache (slot, evictions, device share) into `context`'s
+        slot and device share (default: this step's own; a multi-request step passes each request's
+        `RowContext`); the device tensors are updated in stream order."""
+        context = self if context is None else context
+        if not layers:  # only sliding-window layers: nothing tiered to keep
+            return 0
         events = [layer.host.last_event if layer.host is not None else None for layer in layers]
         slots = {layer.reserve_decode_slot() for layer in layers}
         if len(slots) != 1:
@@ -95,7 +98,7 @@ class DecodeStep(StepContext):
                 f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent"
             )
         slot = slots.pop()
-        self.slot.fill_(slot)
+        context.slot.fill_(slot)
         for layer in layers:
             layer.policy.prepare_step(layer)
         shares = {layer.policy.device_share(layer) for layer in layers}
@@ -104,9 +107,9 @@ class DecodeStep(StepContext):
                 f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent"
             )
         share = shares.pop()
-        if share != self._device_blocks_value:
-            self.device_blocks.fill_(share)
-            self._device_blocks_value = share
+        if share != context.device_blocks_value:
+            context.device_blocks.fill_(share)
+            context.device_blocks_value = share
         queued = any(
             layer.config.scheduler != "share" for layer in layers
         )  # the queue's GPU side reads host rows

@@ -129,9 +129,9 @@ class AttentionProbe:
             raise RuntimeError(
                 f"probe saw {len(self._step)} of {len(kvs)} layers: is the model using the probe?"
             )
-        self.errors.append(torch.stack([self._step[i] for i in range(len(kvs))]))
+        self.errors.append(torch.stack([self._step[kv.layer_idx] for kv in kvs]))
         if len(self._certified) == len(kvs):
-            self.certified.append(torch.stack([self._certified[i] for i in range(len(kvs))]))
+            self.certified.append(torch.stack([self._certified[kv.layer_idx] for kv in kvs]))
         for kv in kvs:
             kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs) - self._rows[0]
@@ -143,8 +143,9 @@ class AttentionProbe:
         out, weights = hf.tandem_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-        if self.armed and query.shape[2] == 1:
-            kv = self.cache.layers[module.layer_idx].kv
+        layer = self.cache.layers[module.layer_idx]
+        if self.armed and query.shape[2] == 1 and not layer.is_sliding:  # a sliding layer attends exactly
+            kv = layer.kv
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             full = layer_full_attention(kv, query[:, :, 0], scale)  # [B, Hq, D]
             self._step[module.layer_idx] = head_errors(out[:, 0].cpu(), full).mean(dim=0)

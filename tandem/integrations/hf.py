@@ -21,12 +21,15 @@ from ..attention import TaskPool, attend
 from ..attention.hybrid import causal_mask
 from ..cache import LayerKV
 from ..cache.recall import RecallBudget
+from ..cache.sliding import KIND as SLIDING
+from ..cache.sliding import SlidingKV
 from ..config import TandemConfig
 from ..models import attention_shape
 from ..policies.certified import certifies_rows
 from ..policies.fluxion import resolve_profile
 
 ATTENTION_NAME = "tandem"
+FULL = "full_attention"  # transformers' layer type of a global layer (SLIDING: a sliding-window one)
 _HANDOFF = "_tandem_layer"
 
 
@@ -133,6 +136,33 @@ class TandemLayer(CacheLayerMixin):
         self._unsupported("batch selection")
 
 
+class TandemSlidingLayer(TandemLayer):
+    """A sliding-window decoder layer's slot in `TandemCache`: its window on the device (`kv`, a
+    `cache.SlidingKV`), attended exactly; no host tier, no selection."""
+
+    is_sliding = True
+
+    def attention(self, query, key, value, attention_mask, scale: float) -> torch.Tensor:
+        """As `TandemLayer.attention`, over this layer's window. Returns [B, Hq, Lq, D]."""
+        self.pending = False
+        batch, _, q_len, _ = query.shape
+        valid = padding_valid(attention_mask, batch, q_len, query.device)
+        owner = self.owner
+        try:
+            out = self.kv.attend(query, key, value, valid, scale)
+        except BaseException as err:
+            owner.mark_failed(err)
+            raise
+        if q_len > 1 and owner.on_prefill_layer is not None:
+            owner.on_prefill_layer(self.kv.layer_idx)
+        return out
+
+    def reset(self) -> None:
+        kv = self.kv
+        self.kv = SlidingKV(kv.layer_idx, kv.window, kv.num_kv_heads, kv.head_dim, kv.query_chunk)
+        self.pending = False
+
+
 class TandemCache(Cache):
     """KV cache split between the compute device (sinks + recent window) and host memory (everything older),
     with hybrid GPU/CPU attention.
@@ -158,6 +188,7 @@ class TandemCache(Cache):
         max_positions: int | None = None,
         pool: TaskPool | None = None,
         rank=None,
+        windows: list[int | None] | None = None,
     ) -> None:
         window = config.window_tokens
         if max_positions is not None and isinstance(window, int) and window > max_positions:
@@ -170,14 +201,20 @@ class TandemCache(Cache):
         self.pool = pool if pool is not None else TaskPool(config.cpu_threads)
         streams: dict = {}
         budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
-        layers = [
-            TandemLayer(
-                LayerKV(config, i, num_q_heads, num_kv_heads, head_dim, streams, budget, num_layers, rank),
-                self,
-                max_positions,
-            )
-            for i in range(num_layers)
-        ]
+        # each layer's kind: None for a global layer (the tiers), else its sliding window (`layer_windows`)
+        windows = windows if windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"windows must name one kind per layer ({num_layers}), got {len(windows)}")
+        layers = []
+        for i, sliding in enumerate(windows):
+            if sliding is None:
+                kv = LayerKV(
+                    config, i, num_q_heads, num_kv_heads, head_dim, streams, budget, num_layers, rank
+                )
+                layers.append(TandemLayer(kv, self, max_positions))
+            else:
+                kv = SlidingKV(i, sliding, num_kv_heads, head_dim, config.prefill_chunk)
+                layers.append(TandemSlidingLayer(kv, self, max_positions))
         super().__init__(layers=layers)
         self.on_prefill_layer = None  # optional callback(layer_idx) after each layer's prefill/append
         # the `attention.StepContext` of the fixed-address decode steps a runner is taking (`tandem.engine`), or None
@@ -198,7 +235,7 @@ class TandemCache(Cache):
         if not isinstance(config, TandemConfig):
             raise ValueError(f"config must be a TandemConfig or None, got {type(config).__name__}")
         text_config = model.config.get_text_config(decoder=True)
-        check_supported(text_config)
+        windows = layer_windows(text_config)
         _check_device(model, config)
         register()
         if model.config._attn_implementation != ATTENTION_NAME:
@@ -209,16 +246,29 @@ class TandemCache(Cache):
             resolve_profile(config, *shape)
         # a tensor-parallel shard (`distributed.tensor_parallel`) names its rank: host_split="requests" needs it
         rank = getattr(model, "tandem_rank", None)
-        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None), pool, rank)
+        return cls(config, *shape, getattr(text_config, "max_position_embeddings", None), pool, rank, windows)
 
     def mark_failed(self, err: BaseException) -> None:
         """A step failed part way (some layers stored its tokens, others not): every layer now refuses further
         use with an error naming `err`, instead of decoding from an inconsistent state."""
-        for kv in self.tandem_layers():
-            kv.mark_failed(err)
+        for layer in self.layers:
+            layer.kv.mark_failed(err)
 
     def tandem_layers(self) -> list[LayerKV]:
-        return [layer.kv for layer in self.layers]
+        """The global layers' tiered caches (a sliding-window layer keeps its window apart: `sliding_layers`)."""
+        return [layer.kv for layer in self.layers if not layer.is_sliding]
+
+    def sliding_layers(self) -> list[SlidingKV]:
+        return [layer.kv for layer in self.layers if layer.is_sliding]
+
+    def batch_size(self) -> int | None:
+        """The batch the cache holds, or None before its first tokens."""
+        for layer in self.layers:
+            kv = layer.kv
+            held = kv.keys if layer.is_sliding else (kv.hot.keys if kv.hot is not None else None)
+            if held is not None:
+                return held.shape[0]
+        return None
 
     def stats(self) -> dict:
         """Sizes of both tiers and how much of the host tier decode attended."""
@@ -227,13 +277,17 @@ class TandemCache(Cache):
             kv.collect_statistics()
         attended = sum(kv.rows_attended for kv in kvs)
         available = sum(kv.rows_available for kv in kvs)
+        sliding = self.sliding_layers()
         stats = {
             "policy": self.config.policy,
-            "tokens": kvs[0].seq_len if kvs else 0,
+            "tokens": self.layers[0].get_seq_length() if self.layers else 0,
             "host_rows": kvs[0].host.rows if kvs and kvs[0].host is not None else 0,
             "hot_bytes": sum(kv.hot_nbytes() for kv in kvs),
             "host_bytes": sum(kv.host_nbytes() for kv in kvs),
             "mean_fraction_attended": attended / available if available else None,
+            # global layers hold the tiers; sliding-window layers their window on the device
+            "layers": {"global": len(kvs), "sliding": len(sliding)},
+            "sliding_bytes": sum(kv.nbytes() for kv in sliding),
         }
         if self.config.policy == "fluxion":
             stats.update(fluxion_statistics([kv.policy.statistics() for kv in kvs]))
@@ -283,24 +337,35 @@ def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
     }
 
 
-def check_supported(text_config) -> None:
-    """Raise ValueError unless every layer is a full (global) causal self-attention layer."""
+def layer_windows(text_config) -> list[int | None]:
+    """Each decoder layer's kind, from the model's config as transformers 5.x describes it (`layer_types`,
+    `sliding_window`): None for a global (full causal) attention layer, which gets the tiered cache, or the window
+    of a sliding-window layer, which keeps its window on the device. Raises ValueError naming a kind Tandem does
+    not run (chunked, linear or recurrent attention layers), an encoder-decoder model, or a sliding layer without
+    a window."""
     if getattr(text_config, "is_encoder_decoder", False):
         raise ValueError(
             "unsupported model: encoder-decoder models are not supported (decoder-only models only)"
         )
+    num_layers = text_config.num_hidden_layers
+    window = getattr(text_config, "sliding_window", None)
     layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is None:
-        sliding = getattr(text_config, "sliding_window", None)
-        use_sliding = getattr(text_config, "use_sliding_window", True)
-        layer_types = ["sliding_attention" if sliding and use_sliding else "full_attention"]
-    bad = sorted({t for t in layer_types if t != "full_attention"})
+    if layer_types is None:  # Mistral: one window for every layer, where the config sets one
+        sliding = window and getattr(text_config, "use_sliding_window", True)
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * num_layers
+    bad = sorted({t for t in layer_types if t not in (FULL, SLIDING)})
     if bad:
         raise ValueError(
-            f"unsupported attention type {', '.join(repr(t) for t in bad)} in model type "
-            f"'{getattr(text_config, 'model_type', '?')}': Tandem supports models whose layers are all "
-            "'full_attention' (e.g. Llama, Qwen2, Mistral without sliding window)"
+            f"unsupported attention layer type {', '.join(repr(t) for t in bad)} in model type "
+            f"'{getattr(text_config, 'model_type', '?')}': Tandem runs layers of type '{FULL}' (the tiered cache) "
+            f"and '{SLIDING}' (a window on the device)"
         )
+    if SLIDING in layer_types and not (isinstance(window, int) and window >= 1):
+        raise ValueError(
+            f"model type '{getattr(text_config, 'model_type', '?')}' has '{SLIDING}' layers but its config's "
+            f"sliding_window is {window!r}: it must be an int >= 1"
+        )
+    return [window if t == SLIDING else None for t in layer_types]
 
 
 def _check_device(model, config: TandemConfig) -> None:
@@ -328,7 +393,7 @@ def tandem_attention(module, query, key, value, attention_mask, scaling=None, dr
     if (
         layer is None
     ):  # a non-Tandem cache (or none): exact SDPA, so the same model still runs with DynamicCache
-        return _sdpa_fallback(query, key, value, attention_mask, scaling)
+        return _sdpa_fallback(query, key, value, attention_mask, scaling, kwargs.get("sliding_window"))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # the handed-off layer: a TandemLayer, or any layer with the same `attention` (e.g. integrations.rows)
     return layer.attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
@@ -361,10 +426,12 @@ def tandem_mask(
     return attention_mask[:, -kv_length:]
 
 
-def _sdpa_fallback(query, key, value, attention_mask, scaling):
-    """Exact causal SDPA with the 2-D padding mask, for models set to 'tandem' but run with another cache."""
+def _sdpa_fallback(query, key, value, attention_mask, scaling, sliding_window=None):
+    """Exact causal SDPA with the 2-D padding mask, for models set to 'tandem' but run with another cache; a
+    sliding-window layer's queries attend the keys less than `sliding_window` positions back."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len == 1:
+    banded = sliding_window is not None and kv_len > sliding_window
+    if attention_mask is None and q_len == 1 and not banded:
         mask = None  # one new token, no padding: it attends every key (and SDPA may pick a flash kernel)
     elif attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
@@ -374,6 +441,10 @@ def _sdpa_fallback(query, key, value, attention_mask, scaling):
         else:
             pad = attention_mask[:, -kv_len:].to(dtype=torch.bool, device=query.device)
         mask = causal_mask(pad, kv_len - q_len, kv_len, 0, kv_len)[:, None]  # the new tokens are the last
+        if banded:
+            qpos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+            kpos = torch.arange(kv_len, device=query.device)[None, :]
+            mask = mask & ((kpos > qpos - sliding_window) | (kpos == qpos))
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )

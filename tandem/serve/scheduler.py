@@ -8,8 +8,9 @@ waiting prompt and one decode step of every running request.
 - **Prefill** runs `prefill_chunk` tokens at a time, one chunk per turn, so a running stream waits at most one
   chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). With `hgca` the last
   chunk holds at least the `observation_tokens` whose attention scores the prompt (as one whole prefill does).
-- **Decode.** Every request past its prefill decodes one token per step in one model forward over
-  `integrations.rows.RowsCache`. A request leaves the batch when it finishes or is cancelled, and its cache is
+- **Decode.** Every request past its prefill decodes one token per step, all of them in one step of the engine
+  (`engine.rows.RowsRunner`: one model forward, each row over its own cache, recorded as CUDA graphs while the
+  batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it finishes or is cancelled, and its cache is
   dropped there and then: its tensors are freed before the next step (to the allocator; glibc's free heap goes
   back to the OS when the server is idle).
 - **Events.** Each request's `emit(event)` callback gets `("text", piece)` for every token it generates (the
@@ -36,9 +37,9 @@ import torch
 
 from ..attention import TaskPool
 from ..config import TandemConfig
+from ..engine.rows import RowsRunner, choose_tokens
 from ..engine.sampling import seed_key
-from ..integrations.hf import TandemCache, generate_cache_kwargs
-from ..integrations.rows import RowsCache
+from ..integrations.hf import TandemCache, generate_cache_kwargs, layer_windows
 from ..models import attention_shape, end_of_sequence_ids
 from .sampling import TextStream, choose_token
 from .sizing import CacheShape, RequestBytes, request_bytes
@@ -115,12 +116,22 @@ class SchedulerStats:
 class Scheduler:
     """Runs requests on `model` in a background thread (see the module's docstring)."""
 
-    def __init__(self, model, tokenizer, limits: Limits, pool: TaskPool, tokenizer_lock=None) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        limits: Limits,
+        pool: TaskPool,
+        tokenizer_lock=None,
+        runner: RowsRunner | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.limits, self.pool = model, tokenizer, limits, pool
+        self.runner = runner if runner is not None else RowsRunner(model)  # the decode steps
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.device = next(model.parameters()).device
         text = model.config.get_text_config(decoder=True)
-        self.shape = CacheShape(*attention_shape(text), next(model.parameters()).dtype)
+        sliding = tuple(w for w in layer_windows(text) if w is not None)
+        self.shape = CacheShape(*attention_shape(text), next(model.parameters()).dtype, sliding)
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.eos = end_of_sequence_ids(model)
         self.cache_arg = next(iter(generate_cache_kwargs(model, None)))  # `past_key_values` or `cache`
@@ -218,9 +229,10 @@ class Scheduler:
             caches.append(cache)
         for batch in range(1, self.limits.max_batch + 1):
             rows = caches[:batch]
-            ids = torch.randint(0, vocab, (batch, 1), generator=draw).to(self.device)
-            positions = torch.tensor([[cache.get_seq_length()] for cache in rows], device=self.device)
-            self._logits(RowsCache(rows), ids, positions)  # a decode step, as `_decode_step` runs it
+            ids = torch.randint(0, vocab, (batch,), generator=draw)
+            # a decode step, as `_decode_step` runs it
+            self.runner.step(rows, ids, [cache.get_seq_length() for cache in rows])
+        self.runner.release()
         del caches, rows
         gc.collect()  # (once, before the heap is frozen) whatever cycle still held a cache
         _return_free_heap()
@@ -269,6 +281,7 @@ class Scheduler:
                     with self._cond:
                         idle = not (self._prefilling or self._decoding or self._waiting)
                     if idle:
+                        self.runner.release()  # what the last step held of the last requests' caches
                         _return_free_heap()
         except BaseException as err:  # a bug in the scheduler itself: fail every request, never hang them
             self.failure = err
@@ -377,16 +390,18 @@ class Scheduler:
             if request in self._prefilling:
                 self._prefilling.remove(request)
                 self._decoding.append(request)
-        self._accept(request, logits)
+        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
+        self._accept(request, token)
 
     def _decode_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()
         try:
-            ids = torch.tensor([[r.tokens[-1]] for r in batch], device=self.device)
-            positions = torch.tensor(
-                [[len(r.prompt_ids) + len(r.tokens) - 1] for r in batch], device=self.device
-            )
-            logits = self._logits(RowsCache([r.cache for r in batch]), ids, positions)
+            positions = [len(r.prompt_ids) + len(r.tokens) - 1 for r in batch]
+            logits = self.runner.step([r.cache for r in batch], [r.tokens[-1] for r in batch], positions)
+            tokens = choose_tokens(
+                logits, [r.temperature for r in batch], [r.top_p for r in batch], [r.draw_seed for r in batch],
+                [r.generated for r in batch],
+            )  # fmt: skip
         except Exception as err:  # every cache of the step may hold half of it: end them all
             with self._cond:
                 for request in batch:
@@ -394,20 +409,19 @@ class Scheduler:
             return
         if self.stats.on_decode_step is not None:
             self.stats.on_decode_step(time.perf_counter() - start, len(batch))
-        for b, request in enumerate(batch):
-            self._accept(request, logits[b])
+        for request, token in zip(batch, tokens, strict=True):
+            self._accept(request, token)
 
     def _logits(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One forward of `ids` [B, T] at `positions` [B, T] over `cache` (a request's `TandemCache`, or the
-        running requests' `RowsCache`): the last position's logits [B, V], float32 on the CPU."""
+        """One forward of `ids` [1, T] at `positions` [1, T] over a request's `cache` (a prefill chunk): the last
+        position's logits [1, V], float32 on the CPU."""
         out = self.model(
             input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}
         )
         return out.logits[:, -1].float().cpu()
 
-    def _accept(self, request: Request, logits: torch.Tensor) -> None:
-        """Choose the request's next token from its logits [V], release its text, end it if it is done."""
-        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
+    def _accept(self, request: Request, token: int) -> None:
+        """Take the request's next token, release its text, end it if it is done."""
         now = time.perf_counter()
         if request.first_token is None:
             request.first_token = now

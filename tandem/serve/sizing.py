@@ -14,13 +14,15 @@ HOST_MIN_BLOCKS = 64  # `HostTier.reserve` allocates at least this many blocks, 
 
 @dataclass(frozen=True)
 class CacheShape:
-    """The attention shape of a model and the dtype its KV is stored in."""
+    """The attention shape of a model and the dtype its KV is stored in. `sliding`: the windows of its
+    sliding-window layers (of the num_layers; the others are global)."""
 
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding: tuple[int, ...] = ()
 
     @property
     def element(self) -> int:
@@ -51,7 +53,7 @@ def request_bytes(
 ) -> RequestBytes:
     """Upper bound on a batch-1 cache's allocations for a prompt of `prompt_tokens` and `max_tokens` more.
 
-    Follows the tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is reserved once
+    Follows the global layers' tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is reserved once
     for every token past the sinks (the server passes the same capacity hint), whole blocks, at least
     `HOST_MIN_BLOCKS` of them."""
     total = prompt_tokens + max_tokens
@@ -92,4 +94,7 @@ def request_bytes(
         factor = config.gpu_cache_on(device_type) or 0.0
         selected = math.ceil(config.budget * blocks)
         device += int(factor * selected) * bs * kv_row * e
-    return RequestBytes(host * shape.num_layers, device * shape.num_layers, not on_cuda)
+    # a sliding-window layer keeps window - 1 tokens on the device, and no host tier
+    sliding = sum((window - 1) * (kv_row * e + 1) for window in shape.sliding)
+    global_layers = shape.num_layers - len(shape.sliding)
+    return RequestBytes(host * global_layers, device * global_layers + sliding, not on_cuda)

@@ -160,7 +160,12 @@ def test_other_architectures_match_dynamic_cache(arch, overrides, device):
     assert cache.stats()["host_rows"] > 0
 
 
-def test_sliding_window_models_are_refused():
-    model = tiny_model("Mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="unsupported attention type 'sliding_attention'"):
+def test_layer_kinds_tandem_does_not_run_are_refused_by_name():
+    """Global and sliding-window layers run (tests/integrations/test_sliding.py); any other kind is refused at
+    `for_model`, naming it, and the model's attention is left as it was."""
+    model = tiny_model("Llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="unsupported attention layer type 'linear_attention'"):
         TandemCache.for_model(model, TandemConfig())
+    assert model.config._attn_implementation == before

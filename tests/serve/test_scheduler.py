@@ -210,20 +210,26 @@ def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(mode
 
 def test_warm_up_steps_every_batch_size_and_keeps_nothing(model, monkeypatch):
     scheduler = _scheduler(model, max_batch=4)
-    batches = []
-    forward = model.forward
+    prompts, steps = [], []
+    forward, step = model.forward, scheduler.runner.step
 
-    def watched(*args, **kwargs):
-        batches.append(kwargs["input_ids"].shape)
+    def watched_forward(*args, **kwargs):
+        prompts.append(kwargs["input_ids"].shape)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", watched)
+    def watched_step(caches, tokens, positions):
+        steps.append(len(caches))
+        return step(caches, tokens, positions)
+
+    monkeypatch.setattr(model, "forward", watched_forward)
+    monkeypatch.setattr(scheduler.runner, "step", watched_step)
     assert scheduler.warm_up(CONFIG, prompt_tokens=5) > 0
-    assert batches == [(1, 5)] * 4 + [(b, 1) for b in (1, 2, 3, 4)]  # four prompts, then steps of 1..4 rows
+    assert prompts[:4] == [(1, 5)] * 4 and steps == [1, 2, 3, 4]  # four prompts, then steps of 1..4 rows
     assert scheduler.counts()["live_caches"] == 0
     with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
         scheduler.warm_up(CONFIG, prompt_tokens=0)
     monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(scheduler.runner, "step", step)
     scheduler.start()
     try:
         with pytest.raises(RuntimeError, match="warm_up runs before start"):

@@ -67,3 +67,41 @@ def test_estimate_grows_with_the_request_and_shrinks_with_int8():
         for m in (2000, 4000)
     }
     assert host["full", 4000] > host["full", 2000] and host["full-int8", 4000] < host["full", 4000] / 3
+
+
+def test_sliding_layers_count_their_window_alone():
+    """Gemma 3's mix: the global layer's tiers as for any model, each sliding layer window - 1 tokens on the
+    device and no host tier; the estimate bounds a real cache's bytes."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tandem.integrations.hf import layer_windows
+
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(text).eval()
+    sliding = tuple(w for w in layer_windows(text) if w is not None)
+    shape = CacheShape(*attention_shape(text), torch.float32, sliding)
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=16)
+    prompt, max_tokens = 40, 100
+    cache = TandemCache.for_model(model, config)
+    for kv in cache.tandem_layers():
+        kv.capacity_hint = prompt + max_tokens
+    with torch.inference_mode():
+        model(
+            input_ids=torch.randint(0, 128, (1, prompt)),
+            use_cache=True,
+            **generate_cache_kwargs(model, cache),
+        )
+    stats = cache.stats()
+    estimate = request_bytes(shape, config, prompt, max_tokens, "cuda")
+    one_global = request_bytes(CacheShape(1, 4, 2, 16, torch.float32), config, prompt, max_tokens, "cuda")
+    assert estimate.host == one_global.host  # one global layer's host tier, none for the three sliding ones
+    assert stats["host_bytes"] <= estimate.host
+    assert stats["hot_bytes"] + stats["sliding_bytes"] <= estimate.device
+    assert stats["sliding_bytes"] == 3 * 7 * (
+        2 * 2 * 16 * 4 + 1
+    )  # 3 layers x 7 tokens: K, V float32 and valid

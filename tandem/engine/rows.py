@@ -1,0 +1,236 @@
+"""Decode steps over a batch of requests that each keep their own `TandemCache` (the server's running batch).
+
+Each request has its own batch-1 cache: its own length, policy and budget, and its own host tier. One step runs
+the model's matmuls once for all of them, and each layer attends row b over request b's cache through the one
+decode function (`attention.decode.decode_layer`), with that request's `RowContext`: its reserved slot and device
+share, and the step's hand-off hooks. Requests join or leave between steps; no KV is copied.
+
+On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
+with a hand-off per layer and request) and replayed while it stays the same. The recording depends on the requests' cache addresses, so a request that joins or
+leaves ends it: the batch's composition, not only its size, keys the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from ..attention.context import StepContext
+from ..integrations.hf import TandemCache, generate_cache_kwargs
+from ..integrations.rows import RowsCache
+from . import handoff as handoff_module
+from .runner import StepOptions, device_memory_error
+from .sampling import sample
+from .step import DecodeStep
+
+# eager steps of a new batch before it is recorded (CUDA graphs): one allocates what a newly joined request's layers
+# need; a step that records costs no more than an eager one (benchmarks/results/2026-11-28_h200_rows_steps/)
+RECORD_AFTER = 1
+
+
+class RowContext(StepContext):
+    """One request's part of a multi-request step: the slot and device share its layers read (its own tensors,
+    which a recorded step reads at replay), and the step's hand-off hooks and host-time count."""
+
+    def __init__(self, step: DecodeStep) -> None:
+        super().__init__(step.device)
+        self.step = step
+        self.waits_for_copy = step.waits_for_copy
+
+    def add_host_seconds(self, seconds: float) -> None:
+        self.step.add_host_seconds(seconds)
+
+    def q_ready(self, record_event) -> None:
+        self.step.q_ready(record_event)
+
+    def host_work(self, action) -> None:
+        self.step.host_work(action)
+
+    def after_replay(self, action) -> None:
+        self.step.after_replay(action)
+
+
+class RowsRunner:
+    """Decode steps of a changing batch of requests, each over its own prefilled batch-1 `TandemCache`.
+
+    The options are `TandemRunner`'s (use_graphs, handoff, fused, forward: `runner.StepOptions`); record_after:
+    the eager steps of a new batch before it is recorded.
+
+    Example:
+        >>> runner = RowsRunner(model)
+        >>> logits = runner.step([cache_a, cache_b], tokens=[17, 42], positions=[300, 1024])  # [2, V]
+    """
+
+    def __init__(
+        self,
+        model,
+        use_graphs: bool | str = "auto",
+        handoff: str = "auto",
+        fused: bool | str = "auto",
+        forward: str = "auto",
+        record_after: int = RECORD_AFTER,
+    ) -> None:
+        if record_after < 1:
+            raise ValueError(f"record_after must be >= 1, got {record_after}")
+        options = StepOptions(model, use_graphs, handoff, fused, forward)
+        self.model, self.device = model, options.device
+        self.use_graphs, self.handoff, self.forward = options.use_graphs, options.handoff, options.forward
+        self.fused_layers, self.decoder = options.fused_layers, options.decoder()
+        self.record_after = record_after
+        self.cache_arg = next(iter(generate_cache_kwargs(model, None)))  # `past_key_values` or `cache`
+        self._contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the caches of the batch the current step object serves, held weakly: a recording is theirs alone (a new
+        # cache at a freed one's address is another batch)
+        self._batch: list[weakref.ref] = []
+        self._step: DecodeStep | None = None
+        self._steps_same = 0  # consecutive steps over the same batch
+        self._ids = self._positions = self._logits = None
+        self.recordings = 0  # batches recorded (CUDA graphs), for tests and metrics
+        self.host_seconds = 0.0  # the last step's seconds in the CPU parts
+
+    @torch.inference_mode()
+    def step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
+        """One decode step: row b feeds tokens[b] at positions[b] to caches[b] (each a prefilled batch-1
+        `TandemCache`, in any order, each at most once). Returns the logits [B, V] on the model's device, valid
+        until the next step. An error leaves every cache of the step refusing further use."""
+        if not caches:
+            raise ValueError("a step needs at least one cache")
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("a cache appears twice in one step")
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1)
+        positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1, 1)
+        if tokens.shape[0] != len(caches) or positions.shape[0] != len(caches):
+            raise ValueError(
+                f"tokens and positions need one entry per cache ({len(caches)}), got {tokens.shape[0]} and "
+                f"{positions.shape[0]}"
+            )
+        for b, cache in enumerate(caches):
+            _check_row(cache, b)
+        if not self._same_batch(caches):
+            self._new_batch(caches, len(caches) * len(caches[0].tandem_layers()))
+        else:
+            self._steps_same += 1
+        step = self._step
+        contexts = [self._context(cache, step) for cache in caches]
+        fused = self.fused_layers or contextlib.nullcontext()
+        try:
+            for cache, context in zip(caches, contexts, strict=True):
+                cache.step_context = context
+            with fused:
+                self._run(step, caches, contexts, tokens, positions)
+        except BaseException as err:
+            for cache in caches:
+                cache.mark_failed(err)  # part of the step may have run
+            self.release()
+            if isinstance(err, torch.OutOfMemoryError):
+                raise device_memory_error(
+                    err, self.device, f"a decode step of {len(caches)} requests",
+                    "a smaller batch (--max-batch) or window_tokens, or use_graphs=False",
+                ) from err  # fmt: skip
+            raise
+        finally:
+            for cache in caches:
+                cache.step_context = None
+        self.host_seconds = step.host_seconds
+        return self._logits
+
+    def release(self) -> None:
+        """Drop the recorded step and what it holds of the caches (call when the batch empties, so that the last
+        requests' caches are freed)."""
+        if self._step is not None:
+            self._step.close()
+        self._step, self._batch, self._steps_same = None, [], 0
+        self._ids = self._positions = self._logits = None
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _same_batch(self, caches) -> bool:
+        return len(caches) == len(self._batch) and all(
+            ref() is cache for ref, cache in zip(self._batch, caches, strict=True)
+        )
+
+    def _new_batch(self, caches, hand_offs: int) -> None:
+        """A step object for a new batch: `hand_offs` (requests x layers) flags when it will be recorded with them."""
+        self.release()
+        flags = None
+        if self.use_graphs and self.handoff == "memops":
+            flags = handoff_module.HostFlags(hand_offs, self.device)
+        self._step = DecodeStep(self.device, flags)
+        self._batch, self._steps_same = [weakref.ref(cache) for cache in caches], 1
+        self._ids = torch.zeros(len(caches), 1, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(len(caches), 1, dtype=torch.long, device=self.device)
+
+    def _context(self, cache: TandemCache, step: DecodeStep) -> RowContext:
+        """The cache's context for `step`: made once per batch, so a recording reads the same slot tensors at
+        every replay."""
+        context = self._contexts.get(cache)
+        if context is None or context.step is not step:
+            context = self._contexts[cache] = RowContext(step)
+        return context
+
+    def _run(self, step: DecodeStep, caches, contexts, tokens, positions) -> None:
+        if self.decoder is not None:
+            self.decoder.check_weights()
+        step.host_seconds = 0.0
+        for cache, context in zip(caches, contexts, strict=True):
+            step.prepare(cache.tandem_layers(), context)
+        self._ids.copy_(tokens)
+        self._positions.copy_(positions)
+        if self.use_graphs and self._steps_same > self.record_after:
+            generations = [
+                (kv.host.generation, kv.hot.generation) for c in caches for kv in c.tandem_layers()
+            ]
+            if not step.segments or generations != step.generations:
+                step.capture(lambda: self._body(caches, contexts, step))
+                step.generations = generations
+                self.recordings += 1
+            step.replay()
+        else:
+            self._body(caches, contexts, step)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _body(self, caches, contexts, step: DecodeStep) -> None:
+        """The step at fixed addresses: the forward of every row into `self._logits`."""
+        for context in contexts:
+            context.defers_host_work = step.defers_host_work
+        if self.decoder is not None:
+            self._logits = self.decoder(self._ids, self._positions, caches)
+            return
+        out = self.model(
+            input_ids=self._ids, position_ids=self._positions, use_cache=True, logits_to_keep=1,
+            **{self.cache_arg: RowsCache(caches)},
+        )  # fmt: skip
+        self._logits = out.logits[:, -1]
+
+
+def choose_tokens(logits: torch.Tensor, temperature, top_p, seed, step) -> list[int]:
+    """Each row's token from logits [B, V] on their device: the argmax where its temperature is 0, else the
+    engine's draw (`sampling.sample`) for its seed (int64 key) at its step. The parameters: B numbers each."""
+    row = dict(device=logits.device)
+    if all(t == 0 for t in temperature):
+        return logits.argmax(dim=-1).tolist()
+    return sample(
+        logits,
+        torch.tensor([float(t) for t in temperature], **row),
+        torch.tensor([float(p) for p in top_p], **row),
+        torch.tensor(list(seed), dtype=torch.int64, **row),
+        torch.tensor(list(step), dtype=torch.int64, **row),
+        nucleus=any(p < 1 for p in top_p),
+    ).tolist()
+
+
+def _check_row(cache, b: int) -> None:
+    if not isinstance(cache, TandemCache):
+        raise ValueError(f"caches[{b}] is a {type(cache).__name__}, not a TandemCache")
+    tokens = cache.get_seq_length()
+    if not tokens:
+        raise ValueError(f"caches[{b}] is empty: prefill it before decoding")
+    if cache.batch_size() != 1:
+        raise ValueError(f"caches[{b}] holds a batch of {cache.batch_size()}; a row's cache holds one")
+    limit = cache.layers[0].max_positions
+    if limit is not None and tokens + 1 > limit:
+        raise ValueError(
+            f"caches[{b}]: context of {tokens + 1} tokens exceeds the model's maximum of {limit} positions"
+        )

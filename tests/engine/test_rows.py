@@ -1,0 +1,187 @@
+"""`RowsRunner`: decode steps over requests that each keep their own cache. A request decodes the same tokens
+alone, in a batch, or joining and leaving a running batch; on CUDA the recorded steps equal the eager ones."""
+
+import weakref
+
+import pytest
+import torch
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.engine.rows import RowsRunner, choose_tokens
+from tandem.engine.sampling import sample, seed_key
+from tests.tiny import tiny_model
+
+POLICIES = ("full", "hgca", "quest", "certified", "streaming")
+LENGTHS = (39, 71, 53, 46, 60)
+STEPS = 8
+
+
+def _config(policy: str) -> TandemConfig:
+    # window 16 + 4 sinks: prompts of 39-71 tokens put most of themselves in the host tier
+    return TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=16, budget=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return tiny_model("Llama")
+
+
+def _prompt(model, length: int, seed: int) -> torch.Tensor:
+    vocab = model.config.vocab_size
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(model, prompt: torch.Tensor, policy: str, device):
+    """A prefilled cache of the prompt [1, T] and its first greedy token."""
+    cache = TandemCache.for_model(model, _config(policy))
+    out = model(
+        input_ids=prompt.to(device), use_cache=True, logits_to_keep=1, **generate_cache_kwargs(model, cache)
+    )
+    return cache, int(out.logits[0, -1].argmax())
+
+
+def _alone(model, prompt, policy, steps, device):
+    """Greedy tokens of the request decoded alone through the drop-in (transformers' forward over its cache), and
+    each step's logits [V]."""
+    cache, token = _prefill(model, prompt, policy, device)
+    tokens, logits = [token], []
+    for step in range(steps):
+        out = model(
+            input_ids=torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[prompt.shape[1] + step]], device=device),
+            use_cache=True, **generate_cache_kwargs(model, cache),
+        )  # fmt: skip
+        logits.append(out.logits[0, -1].float().cpu())
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+class _Row:
+    def __init__(self, model, prompt, policy, device) -> None:
+        self.prompt = prompt
+        self.cache, token = _prefill(model, prompt, policy, device)
+        self.tokens = [token]
+        self.logits = []
+
+    @property
+    def position(self) -> int:
+        return self.prompt.shape[1] + len(self.tokens) - 1
+
+
+def _step(runner, rows) -> None:
+    logits = runner.step([r.cache for r in rows], [r.tokens[-1] for r in rows], [r.position for r in rows])
+    for row, token, row_logits in zip(rows, logits.argmax(-1).tolist(), logits.float().cpu(), strict=True):
+        row.tokens.append(token)
+        row.logits.append(row_logits)
+
+
+def _check_joined_and_left(model, device, tolerance=None, **runner_options) -> RowsRunner:
+    """Five requests of other lengths and policies: two start, three join after 2, 3 and 5 steps, the first
+    leaves after 4; each decodes what it decodes alone."""
+    prompts = [_prompt(model, n, seed) for seed, n in enumerate(LENGTHS)]
+    alone = [_alone(model, p, policy, STEPS, device) for p, policy in zip(prompts, POLICIES, strict=True)]
+    tolerance = tolerance or dict(atol=1e-4, rtol=1e-4)
+    runner = RowsRunner(model, **runner_options)
+    rows = [_Row(model, p, policy, device) for p, policy in zip(prompts, POLICIES, strict=True)]
+    running = rows[:2]
+    for t in range(STEPS + 5):
+        if t in (2, 3, 5):
+            running.append(rows[{2: 2, 3: 3, 5: 4}[t]])
+        running = [r for r in running if len(r.tokens) <= STEPS and not (r is rows[0] and t == 4)]
+        if not running:
+            break
+        _step(runner, running)
+    for row, (tokens, logits) in zip(rows, alone, strict=True):
+        # the first leaves after 4 steps, the others decode all
+        assert row.tokens == tokens[: len(row.tokens)]
+        # fp32 weights; the own forward concatenates q/k/v and gate/up, which changes the sums' order
+        torch.testing.assert_close(
+            torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), **tolerance
+        )
+    assert [len(row.tokens) for row in rows] == [5] + [STEPS + 1] * 4
+    return runner
+
+
+@torch.inference_mode()
+def test_rows_decode_alone_batched_and_joined_mid_stream(tiny):
+    runner = _check_joined_and_left(tiny, torch.device("cpu"))
+    assert runner.recordings == 0  # no graphs on the CPU
+
+
+@torch.inference_mode()
+def test_rows_decode_with_transformers_layer_code(tiny):
+    _check_joined_and_left(tiny, torch.device("cpu"), forward="hf")
+
+
+@torch.inference_mode()
+def test_rows_refuse_bad_batches(tiny):
+    runner = RowsRunner(tiny)
+    row = _Row(tiny, _prompt(tiny, 20, 0), "full", torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least one cache"):
+        runner.step([], [], [])
+    with pytest.raises(ValueError, match="appears twice"):
+        runner.step([row.cache, row.cache], [1, 2], [20, 20])
+    with pytest.raises(ValueError, match="one entry per cache"):
+        runner.step([row.cache], [1, 2], [20])
+    with pytest.raises(ValueError, match=r"caches\[0\] is empty"):
+        runner.step([TandemCache.for_model(tiny, _config("full"))], [1], [0])
+    with pytest.raises(ValueError, match=r"caches\[0\] is a DynamicCache"):
+        from transformers import DynamicCache
+
+        runner.step([DynamicCache()], [1], [0])
+    pair = TandemCache.for_model(tiny, _config("full"))
+    tiny(input_ids=_prompt(tiny, 20, 1).repeat(2, 1), use_cache=True, **generate_cache_kwargs(tiny, pair))
+    with pytest.raises(ValueError, match="holds a batch of 2"):
+        runner.step([pair], [1], [20])
+    _step(runner, [row])  # the refusals changed nothing
+    assert row.cache.get_seq_length() == 21
+
+
+def test_choose_tokens_is_the_engine_draw():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert choose_tokens(logits, [0, 0, 0], [1, 1, 1], [1, 2, 3], [0, 0, 0]) == logits.argmax(-1).tolist()
+    temps, tops, seeds, steps = [0.0, 0.7, 1.3], [1.0, 0.9, 1.0], [seed_key(s) for s in (1, 2, -3)], [0, 5, 9]
+    expected = sample(
+        logits,
+        torch.tensor(temps),
+        torch.tensor(tops),
+        torch.tensor(seeds),
+        torch.tensor(steps),
+        nucleus=True,
+    )
+    assert choose_tokens(logits, temps, tops, seeds, steps) == expected.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("handoff", ["memops", "launches"])
+@torch.inference_mode()
+def test_rows_recorded_steps_decode_as_alone(handoff):
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    runner = _check_joined_and_left(
+        model, torch.device("cuda"), use_graphs=True, handoff=handoff, record_after=1
+    )
+    assert runner.recordings >= 2  # the batch changed and was recorded again
+
+
+@torch.inference_mode()
+def test_a_batch_is_its_caches_not_their_addresses(tiny):
+    """A recording belongs to the caches it was made over: a cache that replaces a freed one (which may take its
+    address) starts a new batch, so a replay can never read a freed cache's memory."""
+    import gc
+
+    runner = RowsRunner(tiny)
+    cpu = torch.device("cpu")
+    a, b = (_Row(tiny, _prompt(tiny, n, seed), "full", cpu) for seed, n in ((0, 20), (1, 25)))
+    _step(runner, [a, b])
+    assert runner._same_batch([a.cache, b.cache])
+    b_ref = weakref.ref(b.cache)
+    del b
+    gc.collect()
+    assert b_ref() is None  # nothing the runner holds keeps a request's cache alive
+    c = _Row(tiny, _prompt(tiny, 25, 2), "full", cpu)
+    assert not runner._same_batch([a.cache, c.cache])
+    _step(runner, [a, c])
+    assert runner._same_batch([a.cache, c.cache]) and runner._steps_same == 1
