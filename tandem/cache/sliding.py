@@ -52,15 +52,17 @@ class SlidingKV:
         if self.failed is None:
             self.failed = f"{type(err).__name__}: {err}"
 
-    def attend(self, q, k_new, v_new, valid_new, scale: float) -> torch.Tensor:
-        """Attention of the new tokens' queries q [B, Hq, Lq, D] over the window before each of them (the cached
-        tokens and the new ones, k_new / v_new [B, Hkv, Lq, D], valid_new [B, Lq]), which it then keeps.
-        Returns [B, Hq, Lq, D] in q's dtype."""
+    def check_usable(self) -> None:
+        """Refuse to go on after a step that failed half way."""
         if self.failed is not None:
             raise RuntimeError(
                 f"this TandemCache is unusable: a step failed while storing tokens ({self.failed}); build a new "
                 "cache (TandemCache.for_model) to start again"
             )
+
+    def check_continues(self, k_new: torch.Tensor) -> None:
+        """New tokens [B, Hkv, m, D] fit this layer and continue the batch it holds (refused before anything
+        changes: the cache stays usable)."""
         if k_new.shape[1] != self.num_kv_heads or k_new.shape[3] != self.head_dim:
             raise ValueError(
                 f"layer {self.layer_idx}: keys have {k_new.shape[1]} heads of dim {k_new.shape[3]}, the cache was "
@@ -72,6 +74,14 @@ class SlidingKV:
                 f"a batch of {k_new.shape[0]} on {k_new.device}. A cache continues the sequences it holds: for another "
                 "batch or prompt, build a new cache (TandemCache.for_model)"
             )
+
+    def attend(self, q, k_new, v_new, valid_new, scale: float) -> torch.Tensor:
+        """Attention of the new tokens' queries q [B, Hq, Lq, D] over the window before each of them (the cached
+        tokens and the new ones, k_new / v_new [B, Hkv, Lq, D], valid_new [B, Lq]), which it then keeps.
+        Returns [B, Hq, Lq, D] in q's dtype. A refused input changes nothing; an error part way leaves the layer
+        refusing further use."""
+        self.check_usable()
+        self.check_continues(k_new)
         try:
             return self._attend(q, k_new, v_new, valid_new, scale)
         except BaseException as err:

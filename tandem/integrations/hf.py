@@ -147,9 +147,11 @@ class TandemSlidingLayer(TandemLayer):
         self.pending = False
         batch, _, q_len, _ = query.shape
         valid = padding_valid(attention_mask, batch, q_len, query.device)
-        owner = self.owner
+        owner, kv = self.owner, self.kv
+        kv.check_usable()
+        kv.check_continues(key)  # a wrong batch is refused before anything changes: the cache stays usable
         try:
-            out = self.kv.attend(query, key, value, valid, scale)
+            out = kv.attend(query, key, value, valid, scale)
         except BaseException as err:
             owner.mark_failed(err)
             raise

@@ -189,3 +189,21 @@ def test_use_graphs_is_refused_for_sliding_layers():
     model = _mistral()
     with pytest.raises(ValueError, match="sliding-window layers"):
         TandemRunner(model, TandemCache.for_model(model, CONFIG), use_graphs=True)
+
+
+@torch.inference_mode()
+def test_a_wrong_batch_is_refused_and_the_cache_stays_usable():
+    model = _gemma()
+    cache = TandemCache.for_model(model, CONFIG)
+    kwargs = generate_cache_kwargs(model, cache)
+    model(input_ids=_prompt(20, 7), use_cache=True, **kwargs)
+    with pytest.raises(ValueError, match="holds a batch of 1"):
+        model(
+            input_ids=_prompt(1, 8, batch=2),
+            position_ids=torch.tensor([[20], [20]]),
+            use_cache=True,
+            **kwargs,
+        )
+    out = model(input_ids=_prompt(1, 9), position_ids=torch.tensor([[20]]), use_cache=True, **kwargs)
+    assert out.logits.shape[:2] == (1, 1) and cache.get_seq_length() == 21
+    restore_attention(model)
