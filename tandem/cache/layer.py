@@ -7,13 +7,14 @@ import math
 import torch
 
 from ..policies import make_policy
+from .failure import Failable
 from .host import HostTier
 from .hot import HotTier
 from .recall import RecallBudget, RecallCache
 from .split import RequestSplit
 
 
-class LayerKV:
+class LayerKV(Failable):
     """Tiered KV of one attention layer.
 
     Token flow: the first `sink_tokens` slots (widened by the longest left padding of the first prompt, so every
@@ -47,9 +48,7 @@ class LayerKV:
         self.hot: HotTier | None = None
         self.host: HostTier | None = None
         self.seq_len = 0  # slots stored (padding included), as the model counts positions
-        # "Type: message" of an error that interrupted an append (the tiers are inconsistent), or None. The text
-        # only: the error's traceback would keep the failed step's activations alive as long as the cache
-        self.failed: str | None = None
+        self.failed = None  # see `Failable`
         self._side_streams = side_streams if side_streams is not None else {}
         # statistics of the CPU side, summed over decode steps and (request, KV head) pairs
         self.rows_attended = 0
@@ -208,19 +207,6 @@ class LayerKV:
                 f"this TandemCache holds a batch of {held.shape[0]} ({held.dtype} on {held.device}); the new tokens "
                 f"come as a batch of {keys.shape[0]} ({keys.dtype} on {keys.device}). A cache continues the sequences "
                 "it holds: for another batch or prompt, build a new cache (TandemCache.for_model)"
-            )
-
-    def mark_failed(self, err: BaseException) -> None:
-        """Refuse further use, naming `err` (the first failure is kept)."""
-        if self.failed is None:
-            self.failed = f"{type(err).__name__}: {err}"
-
-    def check_usable(self) -> None:
-        """Refuse to go on after an append that failed half way (out of memory, an interrupt, ...)."""
-        if self.failed is not None:
-            raise RuntimeError(
-                f"this TandemCache is unusable: a step failed while storing tokens ({self.failed}); build a new "
-                "cache (TandemCache.for_model) to start again"
             )
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .failure import Failable
+
 KIND = "sliding_attention"
 
 
-class SlidingKV:
+class SlidingKV(Failable):
     """The last `window - 1` tokens of one sliding-window layer, on the device of the first tokens stored.
 
     keys, values: [B, Hkv, n, D] (n <= window - 1), or None before the first tokens
@@ -41,24 +43,11 @@ class SlidingKV:
         self.values: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.seq_len = 0
-        self.failed: str | None = None
+        self.failed = None  # see `Failable`
 
     @property
     def initialized(self) -> bool:
         return self.keys is not None
-
-    def mark_failed(self, err: BaseException) -> None:
-        """Refuse further use, naming `err` (the first failure is kept)."""
-        if self.failed is None:
-            self.failed = f"{type(err).__name__}: {err}"
-
-    def check_usable(self) -> None:
-        """Refuse to go on after a step that failed half way."""
-        if self.failed is not None:
-            raise RuntimeError(
-                f"this TandemCache is unusable: a step failed while storing tokens ({self.failed}); build a new "
-                "cache (TandemCache.for_model) to start again"
-            )
 
     def check_continues(self, k_new: torch.Tensor) -> None:
         """New tokens [B, Hkv, m, D] fit this layer and continue the batch it holds (refused before anything
