@@ -89,13 +89,17 @@ class TandemLayer(CacheLayerMixin):
                 key
             )  # a wrong batch is refused before anything changes: the cache stays usable
         try:
-            out = attend(kv, query, key, value, valid, scale, owner.pool, owner.step_context)
+            out = self._attend(query, key, value, valid, scale, owner)
         except BaseException as err:
             owner.mark_failed(err)  # the layers before this one hold the step's token, the rest do not
             raise
         if q_len > 1 and owner.on_prefill_layer is not None:
             owner.on_prefill_layer(kv.layer_idx)
         return out
+
+    def _attend(self, query, key, value, valid, scale: float, owner: TandemCache) -> torch.Tensor:
+        """The layer's own attention of the new tokens (the tiers' hybrid attention)."""
+        return attend(self.kv, query, key, value, valid, scale, owner.pool, owner.step_context)
 
     def get_seq_length(self) -> int:
         return self.kv.seq_len
@@ -142,22 +146,9 @@ class TandemSlidingLayer(TandemLayer):
 
     is_sliding = True
 
-    def attention(self, query, key, value, attention_mask, scale: float) -> torch.Tensor:
-        """As `TandemLayer.attention`, over this layer's window. Returns [B, Hq, Lq, D]."""
-        self.pending = False
-        batch, _, q_len, _ = query.shape
-        valid = padding_valid(attention_mask, batch, q_len, query.device)
-        owner, kv = self.owner, self.kv
-        kv.check_usable()
-        kv.check_continues(key)  # a wrong batch is refused before anything changes: the cache stays usable
-        try:
-            out = kv.attend(query, key, value, valid, scale)
-        except BaseException as err:
-            owner.mark_failed(err)
-            raise
-        if q_len > 1 and owner.on_prefill_layer is not None:
-            owner.on_prefill_layer(self.kv.layer_idx)
-        return out
+    def _attend(self, query, key, value, valid, scale: float, owner: TandemCache) -> torch.Tensor:
+        """Exact attention over the window before each new token (`SlidingKV.attend`)."""
+        return self.kv.attend(query, key, value, valid, scale)
 
     def reset(self) -> None:
         kv = self.kv
