@@ -24,7 +24,7 @@ import torch
 
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
-from ..policies import NONE, Selection
+from ..policies import Selection
 from . import queue as queue_module
 from .host import _record_counts, _record_selection, all_blocks, host_attention, live_blocks
 
@@ -209,7 +209,7 @@ def _deferred(layer, bufs, q3, ranked, plan, scale: float, pool, context) -> tor
     if device_only(layer, plan):
         out, lse = hot_part(layer, q3, scale)
         device_part(layer, bufs, q3, ranked, out, lse, scale, context.device_blocks, plan)
-        context.after_replay(partial(record_device_only, layer))
+        context.after_replay(partial(record_no_host_part, layer))
         return out
     bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
     context.q_ready(bufs.q_copied.record)
@@ -474,8 +474,7 @@ class CpuPart:
         self._timed(task)
 
     def _finish_empty(self) -> None:
-        self.layer.host.wait()  # the count reads the valid flags of rows evicted this step
-        _record_selection(self.layer, NONE)  # as host_part's select() -> NONE
+        record_no_host_part(self.layer)  # as host_part's select() -> NONE
         self._timed(self._empty)
 
     def _finish_nothing(self) -> None:
@@ -498,7 +497,10 @@ def cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, wait_copy: bool = T
 
 
 def record_no_host_part(layer) -> None:
-    """A replayed step's statistics for a layer whose policy attends no host row (what `host_part` records)."""
+    """A replayed step's statistics for a layer whose CPU attended no host row: its policy attends none (what
+    `host_part` records), or its device attended the whole selection (what the CPU part over an empty list records;
+    the rows the device attended are the recall cache's device-side counts, `LayerKV.collect_statistics`): no
+    rows attended, the available ones counted."""
     if nothing_offloaded(layer):
         return
     host = layer.host
@@ -509,17 +511,6 @@ def record_no_host_part(layer) -> None:
 def device_only(layer, plan) -> bool:
     """The recall plan leaves the CPU nothing (a device share of 1): every selected block is a hit or copied in."""
     return plan is not None and layer.gpu_share >= 1.0
-
-
-def record_device_only(layer) -> None:
-    """A replayed step's statistics for a layer whose device attended the whole selection: what the CPU part over
-    its empty list records (no rows, the available ones); the rows the device attended are the recall cache's
-    device-side counts (`LayerKV.collect_statistics`)."""
-    if nothing_offloaded(layer):
-        return
-    host = layer.host
-    host.wait()  # the count reads the valid flags of rows evicted this step
-    _record_counts(layer, 0, 0, host.valid_total() * host.num_kv_heads)
 
 
 def nothing_offloaded(layer) -> bool:
