@@ -6,8 +6,9 @@ decode function (`attention.decode.decode_layer`), with that request's `RowConte
 share, and the step's hand-off hooks. Requests join or leave between steps; no KV is copied.
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
-with a hand-off per layer and request) and replayed while it stays the same. The recording depends on the requests' cache addresses, so a request that joins or
-leaves ends it: the batch's composition, not only its size, keys the graph.
+with a hand-off per layer and request) and replayed while it stays the same. The recording depends on the
+requests' cache addresses, so a request that joins or leaves ends it: the batch's composition, not only its size,
+keys the graph.
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ class RowsRunner:
         self._step: DecodeStep | None = None
         self._steps_same = 0  # consecutive steps over the same batch
         self._ids = self._positions = self._logits = None
-        self.recordings = 0  # batches recorded (CUDA graphs), for tests and metrics
-        self.host_seconds = 0.0  # the last step's seconds in the CPU parts
+        self.recordings = 0  # batches recorded (CUDA graphs)
 
     @torch.inference_mode()
     def step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
@@ -133,7 +133,6 @@ class RowsRunner:
         finally:
             for cache in caches:
                 cache.step_context = None
-        self.host_seconds = step.host_seconds
         return self._logits
 
     def release(self) -> None:
@@ -172,7 +171,6 @@ class RowsRunner:
     def _run(self, step: DecodeStep, caches, contexts, tokens, positions) -> None:
         if self.decoder is not None:
             self.decoder.check_weights()
-        step.host_seconds = 0.0
         for cache, context in zip(caches, contexts, strict=True):
             step.prepare(cache.tandem_layers(), context)
         self._ids.copy_(tokens)

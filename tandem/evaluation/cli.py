@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: SmolLM2-135M)",
+        help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: "
+        "SmolLM2-135M)",
     )
     p.add_argument(
         "--no-model-cache",

@@ -10,9 +10,9 @@ waiting prompt and one decode step of every running request.
   chunk holds at least the `observation_tokens` whose attention scores the prompt (as one whole prefill does).
 - **Decode.** Every request past its prefill decodes one token per step, all of them in one step of the engine
   (`engine.rows.RowsRunner`: one model forward, each row over its own cache, recorded as CUDA graphs while the
-  batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it finishes or is cancelled, and its cache is
-  dropped there and then: its tensors are freed before the next step (to the allocator; glibc's free heap goes
-  back to the OS when the server is idle).
+  batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it
+  finishes or is cancelled, and its cache is dropped there and then: its tensors are freed before the next step
+  (to the allocator; glibc's free heap goes back to the OS when the server is idle).
 - **Events.** Each request's `emit(event)` callback gets `("text", piece)` for every token it generates (the
   text that became final with it, possibly empty: a partial character or a possible stop string is held back),
   then one `("done", finish_reason)` or `("error", message)`. It is called from the scheduler's thread.

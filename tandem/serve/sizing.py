@@ -53,9 +53,9 @@ def request_bytes(
 ) -> RequestBytes:
     """Upper bound on a batch-1 cache's allocations for a prompt of `prompt_tokens` and `max_tokens` more.
 
-    Follows the global layers' tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is reserved once
-    for every token past the sinks (the server passes the same capacity hint), whole blocks, at least
-    `HOST_MIN_BLOCKS` of them."""
+    Follows the global layers' tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is
+    reserved once for every token past the sinks (the server passes the same capacity hint), whole blocks, at
+    least `HOST_MIN_BLOCKS` of them; a sliding-window layer holds its window on the device."""
     total = prompt_tokens + max_tokens
     bs = config.block_size
     e = shape.element
