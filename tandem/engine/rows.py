@@ -96,9 +96,9 @@ class RowsRunner:
         `TandemCache`, in any order, each at most once). Returns the logits [B, V] on the model's device, valid
         until the next step. An error leaves every cache of the step refusing further use."""
         if not caches:
-            raise ValueError("a step needs at least one cache")
+            raise ValueError("caches must hold at least one prefilled TandemCache, got none")
         if len({id(cache) for cache in caches}) != len(caches):
-            raise ValueError("a cache appears twice in one step")
+            raise ValueError("caches must hold each TandemCache once: a request has one row in a step")
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1)
         positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1, 1)
         if tokens.shape[0] != len(caches) or positions.shape[0] != len(caches):

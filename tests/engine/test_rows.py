@@ -119,9 +119,9 @@ def test_rows_decode_with_transformers_layer_code(tiny):
 def test_rows_refuse_bad_batches(tiny):
     runner = RowsRunner(tiny)
     row = _Row(tiny, _prompt(tiny, 20, 0), "full", torch.device("cpu"))
-    with pytest.raises(ValueError, match="at least one cache"):
+    with pytest.raises(ValueError, match="caches must hold at least one"):
         runner.step([], [], [])
-    with pytest.raises(ValueError, match="appears twice"):
+    with pytest.raises(ValueError, match="each TandemCache once"):
         runner.step([row.cache, row.cache], [1, 2], [20, 20])
     with pytest.raises(ValueError, match="one entry per cache"):
         runner.step([row.cache], [1, 2], [20])
