@@ -13,13 +13,15 @@ arguments after `--` go to every shard. A shard that fails is reported with its 
 
 `--split-tasks` makes one shard per task as well (the `--tasks` list after `--`), longest contexts first, and
 every variant of a (length, task) cell next to each other, so that cells finish whole. A shard whose folder
-already holds results.json is not run again, and `--deadline` stops the grid after that many seconds (running
+already holds a finished results.json is not run again (one cut at the deadline runs again whole; until then
+its samples so far join the merge), and `--deadline` stops the grid after that many seconds (running
 shards are ended, none is started): a grid too long for one sitting is finished by running it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import subprocess
 import sys
@@ -67,10 +69,22 @@ def plan_shards(
     return shards
 
 
+def finished(folder: Path) -> bool:
+    """Whether an earlier run finished the shard: its results.json is there and not one written after a sample of
+    a run that was then cut (`meta.complete` false)."""
+    path = folder / "results.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("meta", {}).get("complete", True) is not False
+    except ValueError:  # cut while writing
+        return False
+
+
 def run_shard(folder: Path, command: list[str], seconds_left: float | None) -> int | None:
-    """The shard's exit code: 0 at once where an earlier run finished it (results.json is there), None where it
-    was cut at the deadline or not started because the deadline had passed."""
-    if (folder / "results.json").is_file():
+    """The shard's exit code: 0 at once where an earlier run finished it, None where it was cut at the deadline
+    or not started because the deadline had passed."""
+    if finished(folder):
         return 0
     if seconds_left is not None and seconds_left <= 0:
         return None
@@ -123,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder, code in done:
             if code:  # None: cut or never started, reported above
                 print(f"--- {folder.name} failed:\n" + (folder / "log.txt").read_text()[-3000:], flush=True)
-    parts = [str(f) for f, _ in shards if (f / "results.json").is_file()]
+    parts = [str(f) for f, _ in shards if (f / "results.json").is_file()]  # a cut shard adds its samples
     if not parts:
         print("no shard finished", flush=True)
         return 1

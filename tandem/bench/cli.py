@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         default="llama-3.1-8b",
         help="a named shape with random weights (llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-7b, mistral-7b, "
-        "smollm2-135m, tiny-llama) or a local HF directory / .gguf (default llama-3.1-8b)",
+        "smollm2-135m, tiny-llama), a packaged model's name (gemma3-270m: its real weights) or a local HF "
+        "directory / .gguf (default llama-3.1-8b)",
     )
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of a named shape")
     p.add_argument(
@@ -128,13 +129,15 @@ def _load(args, device, dtype, longest: int, rank=None):
         needed = longest + args.warmup + args.steps + 1
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, needed)
         return model, {"name": args.model, "weights": "random", "layers": model.config.num_hidden_layers}
-    path = Path(args.model)
+    from ..distributed.loading import load_shard
+    from ..models import PACKAGED, load_model, packaged_model_path
+
+    path = packaged_model_path(args.model) if args.model in PACKAGED else Path(args.model)
     if not path.exists():
         raise FileNotFoundError(
-            f"--model {args.model!r} is neither a named shape ({', '.join(shapes.SHAPES)}) nor an existing path"
+            f"--model {args.model!r} is neither a named shape ({', '.join(shapes.SHAPES)}), a packaged model "
+            f"({', '.join(PACKAGED)}) nor an existing path"
         )
-    from ..distributed.loading import load_shard
-    from ..models import load_model
 
     load = load_model if rank is None else functools.partial(load_shard, rank=rank)  # a rank reads its slices
     kwargs = {} if rank is not None else {"device": str(device)}

@@ -13,6 +13,7 @@ from .names import GENERATION_TASKS
 UNITS = {"ppl": "perplexity (lower is better)", "error": "mean attention-output error, Fluxion Eq. 2"}
 TOLERANCE_POINTS = 1.0  # "within 1 point of full"
 ATTENDED_LIMIT = 0.05  # "at <= 5% of host entries attended"
+SCORED_FLOOR = 20.0  # a generation cell counts in the verdicts only where the baseline scores at least this
 
 
 def _mean(values):
@@ -88,13 +89,30 @@ def _fluxion_summary(group: list[dict]) -> dict:
     }
 
 
+def scored(cell: dict, cells: list[dict], baseline: str | None) -> bool:
+    """Whether a generation cell can judge a policy: the baseline scores at least `SCORED_FLOOR` on its task and
+    length. Where the model cannot do the task with full attention, a sparse policy's score there says nothing
+    (a small base model at 32K tokens, for example)."""
+    ref = next(
+        (
+            c["score"]
+            for c in cells
+            if c["policy"] == baseline and c["task"] == cell["task"] and c["length"] == cell["length"]
+        ),
+        None,
+    )
+    return ref is not None and ref >= SCORED_FLOOR
+
+
 def verdicts(cells: list[dict], labels: list[str], baseline: str | None) -> list[dict]:
-    """Per policy: does it lose at most 1 point on every generation cell while attending <= 5% of host rows?"""
+    """Per policy: does it lose at most 1 point on every scored generation cell (the baseline scores at least
+    `SCORED_FLOOR` there) while attending <= 5% of host rows?"""
     out = []
     for label in labels:
         if label == baseline:
             continue
-        mine = [c for c in cells if c["policy"] == label and c["task"] in GENERATION_TASKS]
+        generation = [c for c in cells if c["policy"] == label and c["task"] in GENERATION_TASKS]
+        mine = [c for c in generation if scored(c, cells, baseline)]
         if not mine or baseline is None:
             continue
         worst = min(c["delta"] for c in mine)
@@ -109,6 +127,13 @@ def verdicts(cells: list[dict], labels: list[str], baseline: str | None) -> list
             "within_1_point": worst >= -TOLERANCE_POINTS,
             "sparse_enough": peak <= ATTENDED_LIMIT,
             "meets": worst >= -TOLERANCE_POINTS and peak <= ATTENDED_LIMIT,
+            "cells_scored": len(mine),
+            "cells_below_floor": len(generation) - len(mine),
+            # the attended share per context length: does the policy get sparser as contexts grow?
+            "fraction_attended_by_length": {
+                length: _mean([c["fraction_attended"] for c in generation if c["length"] == length])
+                for length in sorted({c["length"] for c in generation})
+            },
         }
         if any("streaming_head_share" in c for c in mine):
             verdict["mean_streaming_head_share"] = _mean([c.get("streaming_head_share") for c in mine])
@@ -200,10 +225,20 @@ def markdown_table(results: dict) -> str:
     index = {(c["task"], c["length"], c["policy"]): c for c in cells}
     rows = list(dict.fromkeys((c["task"], c["length"]) for c in cells))
 
+    baseline = results.get("baseline")
+
     def entry(c) -> str:
         if c is None:
             return ""
-        return f"{_fmt_score(c['task'], c['score'])}{_fmt_delta(c['task'], c['delta'])} · {_fmt_fraction(c['fraction_attended'])}"
+        floor = (
+            "†"
+            if c["task"] in GENERATION_TASKS and baseline is not None and not scored(c, cells, baseline)
+            else ""
+        )
+        return (
+            f"{_fmt_score(c['task'], c['score'])}{floor}{_fmt_delta(c['task'], c['delta'])} · "
+            f"{_fmt_fraction(c['fraction_attended'])}"
+        )
 
     if len(labels) > 6:  # a sweep: one row per policy variant reads better than a dozen columns
         head = [f"{task} {_fmt_length(length)}" for task, length in rows]
@@ -246,7 +281,13 @@ def verdict_lines(results: dict) -> list[str]:
                 f", streaming heads {_fmt_fraction(v['mean_streaming_head_share'])} mean, "
                 f"head budget {_fmt_fraction(v['mean_head_budget'])} mean"
             )
+        if v.get("cells_below_floor"):
+            detail += f"; {v['cells_scored']} cells scored, {v['cells_below_floor']} below the floor (†)"
         lines.append(f"- **{v['policy']}** {mark} the bar ({detail}{'; ' + ', '.join(why) if why else ''}).")
+        by_length = v.get("fraction_attended_by_length") or {}
+        if len(by_length) > 1:
+            shares = ", ".join(f"{_fmt_length(int(n))} {_fmt_fraction(f)}" for n, f in by_length.items())
+            lines.append(f"  Host entries attended by context length: {shares}.")
     return lines
 
 
@@ -277,7 +318,8 @@ def markdown(results: dict) -> str:
         markdown_table(results),
         "",
         f'"Within {TOLERANCE_POINTS:.0f} point of full at ≤ {ATTENDED_LIMIT:.0%} of host entries attended" '
-        "(on every generation-task cell):",
+        f"(on every generation-task cell where full scores at least {SCORED_FLOOR:.0f}; † marks a cell below "
+        "that floor, where the model cannot do the task with full attention and a policy's score says nothing):",
         "",
         *verdict_lines(results),
     ]

@@ -44,6 +44,12 @@ def test_a_finished_shard_is_not_run_again_and_the_deadline_ends_a_running_one(s
     (done / "results.json").write_text("{}")
     never = [sys.executable, "-c", "raise SystemExit(3)"]
     assert script.run_shard(done, never, None) == 0  # finished by an earlier run: not started
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "results.json").write_text('{"meta": {"complete": false}}')  # written after a sample, then cut
+    assert script.run_shard(cut, never, None) == 3  # run again
+    (cut / "results.json").write_text('{"meta": {"comp')  # cut while writing
+    assert not script.finished(cut)
     assert script.run_shard(tmp_path / "late", never, 0.0) is None  # past the deadline: not started
     assert not (tmp_path / "late").exists()
     assert script.run_shard(tmp_path / "fails", never, None) == 3

@@ -287,6 +287,51 @@ def test_summary_delta_verdict_markdown_and_merge():
     assert "**quest** does not meet" in text and "tandem eval --lengths 2k" in text
 
 
+def test_cells_where_full_scores_below_the_floor_do_not_judge_a_policy():
+    # at 1K full scores 100 and quest keeps it; at 2K full scores 0 (the model cannot do the task) and quest 0
+    runs = []
+    for length, full_score in ((1024, 1.0), (2048, 0.0)):
+        for policy, fraction in (("full", 1.0), ("quest", 0.04 if length == 1024 else 0.02)):
+            runs.append(
+                dict(
+                    task="niah",
+                    length=length,
+                    policy=policy,
+                    sample=0,
+                    score=full_score,
+                    fraction_attended=fraction,
+                )
+            )
+    cells = summarize(runs, ["niah"], [1024, 2048], ["full", "quest"], "full")
+    (verdict,) = verdicts(cells, ["full", "quest"], "full")
+    assert verdict["meets"] and verdict["cells_scored"] == 1 and verdict["cells_below_floor"] == 1
+    assert verdict["fraction_attended_by_length"] == pytest.approx({1024: 0.04, 2048: 0.02})
+    # a low-scoring full cell that a policy beats is still not scored; one above the floor is
+    runs[2]["score"], runs[3]["score"] = 0.1, 0.0
+    cells = summarize(runs, ["niah"], [1024, 2048], ["full", "quest"], "full")
+    (verdict,) = verdicts(cells, ["full", "quest"], "full")
+    assert verdict["meets"] and verdict["cells_below_floor"] == 1
+    runs[2]["score"] = 0.2
+    cells = summarize(runs, ["niah"], [1024, 2048], ["full", "quest"], "full")
+    (verdict,) = verdicts(cells, ["full", "quest"], "full")
+    assert not verdict["meets"] and verdict["cells_scored"] == 2 and verdict["worst_delta"] == -20
+    text = markdown({"meta": {}, "baseline": "full", "cells": cells, "verdicts": [verdict], "runs": runs})
+    assert "| niah | 2K | 20 (±0) · 100.0% | 0 (-20) · 2.0% |" in text
+    runs[2]["score"] = 0.1
+    cells = summarize(runs, ["niah"], [1024, 2048], ["full", "quest"], "full")
+    text = markdown(
+        {
+            "meta": {},
+            "baseline": "full",
+            "cells": cells,
+            "verdicts": verdicts(cells, ["full", "quest"], "full"),
+            "runs": runs,
+        }
+    )
+    assert "| niah | 2K | 10† (±0) · 100.0% | 0† (-10) · 2.0% |" in text
+    assert "1 cells scored, 1 below the floor (†)" in text and "by context length: 1K 4.0%, 2K 2.0%" in text
+
+
 def test_a_merged_eval_keeps_the_manifests_of_its_parts(tmp_path, capsys):
     labels = ["full", "quest", "hgca"]
     folders = []

@@ -62,7 +62,7 @@ def check_hot(q, keys, values, valid, maw, alpha, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "batch, num_kv_heads, group, num_slots, head_dim",
-    [(3, 2, 1, 27, 64), (2, 2, 4, 61, 64), (2, 1, 8, 113, 128), (1, 1, 4, 300, 80)],
+    [(3, 2, 1, 27, 64), (2, 2, 4, 61, 64), (2, 1, 8, 113, 128), (1, 1, 4, 300, 80), (2, 1, 4, 150, 256)],
 )
 def test_hot_decode_matches_reference(batch, num_kv_heads, group, num_slots, head_dim, dtype):
     q, keys, values, valid, maw = hot_case(batch, num_kv_heads, group, num_slots, head_dim, dtype)
@@ -183,6 +183,7 @@ def check_block(case, block_size, dtype, num_splits=None):
         (3, 1, 8, 113, 64, 32, torch.int32),
         (1, 2, 1, 27, 128, 8, torch.int64),
         (2, 1, 4, 50, 80, 16, torch.int32),
+        (2, 1, 4, 150, 256, 16, torch.int64),  # Gemma 3's head_dim: float32 tiles are halved to fit
     ],
 )
 def test_host_block_attention_matches_reference(
@@ -707,3 +708,12 @@ def test_kernels_replay_in_cuda_graph_with_changed_inputs():
     assert_close(hot_lse, ref_lse, dtype, "lse")
     assert_close(hot_out, ref_out, dtype, "out")
     assert_close(maw, maw_ref, dtype, "maw")
+
+
+def test_tiles_of_float32_at_head_dim_256_are_halved_to_fit_shared_memory():
+    from tandem.kernels.gpu._common import TILE_BYTES, _tile_rows
+
+    assert _tile_rows(64, torch.float32, 256) == 32 and 32 * 256 * 4 <= TILE_BYTES
+    assert _tile_rows(64, torch.bfloat16, 256) == 64  # 16-bit tiles keep their rows
+    assert _tile_rows(64, torch.float32, 128) == 64 and _tile_rows(64, torch.int8, 256) == 64
+    assert _tile_rows(16, torch.float32, 512) == 16  # never below 16 rows (tl.dot's smallest tile)

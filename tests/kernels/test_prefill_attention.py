@@ -39,7 +39,7 @@ def case(batch, num_q_heads, num_kv_heads, q_len, num_keys, head_dim, dtype, see
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "num_q_heads,num_kv_heads,q_len,num_keys,head_dim",
-    [(4, 2, 27, 113, 16), (8, 1, 70, 61, 40), (4, 4, 1, 130, 64)],
+    [(4, 2, 27, 113, 16), (8, 1, 70, 61, 40), (4, 4, 1, 130, 64), (2, 1, 70, 90, 256)],  # 256: Gemma 3
 )
 def test_masked_keys_match_reference(dtype, num_q_heads, num_kv_heads, q_len, num_keys, head_dim):
     q, keys, values, valid = case(2, num_q_heads, num_kv_heads, q_len, num_keys, head_dim, dtype)

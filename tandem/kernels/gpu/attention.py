@@ -30,6 +30,7 @@ from ._common import (
     _positive_int,
     _run_device,
     _sm_count,
+    _tile_rows,
     _unit_last_stride,
     interpreted,
 )
@@ -135,7 +136,7 @@ def hot_decode_attention(q, keys, values, valid, scale, maw=None, alpha=0.0, out
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             GROUP_PAD=_group_pad(group),
-            BLOCK_S=BLOCK_S,
+            BLOCK_S=_tile_rows(BLOCK_S, keys.dtype, _block_d(head_dim)),
             HAS_MAW=maw is not None,
             **_dot_options(q.dtype),
             num_warps=4,
@@ -191,7 +192,7 @@ def prefill_attention(
         return out, lse
     valid = key_valid.view(torch.uint8) if key_valid is not None else lse  # a placeholder when absent
     valid_strides = key_valid.stride() if key_valid is not None else (0, 0)
-    block_m = 64 if q_len > 32 else 16
+    block_m = _tile_rows(64 if q_len > 32 else 16, q.dtype, _block_d(head_dim))
     with _guard(device):
         _kernels.prefill_attention_kernel[(triton.cdiv(q_len, block_m), batch * num_q_heads)](
             q, keys, values, valid, out, lse,
@@ -202,7 +203,7 @@ def prefill_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             BLOCK_M=block_m,
-            BLOCK_N=64,
+            BLOCK_N=_tile_rows(64, keys.dtype, _block_d(head_dim)),
             HAS_VALID=key_valid is not None,
             CAUSAL=causal_offset is not None,
             ACCUMULATE=bool(accumulate),
@@ -330,7 +331,7 @@ def host_block_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             GROUP_PAD=_group_pad(group),
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=_tile_rows(BLOCK_N, keys.dtype, _block_d(head_dim)),
             BLOCK_SIZE=int(block_size),
             QUANT=quant,
             RNE_BF16=interpreted() and q.dtype == torch.bfloat16,
