@@ -22,6 +22,7 @@ from ..attention.context import StepContext
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
 from . import handoff as handoff_module
+from .prefill import run_chunk
 from .runner import StepOptions, device_memory_error
 from .sampling import sample
 from .step import DecodeStep
@@ -134,6 +135,25 @@ class RowsRunner:
             for cache in caches:
                 cache.step_context = None
         return self._logits
+
+    @torch.inference_mode()
+    def prefill_chunk(self, cache: TandemCache, input_ids, start: int, last: bool) -> torch.Tensor:
+        """One chunk of a request's prompt into its batch-1 `cache`: input_ids [1, t] at positions start ..
+        start + t - 1 (`prefill.chunk_end` says where a chunk ends). Returns the last position's logits [1, V],
+        float32 on the model's device. `last`: the prompt's final chunk (hgca observes its queries). An error leaves
+        the cache refusing further use."""
+        if not isinstance(cache, TandemCache):
+            raise ValueError(f"cache must be a TandemCache, got {type(cache).__name__}")
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        positions = torch.arange(start, start + input_ids.shape[1], device=self.device)[None]
+        try:
+            with self.fused_layers or contextlib.nullcontext():
+                return run_chunk(self.model, cache, {self.cache_arg: cache}, input_ids, positions, last=last)
+        except torch.OutOfMemoryError as err:
+            raise device_memory_error(
+                err, self.device, f"a prefill chunk of {input_ids.shape[1]} tokens",
+                "a smaller prefill chunk (--prefill-chunk) or window_tokens",
+            ) from err  # fmt: skip
 
     def release(self) -> None:
         """Drop the recorded step and what it holds of the caches (call when the batch empties, so that the last

@@ -28,6 +28,7 @@ from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
 from .fused import FusedLayers
+from .prefill import chunk_end, observed_tokens, run_chunk
 from .sampling import Sampler
 from .step import DecodeStep
 
@@ -192,7 +193,6 @@ class TandemRunner:
             with self.fused_layers or contextlib.nullcontext():
                 logits = self._prefill_chunks(input_ids, mask, positions, chunk_tokens)
         except BaseException as err:
-            self.cache.mark_failed(err)  # some layers may hold a chunk the others lack
             if isinstance(err, torch.OutOfMemoryError):
                 raise device_memory_error(
                     err,
@@ -201,9 +201,6 @@ class TandemRunner:
                     "a smaller chunk_tokens (tandem's --prefill-chunk), batch or prompt",
                 ) from err
             raise
-        finally:
-            for layer in self.layers:
-                layer.observe_appends = True
         self._sync()
         self.prefill_seconds = time.perf_counter() - start
         self.next_position = positions[:, -1] + 1
@@ -211,19 +208,16 @@ class TandemRunner:
 
     def _prefill_chunks(self, input_ids, mask, positions, chunk_tokens: int) -> torch.Tensor:
         total = input_ids.shape[1]
-        for s in range(0, total, chunk_tokens):
-            e = min(total, s + chunk_tokens)
-            for layer in self.layers:  # only the last chunk's HGCA observation survives: skip the others
-                layer.observe_appends = e == total
-            out = self.model(
-                input_ids=input_ids[:, s:e],
-                attention_mask=mask[:, :e],
-                position_ids=positions[:, s:e],
-                use_cache=True,
-                logits_to_keep=1,
-                **self.cache_kwargs,
-            )
-        return out.logits[:, -1].float()
+        observed = observed_tokens(self.cache.config)
+        start = 0
+        while start < total:
+            end = chunk_end(start, total, chunk_tokens, observed)
+            logits = run_chunk(
+                self.model, self.cache, self.cache_kwargs, input_ids[:, start:end], positions[:, start:end],
+                mask[:, :end], last=end == total,
+            )  # fmt: skip
+            start = end
+        return logits
 
     def set_positions(self, next_position: torch.Tensor) -> None:
         """Positions [B] of each request's next token, for a cache filled without `prefill` (benchmarks)."""

@@ -6,8 +6,9 @@ waiting prompt and one decode step of every running request.
   admitted request; otherwise it waits in a FIFO queue of `max_queue`. A full queue refuses at once
   (`QueueFull`), and so does a request that could never fit (`TooLarge`): nothing waits forever.
 - **Prefill** runs `prefill_chunk` tokens at a time, one chunk per turn, so a running stream waits at most one
-  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). With `hgca` the last
-  chunk holds at least the `observation_tokens` whose attention scores the prompt (as one whole prefill does).
+  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). The chunks are the
+  engine's (`RowsRunner.prefill_chunk`, cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at
+  least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
 - **Decode.** Every request past its prefill decodes one token per step, all of them in one step of the engine
   (`engine.rows.RowsRunner`: one model forward, each row over its own cache, recorded as CUDA graphs while the
   batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it
@@ -37,9 +38,10 @@ import torch
 
 from ..attention import TaskPool
 from ..config import TandemConfig
+from ..engine.prefill import chunk_end, observed_tokens
 from ..engine.rows import RowsRunner, choose_tokens
 from ..engine.sampling import seed_key
-from ..integrations.hf import TandemCache, generate_cache_kwargs, layer_windows
+from ..integrations.hf import TandemCache, layer_windows
 from ..models import attention_shape, end_of_sequence_ids
 from .sampling import TextStream, choose_token
 from .sizing import CacheShape, RequestBytes, request_bytes
@@ -134,7 +136,6 @@ class Scheduler:
         self.shape = CacheShape(*attention_shape(text), next(model.parameters()).dtype, sliding)
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.eos = end_of_sequence_ids(model)
-        self.cache_arg = next(iter(generate_cache_kwargs(model, None)))  # `past_key_values` or `cache`
         self.stats = SchedulerStats()
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -224,8 +225,8 @@ class Scheduler:
         caches = []
         for _ in range(self.limits.max_batch):
             cache = TandemCache.for_model(self.model, config, pool=self.pool)
-            ids = torch.randint(0, vocab, (1, prompt_tokens), generator=draw).to(self.device)
-            self._logits(cache, ids, torch.arange(prompt_tokens, device=self.device)[None])
+            ids = torch.randint(0, vocab, (1, prompt_tokens), generator=draw)
+            self.runner.prefill_chunk(cache, ids, 0, last=True)
             caches.append(cache)
         for batch in range(1, self.limits.max_batch + 1):
             rows = caches[:batch]
@@ -365,16 +366,11 @@ class Scheduler:
                     request.seed if request.seed is not None else secrets.randbits(63)
                 )
             total = len(request.prompt_ids)
-            s, e = request.prefilled, min(total, request.prefilled + self.limits.prefill_chunk)
-            # hgca scores the prompt with its last chunk's queries: that chunk holds all it observes
-            observed = request.config.observation_tokens if request.config.policy == "hgca" else 0
-            if total - observed < e < total:
-                e = total - observed if total - observed > s else total
+            s = request.prefilled
+            e = chunk_end(s, total, self.limits.prefill_chunk, observed_tokens(request.config))
             start = time.perf_counter()
-            for kv in request.cache.tandem_layers():  # only the last chunk's HGCA observation counts
-                kv.observe_appends = e == total
-            ids = torch.tensor([request.prompt_ids[s:e]], device=self.device)
-            logits = self._logits(request.cache, ids, torch.arange(s, e, device=self.device)[None])[0]
+            logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
+            logits = logits[0].cpu()
             request.prefilled = e
             seconds = time.perf_counter() - start
             self.stats.max_prefill_chunk_seconds = max(self.stats.max_prefill_chunk_seconds, seconds)
@@ -411,14 +407,6 @@ class Scheduler:
             self.stats.on_decode_step(time.perf_counter() - start, len(batch))
         for request, token in zip(batch, tokens, strict=True):
             self._accept(request, token)
-
-    def _logits(self, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One forward of `ids` [1, T] at `positions` [1, T] over a request's `cache` (a prefill chunk): the last
-        position's logits [1, V], float32 on the CPU."""
-        out = self.model(
-            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}
-        )
-        return out.logits[:, -1].float().cpu()
 
     def _accept(self, request: Request, token: int) -> None:
         """Take the request's next token, release its text, end it if it is done."""

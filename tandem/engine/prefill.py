@@ -1,0 +1,57 @@
+"""A prompt's chunks through the model into a `TandemCache`: where each chunk ends, and one chunk's forward.
+
+`TandemRunner.prefill` runs a whole prompt this way; the server runs one chunk per turn between decode steps
+(`RowsRunner.prefill_chunk`). Both cut the prompt with `chunk_end` and run each piece with `run_chunk`, so a prompt
+leaves the same cache whichever of them prefilled it.
+"""
+
+from __future__ import annotations
+
+
+def observed_tokens(config) -> int:
+    """Prompt tokens whose queries score the prompt once it is cached: `hgca`'s `observation_tokens`, else 0."""
+    return config.observation_tokens if config.policy == "hgca" else 0
+
+
+def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> int:
+    """End of the chunk that starts at `start` of a `total`-token prompt: `chunk_tokens` further, except that the
+    last chunk holds at least `observed` tokens (hgca scores the prompt with the last chunk's queries, and one
+    whole prefill would have observed that many): a chunk that would leave fewer behind stops where the last
+    `observed` begin, or runs to the end when it starts inside them."""
+    if not 0 <= start < total:
+        raise ValueError(f"start must lie in [0, total = {total}), got {start}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    end = min(total, start + chunk_tokens)
+    if total - observed < end < total:
+        end = total - observed if total - observed > start else total
+    return end
+
+
+def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_mask=None, last: bool = True):
+    """One chunk through the model into `cache`: input_ids and positions [B, t], attention_mask [B, tokens so far]
+    (None: no padding); `cache_kwargs` passes the cache to the model (`generate_cache_kwargs`). Returns the last
+    position's logits [B, V], float32 on the model's device. Only the last chunk's appends are observed (hgca).
+    An error leaves the cache refusing further use: some layers may hold the chunk and others not."""
+    layers = cache.tandem_layers()
+    for layer in layers:
+        layer.observe_appends = last
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_kwargs,
+        )
+    except BaseException as err:
+        cache.mark_failed(err)
+        raise
+    finally:
+        for layer in layers:
+            layer.observe_appends = True
+    return out.logits[:, -1].float()
+
+
+__all__ = ["chunk_end", "observed_tokens", "run_chunk"]

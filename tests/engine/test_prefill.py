@@ -1,0 +1,78 @@
+"""Where a prompt's chunks end (`engine.prefill.chunk_end`), and that the engine and the server's turn-by-turn
+prefill leave the cache one whole prefill would, hgca's observation of the prompt included."""
+
+import pytest
+import torch
+
+from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.engine import TandemRunner
+from tandem.engine.prefill import chunk_end, observed_tokens
+from tandem.engine.rows import RowsRunner
+from tests.tiny import tiny_model
+
+HGCA = TandemConfig(policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, observation_tokens=6)
+
+
+def _ends(total, chunk, observed):
+    ends, start = [], 0
+    while start < total:
+        start = chunk_end(start, total, chunk, observed)
+        ends.append(start)
+    return ends
+
+
+def test_the_last_chunk_holds_the_observed_tokens():
+    assert _ends(20, 8, 0) == [8, 16, 20]
+    assert _ends(20, 8, 6) == [8, 14, 20]  # 16 would leave 4 < 6 behind: stop where the last 6 begin
+    assert _ends(20, 3, 6) == [3, 6, 9, 12, 14, 20]
+    assert _ends(20, 64, 6) == [20] and _ends(5, 2, 6) == [5]  # starts inside the observed tokens
+    assert observed_tokens(HGCA) == 6 and observed_tokens(TandemConfig(policy="quest")) == 0
+    for bad in (dict(start=20), dict(start=-1), dict(chunk_tokens=0)):
+        kwargs = dict(start=0, total=20, chunk_tokens=8, observed=0) | bad
+        with pytest.raises(ValueError, match="start|chunk_tokens"):
+            chunk_end(**kwargs)
+
+
+def _state(cache):
+    """What hgca keeps of the prompt, per layer: the hot tier's moving averages in the order of its tokens (the
+    ring's slots may lie elsewhere after chunks) and each head's selected host rows."""
+    state = []
+    for kv in cache.tandem_layers():
+        hot, policy = kv.hot, kv.policy
+        slots = hot.valid[0].nonzero().flatten()
+        order = slots[hot.keys[0, 0, slots, 0].argsort()]  # random keys: distinct, the same in both caches
+        selected = [
+            sorted(policy.indices[0, h, : policy.lengths[0, h]].tolist())
+            for h in range(policy.lengths.shape[1])
+        ]
+        state.append((hot.maw[0][:, order].clone(), selected))
+    return state
+
+
+def _assert_same(a, b):
+    for (maw_a, selected_a), (maw_b, selected_b) in zip(a, b, strict=True):
+        torch.testing.assert_close(maw_a, maw_b, atol=1e-5, rtol=1e-5)
+        assert selected_a == selected_b
+
+
+@pytest.mark.parametrize("chunk", [8, 13])
+def test_a_chunked_prefill_observes_the_prompt_as_one_whole_prefill(chunk):
+    """41 tokens in chunks of 8 or 13 would end with a chunk of 1 or 2 tokens; hgca's 6 observed tokens are
+    its last chunk whichever runs it: TandemRunner.prefill or RowsRunner.prefill_chunk turn by turn."""
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (1, 41), generator=torch.Generator().manual_seed(3))
+    whole = TandemCache.for_model(model, HGCA)
+    with torch.inference_mode():
+        reference = model(input_ids=ids, use_cache=True, **generate_cache_kwargs(model, whole)).logits[:, -1]
+    engine = TandemRunner(model, TandemCache.for_model(model, HGCA))
+    logits = engine.prefill(ids, chunk_tokens=chunk)
+    rows, cache, start = RowsRunner(model), TandemCache.for_model(model, HGCA), 0
+    while start < ids.shape[1]:
+        end = chunk_end(start, ids.shape[1], chunk, observed_tokens(HGCA))
+        row_logits = rows.prefill_chunk(cache, ids[:, start:end], start, last=end == ids.shape[1])
+        start = end
+    for got in (logits, row_logits):
+        torch.testing.assert_close(got, reference.float(), atol=1e-4, rtol=1e-4)
+    _assert_same(_state(engine.cache), _state(whole))
+    _assert_same(_state(cache), _state(whole))
+    assert all(kv.observe_appends for kv in cache.tandem_layers())  # reset for the decode steps
