@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from tandem.config import DEFAULT_GPU_SHARE
+from tandem.config import DEFAULT_GPU_SHARE, TandemConfig
 from tandem.simulator.config import SystemConfig, Workload, format_context, parse_context
 from tandem.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
 from tandem.simulator.model import SimResult, simulate
@@ -169,8 +169,8 @@ def bench_comparison(
     model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
     data = read_bench(path)
     host = host or _host_of(data, Path(path))  # given: the file's host with the command line's overrides
-    model = (data.get("model") or {}).get("name")
-    gpus = int((data.get("model") or {}).get("gpus") or 1)
+    settings = bench_settings(path)
+    model, gpus = settings["model"], settings["gpus"]
     if not data.get("rows") or model is None:
         raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
     floors = {
@@ -376,29 +376,84 @@ def format_host_prediction(pred: HostPrediction) -> str:
     )
 
 
+def bench_settings(path: str | Path) -> dict:
+    """How `bench_comparison` prices a `tandem bench` file's rows, as `predict_host` keywords plus `model`: the
+    file's model and GPU count, Tandem's hot set (sinks + window of `TandemConfig`), quest's default device share
+    and selection on the GPU. The report's prediction table for such a file uses the same, so that its two tables
+    agree wherever they price the same row."""
+    data = read_bench(path)
+    config = TandemConfig()
+    return {
+        "model": (data.get("model") or {}).get("name"),
+        "gpus": int((data.get("model") or {}).get("gpus") or 1),
+        "hot_tokens": config.sink_tokens + config.window_tokens,
+        "device_share": DEFAULT_GPU_SHARE,
+        "gpu_selection": True,
+    }
+
+
+def prediction_rows(
+    host: HostMeasurements = LENT_H100_HOST,
+    model: str = "llama-3.1-8b",
+    sparsity: float = 0.05,
+    hot_tokens: int = 4096,
+    contexts=("32k", "64k", "128k"),
+    batches=(1, 16),
+    **kwargs: object,
+) -> list[dict]:
+    """Predictions for each context x batch at `sparsity`: {context, batch, fits, max_batch, predicted_ms, fc_ms,
+    attention_ms, communication_ms} (times None where the batch does not fit host RAM). `kwargs` go to
+    `predict_host` (gpus, device_share, gpu_selection, ...)."""
+    out = []
+    for context in contexts:
+        for batch in batches:
+            pred = predict_host(
+                host, model, context, batch, sparsity=sparsity, hot_tokens=hot_tokens, **kwargs
+            )
+            row = {
+                "context": parse_context(context),
+                "batch": batch,
+                "fits": pred.fits,
+                "max_batch": pred.max_batch,
+            }
+            phases = pred.result.step.phases if pred.fits else {}
+            row.update(
+                predicted_ms=pred.result.step.step_s * 1e3 if pred.fits else None,
+                **{
+                    f"{k}_ms": phases[k] * 1e3 if pred.fits else None
+                    for k in ("fc", "attention", "communication")
+                },
+            )
+            out.append(row)
+    return out
+
+
 def prediction_table(
     host: HostMeasurements = LENT_H100_HOST,
     model: str = "llama-3.1-8b",
     sparsity: float = 0.05,
     hot_tokens: int = 4096,
+    **kwargs: object,
 ) -> str:
-    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, at `sparsity` (default 5%)."""
-    rows = [
+    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, at `sparsity` (default 5%); `kwargs` as
+    `prediction_rows`."""
+    return prediction_markdown(prediction_rows(host, model, sparsity, hot_tokens, **kwargs))
+
+
+def prediction_markdown(rows: list[dict]) -> str:
+    """Markdown of `prediction_rows`."""
+    lines = [
         "| context | batch | predicted TPOT (ms) | FC (ms) | attention (ms) | PCIe + sync (ms)"
         " | fits host RAM |",
         "|---|---|---|---|---|---|---|",
     ]
-    for context in ("32k", "64k", "128k"):
-        for batch in (1, 16):
-            pred = predict_host(host, model, context, batch, sparsity=sparsity, hot_tokens=hot_tokens)
-            if not pred.fits:
-                rows.append(
-                    f"| {context.upper()} | {batch} | - | - | - | - | no (max batch {pred.max_batch}) |"
-                )
-                continue
-            ph = {k: v * 1e3 for k, v in pred.result.step.phases.items()}
-            rows.append(
-                f"| {context.upper()} | {batch} | {pred.result.step.step_s * 1e3:.2f} | {ph['fc']:.2f} |"
-                f" {ph['attention']:.2f} | {ph['communication']:.2f} | yes |"
-            )
-    return "\n".join(rows)
+    for r in rows:
+        context = format_context(r["context"])
+        if not r["fits"]:
+            lines.append(f"| {context} | {r['batch']} | - | - | - | - | no (max batch {r['max_batch']}) |")
+            continue
+        lines.append(
+            f"| {context} | {r['batch']} | {r['predicted_ms']:.2f} | {r['fc_ms']:.2f} |"
+            f" {r['attention_ms']:.2f} | {r['communication_ms']:.2f} | yes |"
+        )
+    return "\n".join(lines)

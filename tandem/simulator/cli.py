@@ -17,18 +17,20 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
 from tandem import manifest
 from tandem.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
     bench_comparison,
+    bench_settings,
     comparison_table,
     format_host_prediction,
     load_bench,
     predict_host,
-    prediction_table,
+    prediction_markdown,
+    prediction_rows,
     read_bench,
 )
 from tandem.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
@@ -131,11 +133,27 @@ def _run_host(args: argparse.Namespace) -> int:
         raise ValueError(f"--hot-tokens: must be 0 or more, got {args.hot_tokens}")
     host = _host_measurements(args)
     if args.context is None:
-        print(f"Tandem decode TPOT predicted for {host.device} ({args.model}, {args.sparsity:.0%} sparsity)")
-        print(prediction_table(host, args.model, args.sparsity, args.hot_tokens))
-        if args.from_bench and read_bench(args.from_bench).get("rows"):  # tandem bench's file: measured rows
+        measured = bool(
+            args.from_bench and read_bench(args.from_bench).get("rows")
+        )  # tandem bench's own file
+        # a bench file's rows are priced as its run was set up; the prediction table uses the same settings
+        settings = bench_settings(args.from_bench) if measured else {}
+        model = settings.pop("model", None) or args.model
+        settings.setdefault("hot_tokens", args.hot_tokens)
+        predictions = prediction_rows(host, model, args.sparsity, **settings)
+        comparison = bench_comparison(args.from_bench, args.sparsity, host=host) if measured else []
+        if args.json:
+            report = {"host": asdict(host), "model": model, "sparsity": args.sparsity, **settings}
+            print(json.dumps({**report, "predictions": predictions, "comparison": comparison}, indent=1))
+            return 0
+        recall = "; no recall cache: the rows below use each one's measured share" if measured else ""
+        print(
+            f"Tandem decode TPOT predicted for {host.device} ({model}, {args.sparsity:.0%} sparsity{recall})"
+        )
+        print(prediction_markdown(predictions))
+        if measured:
             print(f"\nThe bench's quest rows beside the prediction ({args.from_bench}):")
-            print(comparison_table(bench_comparison(args.from_bench, args.sparsity, host=host)))
+            print(comparison_table(comparison))
         return 0
     pred = predict_host(
         host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens

@@ -245,3 +245,23 @@ def test_a_measured_streaming_row_replaces_the_models_weight_time(tmp_path):
     ).result.step  # fmt: skip
     assert out[0]["floor_predicted_ms"] == pytest.approx(pred.step_s * 1e3 - pred.phases["fc"] * 1e3 + 7.15)
     assert out[0]["floor_error"] == pytest.approx(out[0]["floor_predicted_ms"] / 13.0 - 1)
+
+
+def test_the_reports_tables_price_a_bench_files_row_alike_and_json_is_json(tmp_path, capsys):
+    """The prediction table of a bench file uses the file's model, GPU count and settings: on a row the
+    comparison also prices (no recall cache), the two agree. --json prints both tables as JSON."""
+    from tandem.simulator.cli import main
+
+    path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 40.0)])
+    data = json.loads(path.read_text())
+    data["model"] = {"name": "llama-3.1-70b", "gpus": 2}
+    path.write_text(json.dumps(data))
+    assert main(["--from-bench", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "llama-3.1-70b" and report["gpus"] == 2 and report["hot_tokens"] == 320
+    (table_row,) = [r for r in report["predictions"] if (r["context"], r["batch"]) == (65536, 1)]
+    (compared,) = report["comparison"]
+    assert table_row["predicted_ms"] == pytest.approx(compared["predicted_ms"])
+    assert main(["--from-bench", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"| 64K | 1 | {table_row['predicted_ms']:.2f} |" in text and "llama-3.1-70b" in text
