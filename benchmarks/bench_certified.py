@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model, manifest
-from tandem.evaluation.certified import trace_certificates
-from tandem.evaluation.haystack import load_haystack
-from tandem.evaluation.tasks import TaskBuilder
+from tandem.tools.evaluation.certified import trace_certificates
+from tandem.tools.evaluation.haystack import load_haystack
+from tandem.tools.evaluation.tasks import TaskBuilder
 
 
 def _quantiles(values: list[float]) -> dict:

@@ -40,16 +40,16 @@ from pathlib import Path
 import torch
 
 from tandem import manifest
-from tandem.bench.bandwidth import (
+from tandem.cache.memory import host_empty
+from tandem.kernels import cpu, reference
+from tandem.kernels.cpu import _library
+from tandem.tools.bench.bandwidth import (
     host_read_bandwidth,
     last_level_cache_bytes,
     machine_info,
     machine_slug,
     read_bandwidth,
 )
-from tandem.cache.memory import host_empty
-from tandem.kernels import cpu, reference
-from tandem.kernels.cpu import _library
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 PHYSICAL_BLOCK = 16  # digest granularity of the host cache

@@ -38,9 +38,9 @@ from bench_cpu_attention import (  # this folder is on sys.path when run as a sc
 )
 
 from tandem import manifest
-from tandem.bench.bandwidth import machine_info, machine_slug
 from tandem.kernels import cpu
 from tandem.kernels.cpu import _library
+from tandem.tools.bench.bandwidth import machine_info, machine_slug
 
 SELECTIONS = (("token", None), ("block16", 16), ("block64", 64))
 SWEEP_BUDGETS = (0.01, 0.02, 0.05, 0.1, 0.2)

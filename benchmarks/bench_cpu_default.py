@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, load_model, manifest
-from tandem.evaluation.haystack import load_haystack
+from tandem.tools.evaluation.haystack import load_haystack
 
 SYSTEMS = {
     "hf-dynamic": None,

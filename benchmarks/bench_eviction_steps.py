@@ -24,10 +24,10 @@ import time
 import torch
 
 from tandem import TandemCache, TandemConfig, manifest
-from tandem.bench.baselines import percentile
 from tandem.cache.layer import LayerKV
 from tandem.engine import TandemRunner, freeze_heap, step
 from tandem.shapes import build_random_model
+from tandem.tools.bench.baselines import percentile
 
 
 def measure(args, staged: bool) -> dict:

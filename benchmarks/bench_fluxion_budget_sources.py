@@ -37,14 +37,14 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from tandem import load_model, manifest
-from tandem.calibration.collect import CAPTURE_NAME, _Recorder, segments
-from tandem.calibration.features import anchor_stats, join_segments, step_features
-from tandem.calibration.predictor import predictor_from_state, streaming_logit_threshold
-from tandem.calibration.profile import load_profile
-from tandem.calibration.search import block_digests, budget_at, head_block_bounds, prefix_errors
-from tandem.evaluation.haystack import load_haystack
-from tandem.evaluation.tasks import TaskBuilder
 from tandem.models import attention_shape
+from tandem.policies.fluxion_features import anchor_stats, join_segments, step_features
+from tandem.policies.fluxion_predictor import predictor_from_state, streaming_logit_threshold
+from tandem.policies.fluxion_profile import load_profile
+from tandem.policies.fluxion_search import block_digests, budget_at, head_block_bounds, prefix_errors
+from tandem.tools.calibration.collect import CAPTURE_NAME, _Recorder, segments
+from tandem.tools.evaluation.haystack import load_haystack
+from tandem.tools.evaluation.tasks import TaskBuilder
 
 BLOCK = 16
 ALPHAS = (0.0, 0.1, 0.15, 0.2, 0.3)

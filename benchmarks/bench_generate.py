@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import load_model, manifest
-from tandem.evaluation.haystack import load_haystack
+from tandem.tools.evaluation.haystack import load_haystack
 
 
 class _FirstToken:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from tandem import TandemCache, TandemConfig, manifest
-from tandem.bench.baselines import release_memory
-from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.kernels import cpu
 from tandem.shapes import build_random_model
+from tandem.tools.bench.baselines import release_memory
+from tandem.tools.bench.tandem_side import fill_tandem_synthetic
 
 
 def _context(text: str) -> int:

@@ -23,10 +23,10 @@ from torch.nn.attention import sdpa_kernel
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import hybrid
-from tandem.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
 from tandem.engine import TandemRunner
 from tandem.integrations.hf import restore_attention
 from tandem.shapes import build_random_model
+from tandem.tools.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
 
 PATHS = ("flash", "reference", "hf-dynamic")
 

@@ -24,9 +24,9 @@ import os
 import torch
 
 from tandem import manifest
-from tandem.bench.bandwidth import hbm_bandwidth
 from tandem.kernels import gpu, reference
 from tandem.kernels.gpu import selection as gpu_selection
+from tandem.tools.bench.bandwidth import hbm_bandwidth
 
 
 def per_call_us(fn, replays: int = 50, per_graph: int = 10) -> float:

@@ -24,11 +24,11 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import queue
-from tandem.bench import bandwidth
-from tandem.bench.baselines import release_memory
-from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.shapes import build_random_model, model_weight_bytes_per_step
+from tandem.tools.bench import bandwidth
+from tandem.tools.bench.baselines import release_memory
+from tandem.tools.bench.tandem_side import fill_tandem_synthetic
 
 
 def _tokens(text: str) -> int:

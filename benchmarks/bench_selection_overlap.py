@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model
-from tandem.evaluation.haystack import load_haystack
 from tandem.policies import quest
+from tandem.tools.evaluation.haystack import load_haystack
 
 
 def record_selections(model, ids, budget: float, steps: int) -> list[list[list[set[int]]]]:

@@ -34,8 +34,6 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import decode
-from tandem.bench.baselines import release_memory
-from tandem.bench.tandem_side import fill_tandem_synthetic
 from tandem.engine import TandemRunner
 from tandem.engine import handoff as handoff_module
 from tandem.engine import step as step_module
@@ -43,6 +41,8 @@ from tandem.kernels import ops
 from tandem.kernels.cpu import ops as cpu_ops
 from tandem.policies.quest import QuestPolicy
 from tandem.shapes import build_random_model
+from tandem.tools.bench.baselines import release_memory
+from tandem.tools.bench.tandem_side import fill_tandem_synthetic
 
 TIMERS: collections.Counter = collections.Counter()
 MARK_STEPS = False

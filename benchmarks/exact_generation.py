@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model, manifest
     from tandem.engine import TandemRunner
-    from tandem.evaluation.haystack import load_haystack
+    from tandem.tools.evaluation.haystack import load_haystack
 
     args = parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -26,9 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from tandem import load_model, manifest
-from tandem.evaluation.haystack import load_haystack
-from tandem.evaluation.names import GENERATION_TASKS
-from tandem.evaluation.tasks import TaskBuilder
+from tandem.tools.evaluation.haystack import load_haystack
+from tandem.tools.evaluation.names import GENERATION_TASKS
+from tandem.tools.evaluation.tasks import TaskBuilder
 
 TOP = (0.001, 0.01, 0.05)
 POSITION_BINS = 5

@@ -2,12 +2,15 @@
 sideways, never up, and no two groups of modules import each other.
 
     0  config, manifest, models, shapes, kernels  (no Tandem imports above them)
-    1  calibration's model-free math              (features, predictor, profile, search, replay)
-    2  policies
-    3  cache
-    4  attention
-    5  integrations, engine, distributed
-    6  bench, evaluation, calibration's collection and command, simulator, serve, cli, the package itself
+    1  policies (fluxion's runtime math included)
+    2  cache
+    3  attention
+    4  integrations, engine, distributed
+    5  serve
+    6  the tools (`tandem.tools`: bench, eval, simulate, calibrate, the bad-input catalogue), the command line,
+       the package itself
+
+The runtime (levels 0-5) is what a deployment imports; the tools sit above it and are never imported by it.
 """
 
 import ast
@@ -18,11 +21,10 @@ import pytest
 import torch
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tandem"
-CALIBRATION_MATH = ("features", "predictor", "profile", "search", "replay")
 LEVELS = {
     "config": 0, "manifest": 0, "models": 0, "shapes": 0, "kernels": 0,
-    "policies": 2, "cache": 3, "attention": 4, "integrations": 5, "engine": 5, "distributed": 5,
-    "bench": 6, "evaluation": 6, "simulator": 6, "cli": 6, "calibration": 6, "serve": 6,
+    "policies": 1, "cache": 2, "attention": 3, "integrations": 4, "engine": 4, "distributed": 4, "serve": 5,
+    "tools": 6, "cli": 6,
 }  # fmt: skip
 
 
@@ -32,12 +34,12 @@ def _module_name(path: Path) -> str:
 
 
 def group(module: str) -> str:
-    """The layer group of a module: its subpackage, with calibration's math apart from its collection."""
+    """The layer group of a module: its subpackage (each tool its own group)."""
     parts = module.split(".")
     if len(parts) == 1:
         return "tandem"
-    if parts[1] == "calibration" and len(parts) > 2 and parts[2] in CALIBRATION_MATH:
-        return "calibration-math"
+    if parts[1] == "tools" and len(parts) > 2:
+        return f"tools.{parts[2]}"
     return parts[1]
 
 
@@ -45,9 +47,7 @@ def level(module: str) -> int:
     name = group(module)
     if name == "tandem":
         return 6
-    if name == "calibration-math":
-        return 1
-    return LEVELS[name]
+    return LEVELS[name.split(".")[0]]
 
 
 def _is_module(name: str) -> bool:
@@ -101,6 +101,16 @@ def test_no_import_goes_up_a_layer():
         if level(target) > level(source)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_runtime_never_imports_the_tools():
+    """What a deployment imports (levels 0-5) stands without `tandem.tools` (and the command line)."""
+    found = [
+        f"{where}: {source} imports {target}"
+        for source, target, where in _edges()
+        if level(source) < 6 and (target.startswith("tandem.tools") or target.startswith("tandem.cli"))
+    ]
+    assert not found, "\n".join(found)
 
 
 def test_no_two_groups_import_each_other():

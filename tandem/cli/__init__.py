@@ -7,10 +7,10 @@ import re
 import sys
 import traceback
 
-from ..bench import cli as bench
-from ..calibration import cli as calibrate
-from ..evaluation import cli as evaluate
-from ..simulator import cli as simulate
+from ..tools.bench import cli as bench
+from ..tools.calibration import cli as calibrate
+from ..tools.evaluation import cli as evaluate
+from ..tools.simulator import cli as simulate
 from . import generate, serve
 
 

@@ -2,7 +2,7 @@
 
 Every decode step, on the compute device:
 1. each query head gets its properties (bgt0, k, streaming): from the head-property predictor over the step's
-   41 features (`calibration.features`, anchored at the prompt's last query), or from the profile's static
+   41 features (`policies.fluxion_features`, anchored at the prompt's last query), or from the profile's static
    per-head values (`fluxion_mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped.
    `fluxion_mode="oracle"` instead measures the step's exact Eq. 2 budgets over every host entry (analysis only);
 2. streaming heads select nothing (`skip_streaming`); each GQA group with a retrieval head picks the block size
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.features import anchor_stats, join_segments, step_features
-from ..calibration.predictor import predictor_from_state, streaming_logit_threshold
-from ..calibration.profile import Profile, load_profile
-from ..calibration.search import SELECTION_BLOCKS, min_budgets
 from .base import NONE, Policy, Selection
 from .certified import Certifier, host_digests
+from .fluxion_features import anchor_stats, join_segments, step_features
+from .fluxion_predictor import predictor_from_state, streaming_logit_threshold
+from .fluxion_profile import Profile, load_profile
+from .fluxion_search import SELECTION_BLOCKS, min_budgets
 from .granularity import choose_granularity, head_budgets, ids_selection, mask_to_ids, select_blocks
 
 BASE_BLOCK = 16  # the host tier's digest block: every logical block size is a multiple of it
@@ -65,7 +65,7 @@ class FluxionPolicy(Policy):
         super().__init__(config)
         self.profile: Profile | None = None
         self._checked = False
-        self.anchor = None  # calibration.features.AnchorStats of the last prompt, on the compute device
+        self.anchor = None  # policies.fluxion_features.AnchorStats of the last prompt, on the compute device
         self.scale: float | None = None
         # device-side counters, summed over steps: head-steps, head-steps labelled streaming (skipped or not),
         # budget sum, groups per block size (len(SELECTION_BLOCKS)), groups with no CPU work
@@ -158,7 +158,7 @@ class FluxionPolicy(Policy):
 
     def measured_budgets(self, layer, q: torch.Tensor, blocks: tuple[int, ...]):
         """`fluxion_mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
-        streaming labels [B, Hq], measured over every host entry (`calibration.search.min_budgets`). It reads the
+        streaming labels [B, Hq], measured over every host entry (`policies.fluxion_search.min_budgets`). It reads the
         whole host tier each step: an analysis mode that separates the budget rule from the predictor."""
         cpu = host_segment(layer, q.device)
         hot = join_segments(*hot_segments(layer.hot))

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from ..calibration.search import budget_at, head_block_bounds
 from ..kernels.reference import coarsen_digest
 from .base import NONE, Selection
+from .fluxion_search import budget_at, head_block_bounds
 
 
 def data_volume(budgets: torch.Tensor, host_rows: torch.Tensor, blocks: torch.Tensor, num_kv_heads: int):

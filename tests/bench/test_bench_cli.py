@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tandem.bench.tandem_side import bound_ms, serial_bound_ms
 from tandem.cli import main
+from tandem.tools.bench.tandem_side import bound_ms, serial_bound_ms
 
 
 def _run(tmp_path, *extra):

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from tandem import generate_cache_kwargs, shapes
-from tandem.bench import bandwidth, baselines, report
+from tandem.tools.bench import bandwidth, baselines, report
 
 CONTEXT, STEPS, WARMUP = 61, 4, 1  # not a multiple of any block size
 

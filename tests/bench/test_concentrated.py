@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tandem.bench.concentrated import (
+from tandem.shapes import build_random_model
+from tandem.tools.bench.concentrated import (
     TOP,
     HeadProfile,
     _Draws,
@@ -17,7 +18,6 @@ from tandem.bench.concentrated import (
     plant_keys,
     query_norms,
 )
-from tandem.shapes import build_random_model
 
 
 def test_fit_recovers_the_statistics_of_known_parameters():

@@ -18,9 +18,9 @@ from tandem.attention import TaskPool, attend
 from tandem.cache.host import HostTier
 from tandem.cache.layer import LayerKV
 from tandem.engine import TandemRunner
-from tandem.evaluation.metrics import layer_full_attention
-from tandem.evaluation.runner import parse_setting
 from tandem.kernels import reference
+from tandem.tools.evaluation.metrics import layer_full_attention
+from tandem.tools.evaluation.runner import parse_setting
 from tests.tiny import tiny_model
 from tests.tolerances import assert_close
 

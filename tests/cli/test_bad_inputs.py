@@ -1,11 +1,11 @@
-"""The catalogue of bad inputs (`tandem.cli.bad_inputs`): every case ends in a named refusal or is valid,
+"""The catalogue of bad inputs (`tandem.tools.bad_inputs`): every case ends in a named refusal or is valid,
 and `docs/bad-inputs.md` is the table the catalogue writes now."""
 
 from pathlib import Path
 
 import pytest
 
-from tandem.cli import bad_inputs
+from tandem.tools import bad_inputs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
 
@@ -38,7 +38,7 @@ def test_the_committed_table_lists_the_catalogue_and_its_outcomes(outcomes):
     expected = _rows(bad_inputs.markdown(outcomes))
     assert len(expected) == len(outcomes)
     assert _rows(DOC.read_text()) == expected, (
-        "regenerate: python -m tandem.cli.bad_inputs --out docs/bad-inputs.md"
+        "regenerate: python -m tandem.tools.bad_inputs --out docs/bad-inputs.md"
     )
 
 

@@ -189,8 +189,8 @@ def test_two_gpus_reproduce_one_gpu(graphs):
 
 def test_a_row_failing_after_the_fill_ends_a_tensor_parallel_bench(tmp_path):
     """A decode step that fails on one rank leaves the others inside a collective: no later row can run."""
-    from tandem.bench import baselines
-    from tandem.bench.cli import _add
+    from tandem.tools.bench import baselines
+    from tandem.tools.bench.cli import _add
 
     row = baselines.empty_row("tandem-quest", 1, 1024, 4, 3)
     row.update(status="oom", error="OutOfMemoryError: CUDA out of memory", filled=True)
@@ -201,8 +201,8 @@ def test_a_row_failing_after_the_fill_ends_a_tensor_parallel_bench(tmp_path):
 def test_a_host_memory_check_one_rank_fails_skips_the_row_on_every_rank():
     import argparse
 
-    from tandem.bench import baselines
-    from tandem.bench.cli import _agreed_check
+    from tandem.tools.bench import baselines
+    from tandem.tools.bench.cli import _agreed_check
 
     args = argparse.Namespace(steps=4, warmup=3)
     votes = []

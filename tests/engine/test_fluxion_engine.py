@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem import TandemConfig
-from tandem.calibration.profile import Profile
+from tandem.policies.fluxion_profile import Profile
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
@@ -82,8 +82,8 @@ def test_fluxion_static_graph_steps_select_as_eager_steps(handoff, tmp_path):
 def test_replayed_profile_runs_fluxion_on_an_8b_shaped_layer_in_graphs(tmp_path):
     """The bench's path on random weights: the shipped profile replayed onto the Llama-3.1-8B shape, decoded by
     the engine with CUDA graphs."""
-    from tandem.calibration.profile import load_profile
-    from tandem.calibration.replay import replay_profile
+    from tandem.policies.fluxion_profile import load_profile
+    from tandem.tools.calibration.replay import replay_profile
     from tests.integrations.test_cuda import _llama_8b_shape
 
     model = _llama_8b_shape(layers=2)

@@ -15,18 +15,18 @@ import tandem.models
 from tandem import manifest
 from tandem.cli import main
 from tandem.config import TandemConfig
-from tandem.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
-from tandem.evaluation.metrics import head_errors, reference_attention
-from tandem.evaluation.names import GENERATION_TASKS
-from tandem.evaluation.report import markdown, merge_results, summarize, verdicts, write_results
-from tandem.evaluation.runner import (
+from tandem.tools.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
+from tandem.tools.evaluation.metrics import head_errors, reference_attention
+from tandem.tools.evaluation.names import GENERATION_TASKS
+from tandem.tools.evaluation.report import markdown, merge_results, summarize, verdicts, write_results
+from tandem.tools.evaluation.runner import (
     cache_statistics,
     check_lengths,
     check_profiles,
     make_variants,
     parse_lengths,
 )
-from tandem.evaluation.tasks import MAX_NEW_TOKENS, score_answer
+from tandem.tools.evaluation.tasks import MAX_NEW_TOKENS, score_answer
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
@@ -449,7 +449,7 @@ def test_eval_through_the_engine_gives_model_generate_s_answers(smollm, monkeypa
 @pytest.mark.model
 def test_an_interrupted_eval_keeps_every_finished_sample(smollm, monkeypatch, tmp_path, capsys):
     """Ctrl-C (or `timeout -s INT`) in the third sample: results.json holds the first two, marked incomplete."""
-    from tandem.evaluation.runner import Runner
+    from tandem.tools.evaluation.runner import Runner
 
     monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: smollm)
     generate = Runner._generate

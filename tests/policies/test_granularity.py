@@ -1,6 +1,6 @@
 """Fluxion's decode-time rules (`tandem.policies.granularity`) against hand-computed numbers: the per-head
 budgets of Eq. 1, Eq. 3 (data volume and the granularity it picks) and the per-group block selection
-(Fluxion §5.3). The offline search that fits the budgets is in tests/calibration/test_search.py."""
+(Fluxion §5.3). The offline search that fits the budgets is in tests/policies/test_fluxion_search.py."""
 
 import math
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.simulator.calibrate import (
+from tandem.tools.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
     bench_comparison,
@@ -202,7 +202,7 @@ def test_the_recall_caches_measured_hits_are_attended_from_hbm(tmp_path):
 
 
 def test_the_command_lines_host_flags_reach_the_comparison(tmp_path, capsys):
-    from tandem.simulator.cli import main
+    from tandem.tools.simulator.cli import main
 
     path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 13.0)])
     predicted = []
@@ -214,7 +214,7 @@ def test_the_command_lines_host_flags_reach_the_comparison(tmp_path, capsys):
 
 
 def test_simulate_from_a_tandem_bench_file_prints_the_comparison(tmp_path, capsys):
-    from tandem.simulator.cli import main
+    from tandem.tools.simulator.cli import main
 
     path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 13.0)])
     assert main(["--from-bench", str(path)]) == 0
@@ -250,7 +250,7 @@ def test_a_measured_streaming_row_replaces_the_models_weight_time(tmp_path):
 def test_the_reports_tables_price_a_bench_files_row_alike_and_json_is_json(tmp_path, capsys):
     """The prediction table of a bench file uses the file's model, GPU count and settings: on a row the
     comparison also prices (no recall cache), the two agree. --json prints both tables as JSON."""
-    from tandem.simulator.cli import main
+    from tandem.tools.simulator.cli import main
 
     path = _tandem_bench(tmp_path, BANDWIDTH, [_row("tandem-quest", 65536, 40.0)])
     data = json.loads(path.read_text())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.simulator.claims import HEADLINE, RACK_GROUP, SERVER_GROUPS, evaluate_claims
+from tandem.tools.simulator.claims import HEADLINE, RACK_GROUP, SERVER_GROUPS, evaluate_claims
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tandem.simulator import cli
+from tandem.tools.simulator import cli
 
 
 def run_cli(argv):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tandem.simulator.config import SystemConfig, Workload, check_scheme, format_context, parse_context
-from tandem.simulator.hardware import MODELS, get_gpu, get_model
+from tandem.tools.simulator.config import SystemConfig, Workload, check_scheme, format_context, parse_context
+from tandem.tools.simulator.hardware import MODELS, get_gpu, get_model
 
 
 @pytest.mark.parametrize(

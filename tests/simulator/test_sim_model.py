@@ -2,9 +2,9 @@
 
 import pytest
 
-from tandem.simulator.config import SystemConfig
-from tandem.simulator.hardware import CXL_MEM, GPUS, PNM
-from tandem.simulator.model import format_result, simulate
+from tandem.tools.simulator.config import SystemConfig
+from tandem.tools.simulator.hardware import CXL_MEM, GPUS, PNM
+from tandem.tools.simulator.model import format_result, simulate
 
 
 def test_energy_is_idle_plus_active_power_times_busy_time():

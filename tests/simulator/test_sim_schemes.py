@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.simulator.config import SystemConfig
-from tandem.simulator.hardware import GIB, PLATFORM, PNM
-from tandem.simulator.model import simulate
-from tandem.simulator.schemes import fc_time, gpu_free_bytes, roofline
+from tandem.tools.simulator.config import SystemConfig
+from tandem.tools.simulator.hardware import GIB, PLATFORM, PNM
+from tandem.tools.simulator.model import simulate
+from tandem.tools.simulator.schemes import fc_time, gpu_free_bytes, roofline
 
 PNM_BW = PNM.bandwidth_gbs * 1e9 * PLATFORM.pnm_bw_eff
 PNM_FLOPS = PNM.tflops * 1e12 * PLATFORM.pnm_flops_eff

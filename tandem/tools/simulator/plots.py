@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.simulator.claims import GroupResult
-from tandem.simulator.config import format_context, parse_context
-from tandem.simulator.schemes import PHASES
+from tandem.tools.simulator.claims import GroupResult
+from tandem.tools.simulator.config import format_context, parse_context
+from tandem.tools.simulator.schemes import PHASES
 
 COLORS = {"baseline": "#8c8c8c", "pnm": "#1f77b4", "pnkv": "#ff7f0e"}
 LABELS = {"baseline": "GPU-CXL-Mem (baseline)", "pnm": "PNM-KV", "pnkv": "PnG-KV"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .profile import Profile
+from ...policies.fluxion_profile import Profile
 
 
 def replay_profile(

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from ..policies import certify
-from ..policies.certified import Certifier, certified_mass, certified_row_mass, host_digests
+from ...policies import certify
+from ...policies.certified import Certifier, certified_mass, certified_row_mass, host_digests
 from .metrics import layer_full_attention_lse
 
 

@@ -21,8 +21,8 @@ selection, that errs on the expensive side.
 `|q|` comes from the weights: with the layer's input normalised to norm sqrt(hidden) (RMSNorm with weight w),
 E|W_q,h x|^2 = mean(w^2) ||W_q,h||_F^2 for an input independent of W_q, as in a random-weight model.
 
-    python -m tandem.bench.concentrated benchmarks/results/2026-11-28_cpu_concentration/concentration.json \\
-        --length 8192 --out tandem/bench/profiles/smollm2-135m-8k.json
+    python -m tandem.tools.bench.concentrated benchmarks/results/2026-11-28_cpu_concentration/concentration.json \\
+        --length 8192 --out tandem/tools/bench/profiles/smollm2-135m-8k.json
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def query_norms(model) -> list[torch.Tensor]:
     """Per decoder layer, [num_q_heads] the expected norm of each query head's queries, from the weights (module
     docstring; a tensor-parallel shard's own heads). Needs Llama-style layers: `self_attn.q_proj` and
     `input_layernorm`."""
-    from ..models import attention_shape
+    from ...models import attention_shape
 
     head_dim = attention_shape(model.config.get_text_config(decoder=True))[3]
     norms = []

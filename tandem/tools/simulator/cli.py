@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from tandem import manifest
-from tandem.simulator.calibrate import (
+from tandem.tools.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
     bench_comparison,
@@ -33,10 +33,10 @@ from tandem.simulator.calibrate import (
     prediction_rows,
     read_bench,
 )
-from tandem.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
-from tandem.simulator.hardware import GPUS, MODELS
-from tandem.simulator.model import format_result, simulate
-from tandem.simulator.sweep import DEFAULT_OUT, write_sweep
+from tandem.tools.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
+from tandem.tools.simulator.hardware import GPUS, MODELS
+from tandem.tools.simulator.model import format_result, simulate
+from tandem.tools.simulator.sweep import DEFAULT_OUT, write_sweep
 
 # CLI flag -> HostMeasurements field
 HOST_FLAGS = {

@@ -12,8 +12,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tandem.simulator.calibrate import LENT_H100_HOST, prediction_table
-from tandem.simulator.claims import (
+from tandem.tools.simulator.calibrate import LENT_H100_HOST, prediction_table
+from tandem.tools.simulator.claims import (
     COST_CONTEXT,
     COST_GPU_COUNTS,
     COST_MODEL,
@@ -27,8 +27,8 @@ from tandem.simulator.claims import (
     evaluate_claims,
     run_group,
 )
-from tandem.simulator.model import SimResult
-from tandem.simulator.schemes import PHASES
+from tandem.tools.simulator.model import SimResult
+from tandem.tools.simulator.schemes import PHASES
 
 DEFAULT_OUT = Path("benchmarks/results/2026-11-26_cpu_simulate_sweep")
 
@@ -149,7 +149,7 @@ def write_sweep(
             file=sys.stderr,
         )
     elif plots:
-        from tandem.simulator.plots import plot_all
+        from tandem.tools.simulator.plots import plot_all
 
         paths += plot_all(data, out)
     return paths

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tandem.simulator.config import SystemConfig, format_context, parse_context
-from tandem.simulator.hardware import PLATFORM, PlatformSpec
-from tandem.simulator.model import SimResult, simulate
+from tandem.tools.simulator.config import SystemConfig, format_context, parse_context
+from tandem.tools.simulator.hardware import PLATFORM, PlatformSpec
+from tandem.tools.simulator.model import SimResult, simulate
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..config import POLICIES, TandemConfig, parse_number, uses_engine
-from ..integrations.hf import TandemCache, generate_cache_kwargs
-from ..models import attention_shape, end_of_sequence_ids
-from ..policies.fluxion import resolve_profile
+from ...config import POLICIES, TandemConfig, parse_number, uses_engine
+from ...integrations.hf import TandemCache, generate_cache_kwargs
+from ...models import attention_shape, end_of_sequence_ids
+from ...policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
 from .names import (
@@ -366,7 +366,7 @@ class Runner:
         ids = sample.input_ids.to(self.device)
         start = time.perf_counter()
         if self.engine and isinstance(cache, TandemCache):
-            from ..engine import TandemRunner
+            from ...engine import TandemRunner
 
             runner = TandemRunner(self.model, cache)
             new = runner.generate(ids, sample.max_new_tokens, stop_ids=end_of_sequence_ids(self.model))

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from ..attention.hybrid import _observe
-from ..config import TandemConfig
-from ..engine import TandemRunner
-from ..integrations.hf import TandemCache
+from ...attention.hybrid import _observe
+from ...config import TandemConfig
+from ...engine import TandemRunner
+from ...integrations.hf import TandemCache
 from .baselines import KV_STD, empty_row, fill_agreed, kv_shape, record_failure, record_times, release_memory
 from .cli import FILLS
 from .concentrated import Profile, load_profile, plant_keys, query_norms

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import reference
-from .search import SELECTION_BLOCKS, min_budgets
+from .fluxion_search import SELECTION_BLOCKS, min_budgets
 
 NUM_FEATURES = 41
 FEATURE_NAMES = (

@@ -5,7 +5,7 @@ Contents (a dict saved with `torch.save`, read back with `weights_only=True`):
                the thresholds `taus`, the block sizes, the calibration set and how long it took
     static     per tau: bgt0 / k / streaming [layers, Hq] from the calibration's quantile budgets (the `static`
                mode and the bench's replayed profile), and the measured share of streaming heads
-    predictor  per tau: the MLP's weights and the feature standardisation (`tandem.calibration.predictor`)
+    predictor  per tau: the MLP's weights and the feature standardisation (`tandem.policies.fluxion_predictor`)
     metrics    held-out accuracy of the predictor per tau
 
 The default model's profile ships inside the package (`default_profile_path`).

@@ -1,4 +1,4 @@
-"""Fluxion's offline search (`tandem.calibration.search`) against hand-computed numbers and brute force: Eq. 1
+"""Fluxion's offline search (`tandem.policies.fluxion_search`) against hand-computed numbers and brute force: Eq. 1
 (the budget law fit), Eq. 2 (minimum budgets) and the block digests (Fluxion §5.2). The rules the policy
 applies at decode time are in tests/policies/test_granularity.py."""
 
@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from tandem.calibration.search import (
+from tandem.kernels.reference import coarsen_digest
+from tandem.policies.fluxion_search import (
     block_digests,
     budget_at,
     fit_budget_law,
     min_budgets,
     prefix_errors,
 )
-from tandem.kernels.reference import coarsen_digest
 
 BLOCKS = (1, 16, 32, 64, 128)
 

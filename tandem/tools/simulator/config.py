@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tandem.simulator.hardware import (
+from tandem.tools.simulator.hardware import (
     PLATFORM,
     PNM,
     GpuSpec,

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from ..integrations.hf import _sdpa_fallback, generate_cache_kwargs
-from ..models import attention_shape
-from .features import AnchorStats, anchor_stats, join_segments, step_features
-from .search import CALIBRATION_BLOCKS, min_budgets
+from ...integrations.hf import _sdpa_fallback, generate_cache_kwargs
+from ...models import attention_shape
+from ...policies.fluxion_features import AnchorStats, anchor_stats, join_segments, step_features
+from ...policies.fluxion_search import CALIBRATION_BLOCKS, min_budgets
 
 CAPTURE_NAME = "tandem_calibrate"
 REQUESTS = (

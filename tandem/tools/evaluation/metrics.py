@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..integrations import hf
+from ...integrations import hf
 
 PROBE_NAME = "tandem_probe"
 

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from .. import manifest
-from ..config import ENGINE_CHOICES, POLICIES
+from ... import manifest
+from ...config import ENGINE_CHOICES, POLICIES
 from .haystack import PYDOC
 from .names import SETTABLE, TASKS
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from ..models import default_model_path, load_model
+    from ...models import default_model_path, load_model
     from .haystack import load_haystack
     from .report import build_results, markdown_table, verdict_lines, write_results
     from .runner import Runner, make_plan

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.simulator.config import SCHEMES, SystemConfig, format_context
-from tandem.simulator.hardware import CXL_MEM
-from tandem.simulator.schemes import PHASES, StepResult, decode_step
+from tandem.tools.simulator.config import SCHEMES, SystemConfig, format_context
+from tandem.tools.simulator.hardware import CXL_MEM
+from tandem.tools.simulator.schemes import PHASES, StepResult, decode_step
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import math
 import torch
 from torch import nn
 
-from .features import NUM_FEATURES
-from .search import CALIBRATION_BLOCKS, SELECTION_BLOCKS, budget_at
+from .fluxion_features import NUM_FEATURES
+from .fluxion_search import CALIBRATION_BLOCKS, SELECTION_BLOCKS, budget_at
 
 HIDDEN = (256, 256, 128)  # 0.11M parameters, as Fluxion §5.2's 0.112M
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandem.simulator.config import SystemConfig
-from tandem.simulator.hardware import CXL_MEM, GIB, MemoryDeviceSpec
+from tandem.tools.simulator.config import SystemConfig
+from tandem.tools.simulator.hardware import CXL_MEM, GIB, MemoryDeviceSpec
 
 PHASES = ("fc", "attention", "recall", "communication")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tandem.config import DEFAULT_GPU_SHARE, TandemConfig
-from tandem.simulator.config import SystemConfig, Workload, format_context, parse_context
-from tandem.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
-from tandem.simulator.model import SimResult, simulate
+from tandem.tools.simulator.config import SystemConfig, Workload, format_context, parse_context
+from tandem.tools.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
+from tandem.tools.simulator.model import SimResult, simulate
 
 REQUIRED_KEYS = ("host_read_gbs", "pcie_gbs", "hbm_gbs")
 

@@ -60,9 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ...models import attention_shape, load_model
     from ..evaluation.haystack import load_haystack
     from ..evaluation.runner import parse_lengths
-    from ..models import attention_shape, load_model
     from .calibrate import CalibrationPlan, build_profile, collect
 
     taus = tuple(float(t) for t in args.taus.split(",") if t.strip())

@@ -7,7 +7,7 @@ Example:
     96
 """
 
-from tandem.simulator.config import SCHEMES, SystemConfig, Workload, parse_context
-from tandem.simulator.model import SimResult, format_result, simulate
+from tandem.tools.simulator.config import SCHEMES, SystemConfig, Workload, parse_context
+from tandem.tools.simulator.model import SimResult, format_result, simulate
 
 __all__ = ["SCHEMES", "SimResult", "SystemConfig", "Workload", "format_result", "parse_context", "simulate"]

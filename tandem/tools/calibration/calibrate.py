@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...policies.fluxion_predictor import evaluate, predictor_state, train_predictor
+from ...policies.fluxion_profile import Profile, tau_key
+from ...policies.fluxion_search import CALIBRATION_BLOCKS, budget_at, fit_budget_law
 from .collect import REQUESTS, Samples, collect_document, document_prompt, haystack_document
-from .predictor import evaluate, predictor_state, train_predictor
-from .profile import Profile, tau_key
-from .search import CALIBRATION_BLOCKS, budget_at, fit_budget_law
 
 DEFAULT_TAUS = (0.02, 0.05, 0.1, 0.2)
 

@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from .. import manifest
-from ..config import POLICIES
+from ... import manifest
+from ...config import POLICIES
 
 HF_SYSTEMS = ("hf-dynamic", "hf-offloaded")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, device, dtype, longest: int, rank=None):
-    from .. import shapes
+    from ... import shapes
 
     if args.model in shapes.SHAPES:
         if rank is None:
@@ -122,15 +122,15 @@ def _load(args, device, dtype, longest: int, rank=None):
                 args.model, device, dtype, num_layers=args.layers, seed=args.seed
             )
         else:
-            from ..distributed.tensor_parallel import random_shard
+            from ...distributed.tensor_parallel import random_shard
 
             model = random_shard(args.model, rank, dtype, num_layers=args.layers, seed=args.seed)
         # random weights: let "128k" mean 131072 context tokens plus the decoded ones
         needed = longest + args.warmup + args.steps + 1
         model.config.max_position_embeddings = max(model.config.max_position_embeddings, needed)
         return model, {"name": args.model, "weights": "random", "layers": model.config.num_hidden_layers}
-    from ..distributed.loading import load_shard
-    from ..models import PACKAGED, load_model, packaged_model_path
+    from ...distributed.loading import load_shard
+    from ...models import PACKAGED, load_model, packaged_model_path
 
     path = packaged_model_path(args.model) if args.model in PACKAGED else Path(args.model)
     if not path.exists():
@@ -151,7 +151,7 @@ def _load(args, device, dtype, longest: int, rank=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import launch
+    from ...distributed import launch
 
     return launch.run_on_ranks(args, _run, "bench")
 
@@ -159,10 +159,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..config import TandemConfig
-    from ..distributed import launch
-    from ..engine import freeze_heap
-    from ..engine.runner import FORWARDS, HANDOFFS
+    from ...config import TandemConfig
+    from ...distributed import launch
+    from ...engine import freeze_heap
+    from ...engine.runner import FORWARDS, HANDOFFS
     from ..evaluation.runner import make_variants, parse_lengths, parse_names
     from . import bandwidth, baselines, report
     from .tandem_side import bound_ms, run_tandem, serial_bound_ms
@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    from ..models import resolve_device
+    from ...models import resolve_device
 
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
 
     model, model_info = _load(args, device, dtype, max(contexts), rank)
     freeze_heap()  # no full collection of the loaded model's heap inside a timed step
-    from ..shapes import model_weight_bytes_per_step
+    from ...shapes import model_weight_bytes_per_step
 
     weight_bytes = model_weight_bytes_per_step(model)  # per GPU for a shard
     model_info.update(weight_bytes=weight_bytes, dtype=args.dtype, gpus=args.gpus)
@@ -288,10 +288,10 @@ def _run(args: argparse.Namespace) -> int:
 def _replay_fluxion(variants, model, out_dir: Path, rank=None) -> dict:
     """Random weights make fluxion's predictor meaningless: each fluxion variant instead replays the static
     per-head budgets and streaming labels its profile measured on a real model, mapped onto this shape
-    (`calibration.replay`). Says so, and returns what was replayed."""
-    from ..calibration.profile import load_profile
+    (`tools.calibration.replay`). Says so, and returns what was replayed."""
+    from ...models import attention_shape
+    from ...policies.fluxion_profile import load_profile
     from ..calibration.replay import replay_profile, replay_summary
-    from ..models import attention_shape
 
     shape = attention_shape(model.config.get_text_config(decoder=True))
     replays = {}
@@ -353,7 +353,7 @@ def _host_memory_check(system, batch, context, args, kv_token_bytes, baselines) 
     """An OOM row, without running, when the configuration's host memory cannot fit: the kernel's OOM killer
     would end the whole benchmark instead of raising."""
     factor = HOST_FACTOR.get(system, HOST_FACTOR["tandem"] if system.startswith("tandem") else 0.0)
-    from ..cache.memory import available_host_bytes
+    from ...cache.memory import available_host_bytes
 
     available = available_host_bytes()
     need = factor * batch * context * kv_token_bytes
@@ -377,7 +377,7 @@ def _add(result: dict, row: dict, out_dir: Path, rank=None) -> None:
                 f"{row['system']} b{row['batch']} {row['context']} failed on rank {rank.rank} after the ranks filled "
                 f"their caches ({row.get('error')}); the ranks' collectives are out of step, so the run ends here"
             )
-        from ..distributed.launch import merged_row
+        from ...distributed.launch import merged_row
 
         row = merged_row(rank, row)
     result["rows"].append(row)
