@@ -192,9 +192,8 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-TILE_BYTES = (
-    32 * 1024
-)  # one K or V tile per pipeline stage: at most this, so that float32 at head_dim 256 fits
+# one K or V tile per pipeline stage holds at most this, so that float32 at head_dim 256 fits in shared memory
+TILE_BYTES = 32 * 1024
 
 
 def _tile_rows(rows: int, dtype: torch.dtype, block_d: int) -> int:
