@@ -65,14 +65,17 @@ def main(argv=None) -> int:
                 reps = length // ids_all.shape[1] + 1
                 ids_all = ids_all.repeat(1, reps)
             ids = ids_all[:, :length].to(device)
+
+            def greedy(cache, ids=ids, length=length) -> list[int]:
+                """model.generate's greedy tokens after the prompt, with `cache`."""
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, do_sample=False,
+                    **generate_cache_kwargs(model, cache),
+                )  # fmt: skip
+                return out[0, length:].tolist()
+
             start = time.perf_counter()
-            ref = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.new,
-                do_sample=False,
-                **generate_cache_kwargs(model, DynamicCache(config=model.config)),
-            )[0, length:].tolist()
+            ref = greedy(DynamicCache(config=model.config))
             rows.append(
                 {"length": length, "path": "dynamic", "seconds": round(time.perf_counter() - start, 2)}
             )
@@ -83,13 +86,7 @@ def main(argv=None) -> int:
                 if path == "engine":
                     out = TandemRunner(model, cache).generate(ids, args.new).tolist()
                 else:
-                    out = model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=args.new,
-                        do_sample=False,
-                        **generate_cache_kwargs(model, cache),
-                    )[0, length:].tolist()
+                    out = greedy(cache)
                 stats = cache.stats()
                 row = {
                     "length": length,
