@@ -11,17 +11,14 @@ POLICIES = ("certified", "full", "streaming", "hgca", "quest", "fluxion")
 HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
 CERTIFY_BOUNDS = ("sketch", "digest")
 CERTIFY_UNITS = ("row", "block")
-# policy="certified" without an epsilon. On the default model at 4K it attends ~10-13% of the host rows
-# (docs/certified.md); on a held-out RULER set quest with 0.05 kept full attention's answers (35 of 35 at 4K)
+# policy="certified" without an epsilon: the bound that kept full attention's answers on held-out retrieval tasks
+# (docs/certified.md, with the share of host rows it attends)
 DEFAULT_EPSILON = 0.05
 CERTIFYING_POLICIES = ("certified", "quest", "fluxion")  # those that take an epsilon
 FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
-# quest's device share with the hot tier on CUDA. 8B shape, one graph per step (handoff "memops"): on the H100
-# host 0.4 beat 0.5 at 64K and 128K (14.4 / 19.7 against 15.3 / 20.6 ms), on the H200 at 128K (19.4 against 20.9;
-# 0.3: 21.0, 0.6: 22.5) and at batch 16 x 32K (45.4 against 49.5 ms); in benchmarks/results/:
-# 2026-11-26_h100_bench_8b_memops, 2026-11-26_h200_profile_8b/7_*. (With two graphs per layer 0.5-0.7 had been
-# fastest: 2026-11-26_h200_bench_8b_gpu_share.)
+# quest's device share with the hot tier on CUDA: the share measured fastest at the 8B shape on an H100 and an H200
+# (docs/engine.md § Quest, "Why 0.4")
 MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the model's own is refused per model
 DEFAULT_GPU_SHARE = 0.4
 # how quest's selected host blocks are split between the compute device and the CPU (`TandemConfig.scheduler`)
@@ -29,10 +26,8 @@ SCHEDULERS = ("share", "queue", "cpu", "heads", "volume")
 # how tensor-parallel ranks divide the host tier and its CPU attention (`TandemConfig.host_split`)
 HOST_SPLITS = ("heads", "requests")
 HOST_SPLIT_POLICIES = ("full", "streaming", "quest")  # those host_split="requests" supports
-# quest's recall cache with a device share on CUDA: 4x the budget. 8B shape, random weights, H200, one VM:
-# batch 1 x 128K 16.27 / 15.82 against 18.52 / 19.68 ms (alternated), batch 16 x 32K 33.8 against 45.1 ms
-# (474 against 355 tokens/s), 64K within noise (13.24-13.95 against 13.26-13.30); GPU memory +2.6 GB at 1 x 128K,
-# +10.7 GB at 16 x 32K (benchmarks/results/2026-11-26_h200_recall_cache/fused_plan_h200).
+# quest's recall cache with a device share on CUDA, in multiples of the budget: what it saves and costs in GPU
+# memory is in docs/engine.md § Quest ("The recall cache")
 DEFAULT_GPU_CACHE = 4.0
 
 

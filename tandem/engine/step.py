@@ -138,8 +138,8 @@ class DecodeStep(StepContext):
         recording; `replay` then runs the step."""
         # garbage collected during the capture could free pinned host memory, which a capture does not allow
         # (the capture fails): the collector stays off while it records. No collection first (torch.cuda.graph
-        # makes one): with a model loaded and the heap not frozen, a full pass took 210-270 ms, most of a short
-        # answer's recording cost, and the garbage it would free is no hazard while the collector is off
+        # makes one): with a model loaded and the heap not frozen, a full pass is most of a short answer's
+        # recording cost, and the garbage it would free is no hazard while the collector is off
         gc_was_on = gc.isenabled()
         gc.disable()
         try:

@@ -40,8 +40,8 @@ BUCKETS, BUCKET_NATS, TAIL_MARGIN = (
     reference.CERTIFY_BUCKETS, reference.CERTIFY_BUCKET_NATS, reference.CERTIFY_TAIL_MARGIN,
 )  # fmt: skip
 SKETCH_TOP = 127  # int8 codes are symmetric: [-127, 127]
-# fp32 bytes of codes converted at a time on a CPU (`sketch_logit_bounds`): 8B layer at 128K, 2-core CPU, one
-# conversion 221 ms, chunks of 2-32 MB 65-68 ms
+# fp32 bytes of codes converted at a time on a CPU (`sketch_logit_bounds`): a whole 128K-token layer at once
+# measured slower than pieces of a few MB, which stay in cache
 SKETCH_CHUNK_BYTES = 1 << 23
 
 
@@ -100,7 +100,7 @@ def sketch_logit_bounds(q, codes, row_scale, error, row_valid, scale: float):
     num_kv_heads, n = codes.shape[1], codes.shape[2]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
     # [B, Hkv, G, n]: q.c_i (the codes are exact in fp32). On a CPU the codes convert a few MB at a time: one
-    # fp32 copy of them all costs 3x more, in page faults and memory traffic
+    # fp32 copy of them all costs more, in page faults and memory traffic
     chunk = n if codes.is_cuda else max(256, SKETCH_CHUNK_BYTES // (4 * batch * num_kv_heads * dim))
     dots = torch.cat(
         [qg @ codes[:, :, r0 : r0 + chunk].float().transpose(-1, -2) for r0 in range(0, n, chunk)], -1

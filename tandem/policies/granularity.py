@@ -95,8 +95,8 @@ def mask_to_ids(mask: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.empty(mask.shape, dtype=torch.long, device=mask.device)
     # each selected id goes to its rank among the selected (a running count), the others to the last slot, which
-    # only a row with nothing left out fills with a selected id: O(n), where a sort of the ids took 2x longer on a
-    # CPU, and no spare column, so that the result stays contiguous (`ids_selection` bisects its rows)
+    # only a row with nothing left out fills with a selected id: O(n), faster on a CPU than sorting the ids,
+    # and no spare column, so that the result stays contiguous (`ids_selection` bisects its rows)
     ranks = mask.cumsum(-1)
     slot = torch.where(mask, ranks - 1, n - 1)
     ids = torch.full(mask.shape, n, dtype=torch.long, device=mask.device)

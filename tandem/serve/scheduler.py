@@ -241,9 +241,8 @@ class Scheduler:
 
     def start(self) -> None:
         # This thread gives up the GIL in every torch op and must win it back from the event loop's thread each
-        # time; at CPython's default 5 ms switch interval, a busy event loop stretched the default model's 30 ms
-        # CPU decode step to 12 s (0.07 s at 0.2 ms; measured against a spinning Python thread). Under 64 clients:
-        # +11% throughput, p99 inter-token 1.5 -> 1.0 s (benchmarks/results/2026-11-27_cpu_serve)
+        # time; at CPython's default 5 ms switch interval a busy event loop stretches every CPU decode step many
+        # times over (docs/serve.md § Switch interval)
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
         self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
         self._thread.start()

@@ -32,8 +32,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 ABI_VERSION = 3  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
-# the 16-core Xeon GPU host (docs/cpu-kernels.md, "Prefetch sweeps"): 192 rows ahead into L2 (prefetcht2) ran
-# 20% faster than 64 rows into L1; 128 and 256 rows were within 10% of it (256 faster at batch 1, slower at 8).
+# the 16-core Xeon GPU host, 192 rows ahead into L2 (docs/cpu-kernels.md, "Prefetch sweeps")
 DEFAULT_PREFETCH = (192, 1, 64)
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"

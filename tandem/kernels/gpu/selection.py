@@ -32,17 +32,13 @@ except ImportError:  # the torch references remain usable without triton
 
 SCORE_BLOCK_N = 64  # digest blocks per program of `block_scores`
 # `top_blocks` holds rows of up to this many blocks (padded to a power of two) in registers; longer ones are read
-# in tiles of TOP_BLOCKS_TILE (`top_blocks_tiled_kernel`), any length. On the H200, 8 rows of 8256 blocks (128K)
-# took 44.1 us in tiles, 103 us in a (spilling) 16384-wide register row and 58.5 us with torch.topk(sorted=True);
-# the register kernel is the faster one up to 8192 (4160 blocks: 25.5 vs 30.2 tiled vs 42.5 torch; 16 x 8 rows of
-# 2112: 14.3 vs 17.0 vs 27.7; benchmarks/results/2026-11-26_h200_quest_selection/).
+# in tiles of TOP_BLOCKS_TILE (`top_blocks_tiled_kernel`), any length. The register kernel is the faster one up to
+# this width; a wider register row spills (docs/engine.md § Quest, the selection's table)
 REGISTER_TOP_BLOCKS = 8192
 TOP_BLOCKS_TILE = 4096
 # Rows over REGISTER_TOP_BLOCKS: "split" spreads each row over tiles of SPLIT_TOP_BLOCKS_TILE blocks, one program
 # each, with the radix histograms added up in global memory (7 launches, any length); "tiles" is the one-program
-# kernel above. On the H100, 8 rows of 8256 blocks (128K): 27.5 us split (1024-block tiles) against 43.7 tiled;
-# 8 rows of 65600 (1M): 36.5 against 246 (torch.topk: 72); the register kernel stays faster up to 8192 (64K:
-# 25.6 against 27.4 split; benchmarks/results/2026-11-26_h100_quest_selection/).
+# kernel above. Split is the faster past REGISTER_TOP_BLOCKS, by the most at 1M tokens (docs/engine.md § Quest).
 LONG_ROWS = "split"
 SPLIT_TOP_BLOCKS_TILE = 1024
 

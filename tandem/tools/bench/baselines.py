@@ -26,10 +26,9 @@ from tandem.integrations.hf import generate_cache_kwargs, restore_attention
 from tandem.models import attention_shape
 
 KINDS = ("dynamic", "offloaded")
-# SDPA backends allowed while timing on CUDA. Left to itself, torch 2.11 on an H200 picks cuDNN attention,
-# which pays ~1 ms of host time per call for every KV length it has not seen, i.e. on every decode step:
-# 56 ms per Llama-3.1-8B step at 32K against 21 ms with flash attention (21 ms for cuDNN too, on lengths it
-# had seen). A baseline slowed by that would flatter whatever is compared with it.
+# SDPA backends allowed while timing on CUDA. Left to itself, torch 2.11 on an H200 picks cuDNN attention, which
+# pays host time per call for every KV length it has not seen, i.e. on every decode step (docs/engine.md §
+# `tandem bench`). A baseline slowed by that would flatter whatever is compared with it.
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 KV_STD = 0.1  # synthetic K/V ~ N(0, KV_STD): small, as keys and values of real layers are
 _ERROR_CHARS = 300
