@@ -144,6 +144,11 @@ class RowsRunner:
         the cache refusing further use."""
         if not isinstance(cache, TandemCache):
             raise ValueError(f"cache must be a TandemCache, got {type(cache).__name__}")
+        if start != cache.get_seq_length():
+            raise ValueError(
+                f"start must be the tokens the cache holds ({cache.get_seq_length()}): a chunk continues its prompt, "
+                f"got {start}"
+            )
         input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         positions = torch.arange(start, start + input_ids.shape[1], device=self.device)[None]
         try:

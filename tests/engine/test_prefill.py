@@ -76,3 +76,15 @@ def test_a_chunked_prefill_observes_the_prompt_as_one_whole_prefill(chunk):
     _assert_same(_state(engine.cache), _state(whole))
     _assert_same(_state(cache), _state(whole))
     assert all(kv.observe_appends for kv in cache.tandem_layers())  # reset for the decode steps
+
+
+def test_a_chunk_must_continue_its_prompt():
+    model = tiny_model("Llama")
+    rows, cache = RowsRunner(model), TandemCache.for_model(model, HGCA)
+    ids = torch.arange(10)[None]
+    rows.prefill_chunk(cache, ids[:, :6], 0, last=False)
+    with pytest.raises(ValueError, match=r"start must be the tokens the cache holds \(6\)"):
+        rows.prefill_chunk(cache, ids[:, 6:], 5, last=True)
+    with pytest.raises(ValueError, match="cache must be a TandemCache"):
+        rows.prefill_chunk(object(), ids, 0, last=True)
+    assert rows.prefill_chunk(cache, ids[:, 6:], 6, last=True).shape == (1, model.config.vocab_size)
