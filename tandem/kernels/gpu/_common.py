@@ -200,8 +200,7 @@ def _tile_rows(rows: int, dtype: torch.dtype, block_d: int) -> int:
     """Rows of a K / V (or q) tile: `rows`, halved while a tile of `dtype` at width `block_d` would exceed
     `TILE_BYTES` (float32 at head_dim 256 would otherwise ask more shared memory than an H100 or H200 has); 16-bit
     and 8-bit tiles up to head_dim 256 keep `rows`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    while rows > 16 and rows * block_d * size > TILE_BYTES:
+    while rows > 16 and rows * block_d * dtype.itemsize > TILE_BYTES:
         rows //= 2
     return rows
 
