@@ -67,11 +67,16 @@ def summarize(
                         for i in range(len(heads[0]))
                     ]
                 cells.append(cell)
-    base = {(c["task"], c["length"]): c["score"] for c in cells if c["policy"] == baseline}
+    base = baseline_scores(cells, baseline)
     for cell in cells:
         ref = base.get((cell["task"], cell["length"]))
         cell["delta"] = cell["score"] - ref if ref is not None else None
     return cells
+
+
+def baseline_scores(cells: list[dict], baseline: str | None) -> dict[tuple, float]:
+    """The baseline's score per (task, length)."""
+    return {(c["task"], c["length"]): c["score"] for c in cells if c["policy"] == baseline}
 
 
 def _fluxion_summary(group: list[dict]) -> dict:
@@ -89,18 +94,11 @@ def _fluxion_summary(group: list[dict]) -> dict:
     }
 
 
-def scored(cell: dict, cells: list[dict], baseline: str | None) -> bool:
+def scored(cell: dict, base: dict[tuple, float]) -> bool:
     """Whether a generation cell can judge a policy: the baseline scores at least `SCORED_FLOOR` on its task and
-    length. Where the model cannot do the task with full attention, a sparse policy's score there says nothing
-    (a small base model at 32K tokens, for example)."""
-    ref = next(
-        (
-            c["score"]
-            for c in cells
-            if c["policy"] == baseline and c["task"] == cell["task"] and c["length"] == cell["length"]
-        ),
-        None,
-    )
+    length (`base`: `baseline_scores`). Where the model cannot do the task with full attention, a sparse policy's
+    score there says nothing (a small base model at 32K tokens, for example)."""
+    ref = base.get((cell["task"], cell["length"]))
     return ref is not None and ref >= SCORED_FLOOR
 
 
@@ -108,11 +106,12 @@ def verdicts(cells: list[dict], labels: list[str], baseline: str | None) -> list
     """Per policy: does it lose at most 1 point on every scored generation cell (the baseline scores at least
     `SCORED_FLOOR` there) while attending <= 5% of host rows?"""
     out = []
+    base = baseline_scores(cells, baseline)
     for label in labels:
         if label == baseline:
             continue
         generation = [c for c in cells if c["policy"] == label and c["task"] in GENERATION_TASKS]
-        mine = [c for c in generation if scored(c, cells, baseline)]
+        mine = [c for c in generation if scored(c, base)]
         if not mine or baseline is None:
             continue
         worst = min(c["delta"] for c in mine)
@@ -226,15 +225,12 @@ def markdown_table(results: dict) -> str:
     rows = list(dict.fromkeys((c["task"], c["length"]) for c in cells))
 
     baseline = results.get("baseline")
+    base = baseline_scores(cells, baseline)
 
     def entry(c) -> str:
         if c is None:
             return ""
-        floor = (
-            "†"
-            if c["task"] in GENERATION_TASKS and baseline is not None and not scored(c, cells, baseline)
-            else ""
-        )
+        floor = "†" if c["task"] in GENERATION_TASKS and baseline is not None and not scored(c, base) else ""
         return (
             f"{_fmt_score(c['task'], c['score'])}{floor}{_fmt_delta(c['task'], c['delta'])} · "
             f"{_fmt_fraction(c['fraction_attended'])}"
