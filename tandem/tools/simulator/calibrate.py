@@ -153,14 +153,15 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
 def bench_comparison(
     path: str | Path,
     sparsity: float = 0.05,
-    hot_tokens: int = 320,
-    device_share: float = DEFAULT_GPU_SHARE,
+    hot_tokens: int | None = None,
+    device_share: float | None = None,
     host: HostMeasurements | None = None,
 ) -> list[dict]:
     """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
     prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
-    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (TandemConfig's 64 + 256);
-    device_share: quest's gpu_share on CUDA (the engine's default), or the one a row's label names. Selection is
+    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (default: `bench_settings`,
+    TandemConfig's); device_share: quest's gpu_share on CUDA (default: the engine's), or the one a row's label
+    names. Selection is
     priced on the GPU, as the engine runs it (the digests mirrored in GPU memory). The recall cache's hit share is
     the row's own (`cache_bytes_per_step` of the selected bytes); a tensor-parallel file is priced on its GPUs.
 
@@ -169,8 +170,10 @@ def bench_comparison(
     model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
     data = read_bench(path)
     host = host or _host_of(data, Path(path))  # given: the file's host with the command line's overrides
-    settings = bench_settings(path)
+    settings = bench_settings(data)
     model, gpus = settings["model"], settings["gpus"]
+    hot_tokens = settings["hot_tokens"] if hot_tokens is None else hot_tokens
+    device_share = settings["device_share"] if device_share is None else device_share
     if not data.get("rows") or model is None:
         raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
     floors = {
@@ -187,7 +190,7 @@ def bench_comparison(
             continue  # the model prices a host tier in the model's dtype
         pred = predict_host(
             host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
-            device_share=_share_of(system, device_share), gpu_selection=True, gpus=gpus,
+            device_share=_share_of(system, device_share), gpu_selection=settings["gpu_selection"], gpus=gpus,
             recall_hit=_recall_hit(row), host_split=_setting_of(system, "host_split") or "heads",
         )  # fmt: skip
         predicted = pred.result.step.step_s * 1e3
@@ -376,12 +379,11 @@ def format_host_prediction(pred: HostPrediction) -> str:
     )
 
 
-def bench_settings(path: str | Path) -> dict:
-    """How `bench_comparison` prices a `tandem bench` file's rows, as `predict_host` keywords plus `model`: the
-    file's model and GPU count, Tandem's hot set (sinks + window of `TandemConfig`), quest's default device share
-    and selection on the GPU. The report's prediction table for such a file uses the same, so that its two tables
-    agree wherever they price the same row."""
-    data = read_bench(path)
+def bench_settings(data: dict) -> dict:
+    """How `bench_comparison` prices the rows of a `tandem bench` file (its JSON object, `read_bench`), as
+    `predict_host` keywords plus `model`: the file's model and GPU count, Tandem's hot set (sinks + window of
+    `TandemConfig`), quest's default device share and selection on the GPU. The report's prediction table for such
+    a file uses the same, so that its two tables agree wherever they price the same row."""
     config = TandemConfig()
     return {
         "model": (data.get("model") or {}).get("name"),

@@ -133,11 +133,10 @@ def _run_host(args: argparse.Namespace) -> int:
         raise ValueError(f"--hot-tokens: must be 0 or more, got {args.hot_tokens}")
     host = _host_measurements(args)
     if args.context is None:
-        measured = bool(
-            args.from_bench and read_bench(args.from_bench).get("rows")
-        )  # tandem bench's own file
+        data = read_bench(args.from_bench) if args.from_bench else {}
+        measured = bool(data.get("rows"))  # tandem bench's own file
         # a bench file's rows are priced as its run was set up; the prediction table uses the same settings
-        settings = bench_settings(args.from_bench) if measured else {}
+        settings = bench_settings(data) if measured else {}
         model = settings.pop("model", None) or args.model
         settings.setdefault("hot_tokens", args.hot_tokens)
         predictions = prediction_rows(host, model, args.sparsity, **settings)
