@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from tandem import manifest
-from tandem.cache.memory import host_empty
+from tandem.cache.memory import host_zeros
 from tandem.kernels import cpu, reference
 from tandem.kernels.cpu import _library
 from tandem.tools.bench.bandwidth import (
@@ -147,11 +147,11 @@ def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False,
     # random rows repeated along the context: real values (never zeros) without minutes of RNG
     base = torch.randn(batch, NUM_KV_HEADS, 4096, HEAD_DIM).to(dtype)
     if interleaved:
-        kv = host_empty((batch, NUM_KV_HEADS, context, 2, HEAD_DIM), dtype, pin=False, huge=huge)
+        kv = host_zeros((batch, NUM_KV_HEADS, context, 2, HEAD_DIM), dtype, pin=False, huge=huge)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
     else:
-        k = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
-        v = host_empty((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
+        k = host_zeros((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
+        v = host_zeros((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge)
     for start in range(0, context, 4096):
         n = min(4096, context - start)
         k[:, :, start : start + n] = base[:, :, :n]
@@ -270,7 +270,7 @@ def make_digests(batch: int, num_blocks: int, dtype: torch.dtype, huge: bool, ge
     # per-block key min / max, allocated as the host tier allocates its digests
     shape = (batch, NUM_KV_HEADS, num_blocks, HEAD_DIM)
     center = torch.randn(shape, generator=gen)
-    key_min, key_max = (host_empty(shape, dtype, pin=False, huge=huge) for _ in range(2))
+    key_min, key_max = (host_zeros(shape, dtype, pin=False, huge=huge) for _ in range(2))
     key_min.copy_(center - 0.5)
     key_max.copy_(center + 0.5)
     return key_min, key_max
