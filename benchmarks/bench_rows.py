@@ -4,9 +4,11 @@ one static batch in one cache (`TandemRunner`, what `tandem bench` measures), si
 For each policy and batch size B: B requests of `--prompt-tokens` random tokens are prefilled into their own
 caches, then `--steps` decode steps of all of them run through one `RowsRunner`, recorded as a CUDA graph once the
 batch has kept its requests for `record_after` steps (eager before: the steps a served batch takes while requests
-join and leave). The static side prefills the same B x prompt in one cache and decodes as many steps. Reported: the
-median eager rows step, the recording step, the median replayed rows step, the static step, and rows / static.
-Random weights of a named shape (the cost is real, the tokens are noise).
+join and leave). That runs twice: with each request's hot tier its own ("own"), and with the hot tiers in the
+runner's pool (`slots`, "pooled": one hot-tier attention and one hand-off per layer for all rows; what the server
+runs). The static side prefills the same B x prompt in one cache and decodes as many steps. Reported: the median
+eager rows step, the recording step, the median replayed rows step, the static step, and rows / static. Random
+weights of a named shape (the cost is real, the tokens are noise).
 
     python benchmarks/bench_rows.py --shape smollm2-135m --policies certified,streaming --batches 1,4,16 \
         --out benchmarks/results/<date>_<machine>_rows
@@ -36,17 +38,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _rows(model, config, batch: int, args, device) -> dict:
+def _rows(model, config, batch: int, args, device, pooled: bool) -> dict:
     vocab = model.config.vocab_size
+    runner = RowsRunner(model, record_after=args.record_after, slots=batch if pooled else 0, config=config)
     caches = []
     for b in range(batch):
         cache = TandemCache.for_model(model, config)
+        runner.attach(cache)
         for kv in cache.tandem_layers():
             kv.capacity_hint = args.prompt_tokens + args.steps + 1
         ids = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(b))
         model(input_ids=ids.to(device), use_cache=True, logits_to_keep=1, past_key_values=cache)
         caches.append(cache)
-    runner = RowsRunner(model, record_after=args.record_after)
     seconds = []
     for _ in range(args.steps):
         positions = [cache.get_seq_length() for cache in caches]
@@ -96,7 +99,9 @@ def main() -> None:
         for policy in args.policies.split(","):
             config = TandemConfig(policy=policy)
             for batch in (int(b) for b in args.batches.split(",")):
-                row = {"policy": policy, "batch": batch, "rows": _rows(model, config, batch, args, device),
+                row = {"policy": policy, "batch": batch,
+                       "rows": _rows(model, config, batch, args, device, pooled=False),
+                       "pooled": _rows(model, config, batch, args, device, pooled=True),
                        "static": _static(model, config, batch, args, device)}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
@@ -110,16 +115,20 @@ def main() -> None:
         f"{args.record_after} eager steps (CUDA only; on the CPU every step is eager). Medians in ms; x: times the static "
         "batch's step.",
         "",
-        "| policy | B | rows eager | rows recording | rows replayed | static batch | eager / static | replayed / static |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | B | hot tiers | rows eager | rows recording | rows replayed | static batch | eager / static | "
+        "replayed / static |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        r, s = row["rows"], row["static"]
-        replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.1f}"
-        record = "-" if r["recording_ms"] is None else f"{r['recording_ms']:.0f}"
-        ratio = "-" if r["replay_ms"] is None else f"{r['replay_ms'] / s['step_ms']:.1f}x"
-        lines.append(f"| {row['policy']} | {row['batch']} | {r['eager_ms']:.1f} | {record} | {replay} | "
-                     f"{s['step_ms']:.1f} | {r['eager_ms'] / s['step_ms']:.1f}x | {ratio} |")  # fmt: skip
+        s = row["static"]
+        for kind in ("rows", "pooled"):
+            r = row[kind]
+            replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.1f}"
+            record = "-" if r["recording_ms"] is None else f"{r['recording_ms']:.0f}"
+            ratio = "-" if r["replay_ms"] is None else f"{r['replay_ms'] / s['step_ms']:.1f}x"
+            lines.append(f"| {row['policy']} | {row['batch']} | {'own' if kind == 'rows' else 'pooled'} | "
+                         f"{r['eager_ms']:.1f} | {record} | {replay} | {s['step_ms']:.1f} | "
+                         f"{r['eager_ms'] / s['step_ms']:.1f}x | {ratio} |")  # fmt: skip
     print("\n".join(lines))
     if args.out:
         data = {"machine": machine, "shape": args.shape, "prompt_tokens": args.prompt_tokens, "rows": rows}

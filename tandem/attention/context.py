@@ -44,8 +44,10 @@ class StepContext:
         event."""
         record_event()
 
-    def host_work(self, action) -> None:
-        """The layer's CPU part: `action()` fills its out / LSE host buffers, which the layer then merges."""
+    def host_work(self, action, wait: bool = True) -> None:
+        """The layer's CPU part: `action()` fills its out / LSE host buffers, which the layer then merges.
+        wait=False: the device does not wait for this one (a later hand-off's wait covers it: the host runs them
+        in order)."""
         action()
 
     def after_replay(self, action) -> None:

@@ -19,6 +19,12 @@ class HotTier:
 
     The physical slot order is not the token order (the ring wraps); attention over the hot tier is
     order-free, and `ordered_ring()` gives the token order when blocks leave for the host tier.
+
+    storage: None, or (keys, values, valid, maw) to hold the tier instead of its own tensors: a batch-1 row of a
+    pool that several requests' tiers share (`tandem.engine.slots`), at least `sink_slots + ring_blocks *
+    block_size` slots wide (maw None unless `keep_maw`). The whole ring is then allocated at once (it never
+    grows, so the storage never moves), and the storage is cleared here: the pool row's last user left its
+    tokens there.
     """
 
     def __init__(
@@ -34,17 +40,40 @@ class HotTier:
         block_size: int,
         keep_maw: bool,
         initial_blocks: int | None = None,
+        storage: tuple | None = None,
     ) -> None:
         self.sink_slots, self.ring_blocks, self.block_size = sink_slots, ring_blocks, block_size
         allocated = ring_blocks if initial_blocks is None else max(1, min(ring_blocks, initial_blocks))
+        if storage is not None:
+            allocated = ring_blocks
         self.allocated_blocks = allocated
         self.generation = 0
         slots = sink_slots + allocated * block_size
-        # zeros, not empty: unused slots are masked, but must never hold NaN/Inf that a matmul could spread
-        self.keys = torch.zeros(batch, num_kv_heads, slots, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
-        self.maw = torch.zeros(batch, num_q_heads, slots, device=device) if keep_maw else None
+        if storage is not None:
+            self.keys, self.values, self.valid, self.maw = storage
+            wanted = (batch, num_kv_heads, slots, head_dim)
+            held = tuple(self.keys.shape)
+            if (
+                self.keys.dtype != dtype
+                or self.keys.device != device
+                or held[:2] != wanted[:2]
+                or held[2] < slots
+                or held[3] != head_dim
+                or (self.maw is None) == keep_maw
+            ):
+                raise ValueError(
+                    f"the hot tier's storage holds {held} {self.keys.dtype} on {self.keys.device} (maw: "
+                    f"{self.maw is not None}); it needs at least {wanted} {dtype} on {device} (maw: {keep_maw})"
+                )
+            for tensor in storage:
+                if tensor is not None:
+                    tensor.zero_()  # the row's last user left its tokens (and a free row's step writes) here
+        else:
+            # zeros, not empty: unused slots are masked, but must never hold NaN/Inf that a matmul could spread
+            self.keys = torch.zeros(batch, num_kv_heads, slots, head_dim, dtype=dtype, device=device)
+            self.values = torch.zeros_like(self.keys)
+            self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+            self.maw = torch.zeros(batch, num_q_heads, slots, device=device) if keep_maw else None
         self.sink_used = 0
         self.order: list[int] = []  # ring blocks holding tokens, oldest first
         self.tail_fill = 0  # tokens in the newest block

@@ -69,6 +69,10 @@ class LayerKV(Failable):
         self.gpu_cache = 0.0  # its size in effect (config.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
+        # None, or a callable (slots, dtype, device, keep_maw) -> the storage of a batch-1 hot tier of that many
+        # slots (`HotTier`'s `storage`), or None where it has none that fits: a runner's pool of hot tiers
+        # (`tandem.engine.slots`), asked once, when the first tokens arrive
+        self.hot_storage = None
 
     @property
     def initialized(self) -> bool:
@@ -94,7 +98,14 @@ class LayerKV(Failable):
                 f"TandemConfig.gpu_cache={cfg.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
                 f"on {keys.device.type}: pass gpu_share in (0, 1] (the default on CUDA is > 0), or gpu_cache=0"
             )
-        _check_hot_memory(self, batch, num_kv_heads, head_dim, keys, cfg.sink_tokens + max_pad, ring_blocks)
+        storage = None
+        if self.hot_storage is not None and batch == 1:
+            slots = cfg.sink_tokens + max_pad + ring_blocks * cfg.block_size
+            storage = self.hot_storage(slots, keys.dtype, keys.device, needs_maw)
+        if storage is None:
+            _check_hot_memory(
+                self, batch, num_kv_heads, head_dim, keys, cfg.sink_tokens + max_pad, ring_blocks
+            )
         self.hot = HotTier(
             batch,
             num_kv_heads,
@@ -112,6 +123,7 @@ class LayerKV(Failable):
                 -max(0, max(prompt_len, self.capacity_hint) - cfg.sink_tokens - max_pad) // cfg.block_size
             )
             + 1,
+            storage=storage,
         )
         stream = None
         if keys.is_cuda:

@@ -162,7 +162,7 @@ def build_server(args):
 
     from ..attention import TaskPool
     from ..cache.memory import available_host_bytes
-    from ..engine import freeze_heap
+    from ..engine import RowsRunner, freeze_heap
     from ..models import load_model, resolve_device
     from ..serve.app import Server
     from ..serve.scheduler import Limits, Scheduler
@@ -182,6 +182,9 @@ def build_server(args):
             args.model, device=args.device, dtype=args.dtype, cache=False if args.no_model_cache else None
         )
     device = next(model.parameters()).device
+    # the decode steps' runner, with its pool of the requests' hot tiers allocated before the memory budgets
+    # are taken from what is left
+    runner = RowsRunner(model, slots=args.max_batch, config=config)
     available = available_host_bytes()
     host = int(args.host_memory * GIB) if args.host_memory else (int(0.8 * available) if available else None)
     if device.type == "cuda":
@@ -194,7 +197,7 @@ def build_server(args):
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
     limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
-    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads))
+    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads), runner=runner)
     name = args.served_model_name or (args.random_weights or model_name(args.model))
     server = Server(model, tokenizer, name, config, scheduler)
     if not args.no_warmup:

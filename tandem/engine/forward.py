@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.decode import decode_layer
+from ..attention.decode import decode_layer, decode_rows
 from ..kernels import reference
 from ..kernels.gpu import layers as gpu_layers
 from ..models import attention_shape
@@ -217,12 +217,17 @@ class DecodeForward:
                 "new load): make a new TandemRunner for the model as it is now"
             )
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches=None) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches=None, pooled=None
+    ) -> torch.Tensor:
         """input_ids, position_ids: [B, 1] int64 on the model's device. Returns the logits [B, V] (model dtype).
 
         caches: the caches the step attends: None for this forward's own cache (all B rows), or B batch-1
         `TandemCache`s, row b attending caches[b] (the requests of a multi-request step); each with its
-        `step_context` set, or None to decode eagerly."""
+        `step_context` set, or None to decode eagerly.
+        pooled: with B caches, None, or per layer index the `attention.decode.PooledRows` of the batch's first
+        rows (`engine.slots`), whose hot tiers are attended as one batch (`decode_rows`); a row whose cache is
+        None then decodes nothing (its logits are garbage)."""
         batch = input_ids.shape[0]
         if self._valid is None or self._valid.shape[0] != batch or self._valid.device != input_ids.device:
             self._valid = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)
@@ -244,7 +249,11 @@ class DecodeForward:
             k = k.view(batch, 1, kv_heads, dim).transpose(1, 2)
             v = v.view(batch, 1, kv_heads, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
-            attn = self._attend(caches, i, q, k, v, layer.scale).to(hidden.dtype)
+            if pooled is not None:
+                attn = self._attend_rows(caches, pooled[i], i, q, k, v, layer.scale)
+            else:
+                attn = self._attend(caches, i, q, k, v, layer.scale)
+            attn = attn.to(hidden.dtype)
             attn = layer.o_proj(attn.transpose(1, 2).reshape(batch, 1, heads * dim))
             residual, x = self.add_norm(attn, residual, *layer.norm2)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
@@ -267,3 +276,12 @@ class DecodeForward:
                 decode_layer(kv, q[row], k[row], v[row], self._valid[row], scale, cache.pool, context)
             )
         return torch.cat(outs)
+
+    def _attend_rows(self, caches, pooled, i: int, q, k, v, scale: float) -> torch.Tensor:
+        """Layer i's decode attention [B, Hq, 1, D] of a multi-request step whose first rows are pooled."""
+        kvs, pools, contexts = [], [], []
+        for cache in caches:
+            kvs.append(cache.layers[i].kv if cache is not None else None)
+            pools.append(cache.pool if cache is not None else None)
+            contexts.append(cache.step_context if cache is not None else None)
+        return decode_rows(kvs, pooled, q, k, v, self._valid, scale, pools, contexts)

@@ -5,10 +5,15 @@ the model's matmuls once for all of them, and each layer attends row b over requ
 decode function (`attention.decode.decode_layer`), with that request's `RowContext`: its reserved slot and device
 share, and the step's hand-off hooks. Requests join or leave between steps; no KV is copied.
 
+With `slots` (and Tandem's own decode forward) the requests' hot tiers live in one pool (`slots.SlotPool`): a
+request attached before its prefill takes a row, and a step lays its batch out by rows (row b is the pool's row
+b, a row without a request in the step decodes nothing), so each layer writes and attends every pooled request's
+hot tier in one call and serves their CPU parts in one hand-off (`attention.decode.decode_rows`).
+
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
-with a hand-off per layer and request) and replayed while it stays the same. The recording depends on the
-requests' cache addresses, so a request that joins or leaves ends it: the batch's composition, not only its size,
-keys the graph.
+with a hand-off per layer, or per layer and request without slots) and replayed while it stays the same. The
+recording depends on the requests' cache addresses, so a request that joins or leaves ends it: the batch's
+composition, not only its size, keys the graph.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import weakref
 import torch
 
 from ..attention.context import StepContext
+from ..config import TandemConfig
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
 from . import handoff as handoff_module
 from .prefill import run_chunk
 from .runner import StepOptions, device_memory_error
 from .sampling import sample
+from .slots import SlotPool
 from .step import DecodeStep
 
 # eager steps of a new batch before it is recorded (CUDA graphs): one allocates what a newly joined request's layers
@@ -47,8 +54,8 @@ class RowContext(StepContext):
     def q_ready(self, record_event) -> None:
         self.step.q_ready(record_event)
 
-    def host_work(self, action) -> None:
-        self.step.host_work(action)
+    def host_work(self, action, wait: bool = True) -> None:
+        self.step.host_work(action, wait)
 
     def after_replay(self, action) -> None:
         self.step.after_replay(action)
@@ -58,10 +65,13 @@ class RowsRunner:
     """Decode steps of a changing batch of requests, each over its own prefilled batch-1 `TandemCache`.
 
     The options are `TandemRunner`'s (use_graphs, handoff, fused, forward: `runner.StepOptions`); record_after:
-    the eager steps of a new batch before it is recorded.
+    the eager steps of a new batch before it is recorded. slots: the requests whose hot tiers share one pool
+    (`slots.SlotPool`, made here for caches of `config`; 0: none), with Tandem's own decode forward only (else
+    no pool is made); a cache takes a row through `attach` before its prefill.
 
     Example:
-        >>> runner = RowsRunner(model)
+        >>> runner = RowsRunner(model, slots=16)
+        >>> runner.attach(cache_a), runner.attach(cache_b)   # before their prefills
         >>> logits = runner.step([cache_a, cache_b], tokens=[17, 42], positions=[300, 1024])  # [2, V]
     """
 
@@ -73,9 +83,15 @@ class RowsRunner:
         fused: bool | str = "auto",
         forward: str = "auto",
         record_after: int = RECORD_AFTER,
+        slots: int = 0,
+        config=None,
     ) -> None:
         if record_after < 1:
             raise ValueError(f"record_after must be >= 1, got {record_after}")
+        if slots < 0:
+            raise ValueError(
+                f"slots must be >= 0 (requests whose hot tiers share a pool; 0: none), got {slots}"
+            )
         options = StepOptions(model, use_graphs, handoff, fused, forward)
         self.model, self.device = model, options.device
         self.use_graphs, self.handoff, self.forward = options.use_graphs, options.handoff, options.forward
@@ -90,6 +106,10 @@ class RowsRunner:
         self._steps_same = 0  # consecutive steps over the same batch
         self._ids = self._positions = self._logits = None
         self.recordings = 0  # batches recorded (CUDA graphs)
+        self.pool = None
+        if slots and self.decoder is not None:
+            self.pool = SlotPool.for_model(model, config if config is not None else TandemConfig(), slots)
+        self._rows = None  # the step's layout by rows, with a pool (`_layout`)
 
     @torch.inference_mode()
     def step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
@@ -109,10 +129,13 @@ class RowsRunner:
             )
         for b, cache in enumerate(caches):
             _check_row(cache, b)
-        if not self._same_batch(caches):
-            self._new_batch(caches, len(caches) * len(caches[0].tandem_layers()))
+        rows, order = self._layout(caches)
+        if not self._same_batch(rows):
+            self._new_batch(rows, caches)
         else:
             self._steps_same += 1
+        if order is not None:
+            tokens, positions = _by_row(tokens, order, len(rows)), _by_row(positions, order, len(rows))
         step = self._step
         contexts = [self._context(cache, step) for cache in caches]
         fused = self.fused_layers or contextlib.nullcontext()
@@ -120,7 +143,7 @@ class RowsRunner:
             for cache, context in zip(caches, contexts, strict=True):
                 cache.step_context = context
             with fused:
-                self._run(step, caches, contexts, tokens, positions)
+                self._run(step, caches, rows, contexts, tokens, positions)
         except BaseException as err:
             for cache in caches:
                 cache.mark_failed(err)  # part of the step may have run
@@ -134,7 +157,20 @@ class RowsRunner:
         finally:
             for cache in caches:
                 cache.step_context = None
+        if order is not None:
+            return self._logits[self._order]
         return self._logits
+
+    def attach(self, cache: TandemCache) -> int | None:
+        """Give `cache` (before its first tokens) a row of the runner's pool of hot tiers: its steps then share
+        each layer's hot-tier attention and hand-off with the other pooled requests. Returns the row, or None
+        (no pool, or every row taken: the cache keeps its own hot tier and decodes alone within a step)."""
+        return self.pool.attach(cache) if self.pool is not None else None
+
+    def detach(self, cache: TandemCache) -> None:
+        """Free `cache`'s row of the pool when its request ends (also done when the cache is collected)."""
+        if self.pool is not None:
+            self.pool.detach(cache)
 
     @torch.inference_mode()
     def prefill_chunk(self, cache: TandemCache, input_ids, start: int, last: bool) -> torch.Tensor:
@@ -169,21 +205,58 @@ class RowsRunner:
         self._ids = self._positions = self._logits = None
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _same_batch(self, caches) -> bool:
-        return len(caches) == len(self._batch) and all(
-            ref() is cache for ref, cache in zip(self._batch, caches, strict=True)
+    def _layout(self, caches):
+        """(rows, order): the step's batch by rows and, with pooled requests, order[i] = caches[i]'s row (else
+        None: the rows are the caches as given). The pooled requests sit at their pool rows (rows without a
+        request in between hold None), the others after them."""
+        pooled = {}
+        if self.pool is not None:
+            for i, cache in enumerate(caches):
+                row = self.pool.row(cache)
+                if row is not None:
+                    pooled[i] = row
+        if not pooled:
+            return list(caches), None
+        n = max(pooled.values()) + 1
+        rows, order = [None] * n, []
+        for i, cache in enumerate(caches):
+            if i in pooled:
+                rows[pooled[i]] = cache
+                order.append(pooled[i])
+            else:
+                order.append(len(rows))
+                rows.append(cache)
+        return rows, order
+
+    def _same_batch(self, rows) -> bool:
+        return len(rows) == len(self._batch) and all(
+            (ref is None and cache is None) or (ref is not None and ref() is cache)
+            for ref, cache in zip(self._batch, rows, strict=True)
         )
 
-    def _new_batch(self, caches, hand_offs: int) -> None:
-        """A step object for a new batch: `hand_offs` (requests x layers) flags when it will be recorded with them."""
+    def _new_batch(self, rows, caches) -> None:
+        """A step object for a new batch laid out as `rows`, with a flag per hand-off (request and layer) when it
+        will be recorded."""
         self.release()
+        self._rows = None
+        pooled = [r for r, cache in enumerate(rows) if cache is not None and self._pooled(cache, r)]
         flags = None
         if self.use_graphs and self.handoff == "memops":
-            flags = handoff_module.HostFlags(hand_offs, self.device)
+            flags = handoff_module.HostFlags(len(caches) * len(caches[0].tandem_layers()), self.device)
         self._step = DecodeStep(self.device, flags)
-        self._batch, self._steps_same = [weakref.ref(cache) for cache in caches], 1
-        self._ids = torch.zeros(len(caches), 1, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(len(caches), 1, dtype=torch.long, device=self.device)
+        self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
+        self._steps_same = 1
+        self._ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+        if pooled:
+            n = pooled[-1] + 1
+            self._rows = (pooled, self.pool.layer_rows(n, len(pooled)))
+            order = [r for r, cache in enumerate(rows) if cache is not None]
+            by_cache = {id(rows[r]): r for r in order}
+            self._order = torch.tensor([by_cache[id(c)] for c in caches], device=self.device)
+
+    def _pooled(self, cache, row: int) -> bool:
+        return self.pool is not None and row < self.pool.size and self.pool.row(cache) == row
 
     def _context(self, cache: TandemCache, step: DecodeStep) -> RowContext:
         """The cache's context for `step`: made once per batch, so a recording reads the same slot tensors at
@@ -193,11 +266,15 @@ class RowsRunner:
             context = self._contexts[cache] = RowContext(step)
         return context
 
-    def _run(self, step: DecodeStep, caches, contexts, tokens, positions) -> None:
+    def _run(self, step: DecodeStep, caches, rows, contexts, tokens, positions) -> None:
         if self.decoder is not None:
             self.decoder.check_weights()
+        slots = {}
         for cache, context in zip(caches, contexts, strict=True):
-            step.prepare(cache.tandem_layers(), context)
+            slots[id(cache)] = step.prepare(cache.tandem_layers(), context)
+        if self._rows is not None:
+            pooled = self._rows[0]
+            self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled])
         self._ids.copy_(tokens)
         self._positions.copy_(positions)
         if self.use_graphs and self._steps_same > self.record_after:
@@ -205,22 +282,24 @@ class RowsRunner:
                 (kv.host.generation, kv.hot.generation) for c in caches for kv in c.tandem_layers()
             ]
             if not step.segments or generations != step.generations:
-                step.capture(lambda: self._body(caches, contexts, step))
+                step.capture(lambda: self._body(rows, contexts, step))
                 step.generations = generations
                 self.recordings += 1
             step.replay()
         else:
-            self._body(caches, contexts, step)
+            self._body(rows, contexts, step)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _body(self, caches, contexts, step: DecodeStep) -> None:
+    def _body(self, rows, contexts, step: DecodeStep) -> None:
         """The step at fixed addresses: the forward of every row into `self._logits`."""
         for context in contexts:
             context.defers_host_work = step.defers_host_work
         if self.decoder is not None:
-            self._logits = self.decoder(self._ids, self._positions, caches)
+            pooled = self._rows[1] if self._rows is not None else None
+            self._logits = self.decoder(self._ids, self._positions, rows, pooled)
             return
+        caches = rows
         out = self.model(
             input_ids=self._ids, position_ids=self._positions, use_cache=True, logits_to_keep=1,
             **{self.cache_arg: RowsCache(caches)},
@@ -242,6 +321,13 @@ def choose_tokens(logits: torch.Tensor, temperature, top_p, seed, step) -> list[
         torch.tensor(list(step), dtype=torch.int64, **row),
         nucleus=any(p < 1 for p in top_p),
     ).tolist()
+
+
+def _by_row(values: torch.Tensor, order: list[int], rows: int) -> torch.Tensor:
+    """values [len(order), 1] (one per cache) placed at their rows of a [rows, 1] batch (0 in rows without one)."""
+    placed = torch.zeros(rows, 1, dtype=values.dtype)
+    placed[order] = values
+    return placed
 
 
 def _check_row(cache, b: int) -> None:

@@ -191,13 +191,15 @@ class DecodeStep(StepContext):
         else:
             self.flags.signal_ready(len(self.actions))
 
-    def host_work(self, action) -> None:
+    def host_work(self, action, wait: bool = True) -> None:
         """At replay `action()` (the layer's CPU part) runs on the host after its `q_ready`; what the layer
-        queues after this call runs on the GPU once it has returned."""
+        queues after this call runs on the GPU once it has returned (with wait=False, with flags: the GPU goes
+        on; a later hand-off's wait covers it, since the host serves them in order)."""
         if self.flags is None:
             self.split(action)
         else:
-            self.flags.wait_done(len(self.actions))
+            if wait:
+                self.flags.wait_done(len(self.actions))
             self.actions.append(action)
 
     def after_replay(self, action) -> None:

@@ -152,9 +152,11 @@ class Scheduler:
     # ---- the API side ---------------------------------------------------------------------------------------
     def size(self, request: Request) -> RequestBytes:
         """The request's cache bytes; TooLarge when it could never be admitted."""
+        pool = self.runner.pool
         nbytes = request_bytes(
-            self.shape, request.config, len(request.prompt_ids), request.max_tokens, self.device.type
-        )
+            self.shape, request.config, len(request.prompt_ids), request.max_tokens, self.device.type,
+            pool.slots if pool is not None else 0,
+        )  # fmt: skip
         lim = self.limits
         for need, budget, where, flag in (
             (nbytes.on_host, lim.host_bytes, "host memory", "--host-memory"),
@@ -225,6 +227,7 @@ class Scheduler:
         caches = []
         for _ in range(self.limits.max_batch):
             cache = TandemCache.for_model(self.model, config, pool=self.pool)
+            self.runner.attach(cache)
             ids = torch.randint(0, vocab, (1, prompt_tokens), generator=draw)
             self.runner.prefill_chunk(cache, ids, 0, last=True)
             caches.append(cache)
@@ -234,6 +237,8 @@ class Scheduler:
             # a decode step, as `_decode_step` runs it
             self.runner.step(rows, ids, [cache.get_seq_length() for cache in rows])
         self.runner.release()
+        for cache in caches:
+            self.runner.detach(cache)
         del caches, rows
         gc.collect()  # (once, before the heap is frozen) whatever cycle still held a cache
         _return_free_heap()
@@ -334,6 +339,8 @@ class Scheduler:
                 self._reserved_device -= request.bytes.on_device
                 seconds = time.perf_counter() - request.admitted
                 self.stats.request_seconds = 0.8 * self.stats.request_seconds + 0.2 * seconds
+        if request.cache is not None:
+            self.runner.detach(request.cache)  # its row of hot tiers, for the next request
         request.cache = None  # the cache's tensors go with the last reference
         request.finish_reason = reason if error is None else "error"
         if self.stats.on_finish is not None:
@@ -350,6 +357,7 @@ class Scheduler:
 
     def _new_cache(self, request: Request) -> TandemCache:
         cache = TandemCache.for_model(self.model, request.config, pool=self.pool)
+        self.runner.attach(cache)  # a row of the runner's pool of hot tiers, where it has one
         for kv in cache.tandem_layers():  # the host tier is reserved once, as sized at admission
             kv.capacity_hint = len(request.prompt_ids) + request.max_tokens
         self._live_caches.add(cache)

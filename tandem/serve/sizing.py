@@ -49,13 +49,20 @@ class RequestBytes:
 
 
 def request_bytes(
-    shape: CacheShape, config: TandemConfig, prompt_tokens: int, max_tokens: int, device_type: str
+    shape: CacheShape,
+    config: TandemConfig,
+    prompt_tokens: int,
+    max_tokens: int,
+    device_type: str,
+    pooled_slots: int = 0,
 ) -> RequestBytes:
     """Upper bound on a batch-1 cache's allocations for a prompt of `prompt_tokens` and `max_tokens` more.
 
     Follows the global layers' tiers' own sizing (`cache.hot.HotTier`, `cache.host.HostTier`): the host tier is
     reserved once for every token past the sinks (the server passes the same capacity hint), whole blocks, at
-    least `HOST_MIN_BLOCKS` of them; a sliding-window layer holds its window on the device."""
+    least `HOST_MIN_BLOCKS` of them; a sliding-window layer holds its window on the device. pooled_slots: the
+    width of a row of the runner's pool of hot tiers (`engine.slots`, allocated already), or 0: a hot tier that
+    fits one (and keeps no moving average) is not counted."""
     total = prompt_tokens + max_tokens
     bs = config.block_size
     e = shape.element
@@ -68,6 +75,8 @@ def request_bytes(
     window = config.window_for_prompt(prompt_tokens)
     slots = config.sink_tokens + (math.ceil(window / bs) + 1) * bs
     hot = slots * (kv_row * e + 1) + (shape.num_q_heads * slots * 4 if needs_maw else 0)
+    if slots <= pooled_slots and not needs_maw:
+        hot = 0
 
     rows = max(-(-max(0, total - config.sink_tokens) // bs), HOST_MIN_BLOCKS) * bs
     blocks = rows // bs

@@ -1,6 +1,7 @@
 """`RowsRunner`: decode steps over requests that each keep their own cache. A request decodes the same tokens
 alone, in a batch, or joining and leaving a running batch; on CUDA the recorded steps equal the eager ones."""
 
+import gc
 import weakref
 
 import pytest
@@ -32,9 +33,12 @@ def _prompt(model, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _prefill(model, prompt: torch.Tensor, policy: str, device):
-    """A prefilled cache of the prompt [1, T] and its first greedy token."""
+def _prefill(model, prompt: torch.Tensor, policy: str, device, runner=None):
+    """A prefilled cache of the prompt [1, T] and its first greedy token (a row of `runner`'s pool first, where it
+    has one)."""
     cache = TandemCache.for_model(model, _config(policy))
+    if runner is not None:
+        runner.attach(cache)
     out = model(
         input_ids=prompt.to(device), use_cache=True, logits_to_keep=1, **generate_cache_kwargs(model, cache)
     )
@@ -59,9 +63,9 @@ def _alone(model, prompt, policy, steps, device):
 
 
 class _Row:
-    def __init__(self, model, prompt, policy, device) -> None:
+    def __init__(self, model, prompt, policy, device, runner=None) -> None:
         self.prompt = prompt
-        self.cache, token = _prefill(model, prompt, policy, device)
+        self.cache, token = _prefill(model, prompt, policy, device, runner)
         self.tokens = [token]
         self.logits = []
 
@@ -83,8 +87,8 @@ def _check_joined_and_left(model, device, tolerance=None, **runner_options) -> R
     prompts = [_prompt(model, n, seed) for seed, n in enumerate(LENGTHS)]
     alone = [_alone(model, p, policy, STEPS, device) for p, policy in zip(prompts, POLICIES, strict=True)]
     tolerance = tolerance or dict(atol=1e-4, rtol=1e-4)
-    runner = RowsRunner(model, **runner_options)
-    rows = [_Row(model, p, policy, device) for p, policy in zip(prompts, POLICIES, strict=True)]
+    runner = RowsRunner(model, config=_config("full"), **runner_options)
+    rows = [_Row(model, p, policy, device, runner) for p, policy in zip(prompts, POLICIES, strict=True)]
     running = rows[:2]
     for t in range(STEPS + 5):
         if t in (2, 3, 5):
@@ -101,6 +105,7 @@ def _check_joined_and_left(model, device, tolerance=None, **runner_options) -> R
             torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), **tolerance
         )
     assert [len(row.tokens) for row in rows] == [5] + [STEPS + 1] * 4
+    runner.test_rows = rows  # for the caller's checks of what the runner held
     return runner
 
 
@@ -113,6 +118,22 @@ def test_rows_decode_alone_batched_and_joined_mid_stream(tiny):
 @torch.inference_mode()
 def test_rows_decode_with_transformers_layer_code(tiny):
     _check_joined_and_left(tiny, torch.device("cpu"), forward="hf")
+
+
+@pytest.mark.parametrize("slots", [5, 3])
+@torch.inference_mode()
+def test_pooled_rows_decode_as_alone(tiny, slots):
+    """With a pool of hot tiers the requests decode what they decode alone: pooled ones (full, quest, certified,
+    streaming) as one batch, hgca (a moving average the pool does not hold) and, with 3 rows, the request that
+    found every row taken, alone within the step; the first request stays attached after it leaves, so later
+    steps hold a row without a request."""
+    runner = _check_joined_and_left(tiny, torch.device("cpu"), slots=slots)
+    rows = [runner.pool.row(row.cache) for row in runner.test_rows]
+    assert rows == ([0, None, 2, 3, 4] if slots == 5 else [0, None, 2, None, None])
+    assert runner.pool.free == []
+    del runner.test_rows
+    gc.collect()
+    assert sorted(runner.pool.free) == list(range(slots))  # a collected cache gives its row back
 
 
 @torch.inference_mode()
@@ -155,22 +176,34 @@ def test_choose_tokens_is_the_engine_draw():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("slots", [0, 5, 3])
 @pytest.mark.parametrize("handoff", ["memops", "launches"])
 @torch.inference_mode()
-def test_rows_recorded_steps_decode_as_alone(handoff):
+def test_rows_recorded_steps_decode_as_alone(handoff, slots):
     torch.manual_seed(0)
     model = tiny_model("Llama").cuda()
     runner = _check_joined_and_left(
-        model, torch.device("cuda"), use_graphs=True, handoff=handoff, record_after=1
+        model, torch.device("cuda"), use_graphs=True, handoff=handoff, record_after=1, slots=slots
     )
     assert runner.recordings >= 2  # the batch changed and was recorded again
+    if slots:
+        rows = [runner.pool.row(row.cache) for row in runner.test_rows]
+        assert rows == ([0, None, 2, 3, 4] if slots == 5 else [0, None, 2, None, None])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@torch.inference_mode()
+def test_pooled_rows_decode_eagerly_on_cuda():
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    runner = _check_joined_and_left(model, torch.device("cuda"), use_graphs=False, slots=5)
+    assert runner.recordings == 0 and runner.pool is not None
 
 
 @torch.inference_mode()
 def test_a_batch_is_its_caches_not_their_addresses(tiny):
     """A recording belongs to the caches it was made over: a cache that replaces a freed one (which may take its
     address) starts a new batch, so a replay can never read a freed cache's memory."""
-    import gc
 
     runner = RowsRunner(tiny)
     cpu = torch.device("cpu")
