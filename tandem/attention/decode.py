@@ -326,8 +326,12 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     for b in together:
         layer, row = layers[b], slice(b, b + 1)
         layer.policy.after_attention(layer, out[row], lse[row])
-        if deferred and b not in host:
+        if b in host:
+            continue
+        if deferred:
             context.after_replay(partial(record_no_host_part, layer))
+        else:
+            record_no_host_part(layer)  # what its CPU part would have recorded: no rows, the available ones
     result = out[:, :, None]
     if alone:
         result = torch.cat([result, q.new_zeros(len(layers) - n, *result.shape[1:], dtype=out.dtype)])

@@ -229,8 +229,9 @@ class RowsRunner:
         return rows, order
 
     def _same_batch(self, rows) -> bool:
+        # a dead reference never matches: a row whose request was freed is not the empty row of a later step
         return len(rows) == len(self._batch) and all(
-            (ref is None and cache is None) or (ref is not None and ref() is cache)
+            (ref is None and cache is None) or (ref is not None and cache is not None and ref() is cache)
             for ref, cache in zip(self._batch, rows, strict=True)
         )
 

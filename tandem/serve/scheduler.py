@@ -128,7 +128,8 @@ class Scheduler:
         runner: RowsRunner | None = None,
     ) -> None:
         self.model, self.tokenizer, self.limits, self.pool = model, tokenizer, limits, pool
-        self.runner = runner if runner is not None else RowsRunner(model)  # the decode steps
+        # the decode steps, with a pool of hot tiers for the batch (sized for the default configuration's window)
+        self.runner = runner if runner is not None else RowsRunner(model, slots=limits.max_batch)
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.device = next(model.parameters()).device
         text = model.config.get_text_config(decoder=True)

@@ -128,6 +128,9 @@ def test_pooled_rows_decode_as_alone(tiny, slots):
     found every row taken, alone within the step; the first request stays attached after it leaves, so later
     steps hold a row without a request."""
     runner = _check_joined_and_left(tiny, torch.device("cpu"), slots=slots)
+    own = _check_joined_and_left(tiny, torch.device("cpu"))
+    # the statistics the policies record (rows attended and available per layer) as each request's own
+    assert _counts(runner.test_rows) == _counts(own.test_rows)
     rows = [runner.pool.row(row.cache) for row in runner.test_rows]
     assert rows == ([0, None, 2, 3, 4] if slots == 5 else [0, None, 2, None, None])
     assert runner.pool.free == []
@@ -173,6 +176,30 @@ def test_choose_tokens_is_the_engine_draw():
         nucleus=True,
     )
     assert choose_tokens(logits, temps, tops, seeds, steps) == expected.tolist()
+
+
+def _counts(rows) -> list:
+    return [
+        [(kv.rows_attended, kv.rows_available, kv.decode_steps) for kv in r.cache.tandem_layers()]
+        for r in rows
+    ]
+
+
+@torch.inference_mode()
+def test_a_freed_row_is_not_an_empty_row(tiny):
+    """Pooled requests in rows 0 and 1; the first ends and is freed: the next step over the second lays out row 0
+    empty, which is a new batch, not the old one whose row 0 is now a dead reference."""
+    cpu = torch.device("cpu")
+    runner = RowsRunner(tiny, slots=2, config=_config("full"))
+    a, b = (_Row(tiny, _prompt(tiny, n, seed), "full", cpu, runner) for seed, n in ((0, 40), (1, 45)))
+    expected = _alone(tiny, b.prompt, "full", 3, cpu)[0]
+    _step(runner, [a, b])
+    del a
+    gc.collect()
+    _step(runner, [b])
+    _step(runner, [b])
+    assert b.tokens == expected and runner._steps_same == 2
+    assert runner.pool.free == [0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
