@@ -92,7 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-bench", default=None, metavar="FILE", help="bench JSON (keys in docs/simulator.md)"
     )
     host.add_argument("--host-bandwidth-gbs", type=float, default=None, help="host memory read GB/s")
-    host.add_argument("--host-cores", type=int, default=None, help="CPU cores for attention")
+    host.add_argument(
+        "--host-cores",
+        type=int,
+        default=None,
+        help="host CPU cores (reports; --cpu-threads sets the attention threads)",
+    )
     host.add_argument("--pcie-gbs", type=float, default=None, help="pinned host->GPU GB/s")
     host.add_argument("--hbm-gbs", type=float, default=None, help="GPU HBM streaming GB/s")
     host.add_argument("--host-memory-gib", type=float, default=None, help="host RAM GiB")
