@@ -1,9 +1,12 @@
 """Benchmark of Tandem's compiled CPU kernels against the host's measured memory read bandwidth.
 
 One run measures the read bandwidth (a STREAM-like read of a 2 GiB buffer, same thread count), then for
-the Llama-3.1-8B layer shape (32 query / 8 KV heads, head_dim 128, bf16) times
-  * sparse attention (kernel 1) at each context x budget x selection (token rows, blocks of 16 / 64) x
-    batch, against the torch-gather reference;
+the Llama-3.1-8B layer shape (32 query / 8 KV heads, head_dim 128) times
+  * sparse attention (kernel 1) at each row format x thread count x context x budget x selection (token rows,
+    blocks of 16 / 64) x batch, against the torch-gather reference. Row formats: the model dtype (bf16 by
+    default) and the host tier's 8-bit rows (`--row-formats int8,fp8`: codes plus one float32 scale per 16-row
+    block for K and for V, made by `reference.quantize_blocks` and passed to the same compiled calls, as
+    `tandem.cache.host.HostTier` stores and hands them);
   * block scoring + top-k (kernel 2) over all 16-token digests, at logical blocks of 16 and 64.
 It prints a table (ms per layer, GB/s, % of measured read bandwidth, speedup over torch) and writes
 benchmarks/results/cpu_attention_<machine>.{json,md}. This is a program, not a test.
@@ -21,6 +24,12 @@ tier's (`tandem.cache.memory`, on transparent huge pages unless `--pages 4k`).
     python benchmarks/bench_cpu_attention.py --contexts 32k --batches 1      # a small machine
     python benchmarks/bench_cpu_attention.py --kernels score                 # kernel 2's rows only
     python benchmarks/bench_cpu_attention.py --sweep                         # prefetch / ISA sweep only
+    python benchmarks/bench_cpu_attention.py --kernels attention --row-formats bfloat16,int8,fp8 \
+        --threads 15,7 --shapes 32k:1,32k:16,128k:1 --budgets 0.05 --selections token,block16
+                                                        # the rates `tandem simulate`'s host model reads
+
+Each attention row carries its `row_format` and `threads`, and `kv_gbps`: the K+V row bytes it attended (in the
+row format, without ids or scales) per second of the prepared call, the rate the host-step model divides by.
 
 Run from the repository root; where tandem is not installed, with PYTHONPATH=. set.
 """
@@ -43,6 +52,7 @@ from tandem import manifest
 from tandem.cache.memory import host_zeros
 from tandem.kernels import cpu, reference
 from tandem.kernels.cpu import _library
+from tandem.kernels.reference import QUANT_DTYPES, quantize_blocks
 from tandem.tools.bench.bandwidth import (
     host_read_bandwidth,
     last_level_cache_bytes,
@@ -52,7 +62,9 @@ from tandem.tools.bench.bandwidth import (
 )
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
-PHYSICAL_BLOCK = 16  # digest granularity of the host cache
+PHYSICAL_BLOCK = 16  # digest granularity of the host cache, and the rows per scale of its 8-bit formats
+# the host tier's row formats: a float dtype stores rows as they are; "int8" / "fp8" store 8-bit codes and scales
+ROW_FORMATS = ("bfloat16", "float16", "float32", *QUANT_DTYPES)
 FLUSH_BYTES = 1 << 30  # over 3x the largest LLC we run on (300 MiB): each timed call starts from DRAM
 PROBE_BYTES = 1 << 30
 MODEL_LAYERS = 32  # Llama-3.1-8B: a decode step reads this many layers' stores
@@ -76,8 +88,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budgets", default="0.02,0.05,0.1", help="fraction of the context attended")
     p.add_argument("--selections", default="token,block16,block64", help="token | blockN")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--threads", type=int, default=None, help="default: all cores but one")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="context:batch pairs, e.g. 32k:1,32k:16 (instead of contexts x batches)",
+    )
+    p.add_argument("--threads", default=None, help="thread counts, e.g. 15,7 (default: all cores but one)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--row-formats",
+        default=None,
+        help=f"host row formats to attend: {', '.join(ROW_FORMATS)} (default: --dtype)",
+    )
     p.add_argument("--reps", type=int, default=10, help="timed calls per kernel row (median)")
     p.add_argument("--torch-reps", type=int, default=3, help="timed calls of the torch baseline")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
@@ -109,7 +131,25 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.kernels.split(",")) - {"attention", "score"}
     if unknown:
         p.error(f"--kernels: unknown {', '.join(sorted(unknown))}; allowed: attention, score")
+    args.row_formats = (args.row_formats or args.dtype).split(",")
+    unknown = set(args.row_formats) - set(ROW_FORMATS)
+    if unknown:
+        p.error(f"--row-formats: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(ROW_FORMATS)}")
+    try:
+        args.thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else []
+        args.shape_list = shapes(args)
+    except ValueError as err:
+        p.error(f"--threads / --shapes: {err}")
+    if any(t < 1 for t in args.thread_counts):
+        p.error("--threads: every count must be at least 1")
     return args
+
+
+def shapes(args) -> list[tuple[int, int]]:
+    """(context, batch) pairs: --shapes where given, else every context with every batch."""
+    if args.shapes:
+        return [(tokens(c), int(b)) for c, _, b in (s.partition(":") for s in args.shapes.split(","))]
+    return [(c, b) for c in map(tokens, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
 
 
 def tokens(text: str) -> int:
@@ -146,6 +186,42 @@ def make_store(batch: int, context: int, dtype: torch.dtype, huge: bool = False,
     of one buffer in which each token's K row is followed by its V row (a layout experiment)."""
     # random rows repeated along the context: real values (never zeros) without minutes of RNG
     base = torch.randn(batch, NUM_KV_HEADS, 4096, HEAD_DIM).to(dtype)
+    return _fill_store(base, batch, context, dtype, huge, interleaved)
+
+
+def make_row_store(batch: int, context: int, row_format: str, huge: bool = False):
+    """(k, v, scales) in a host row format: float rows as `make_store` (scales {}), or the host tier's 8-bit rows,
+    k / v [batch, NUM_KV_HEADS, context, HEAD_DIM] int8 / float8_e4m3fn codes and scales {"k_scale", "v_scale"}
+    [batch, NUM_KV_HEADS, context // PHYSICAL_BLOCK] float32, the keywords `HostTier.scales()` hands the kernels."""
+    if row_format not in QUANT_DTYPES:
+        return (*make_store(batch, context, getattr(torch, row_format), huge), {})
+    base = torch.randn(batch, NUM_KV_HEADS, 4096, HEAD_DIM)
+    valid = torch.ones(batch, 4096, dtype=torch.bool)
+    k_codes, k_scale = quantize_blocks(base, valid, PHYSICAL_BLOCK, row_format)
+    v_codes, v_scale = quantize_blocks(base.flip(-1), valid, PHYSICAL_BLOCK, row_format)
+    dtype = QUANT_DTYPES[row_format]
+    k = _fill_rows(k_codes, host_zeros((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge))
+    v = _fill_rows(v_codes, host_zeros((batch, NUM_KV_HEADS, context, HEAD_DIM), dtype, pin=False, huge=huge))
+    num_blocks = context // PHYSICAL_BLOCK
+    scales = {
+        name: _fill_rows(
+            scale, host_zeros((batch, NUM_KV_HEADS, num_blocks), torch.float32, pin=False, huge=huge)
+        )
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale))
+    }
+    return k, v, scales
+
+
+def _fill_rows(base: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+    """`store` with `base` repeated along dim 2."""
+    period = base.shape[2]
+    for start in range(0, store.shape[2], period):
+        n = min(period, store.shape[2] - start)
+        store[:, :, start : start + n] = base[:, :, :n]
+    return store
+
+
+def _fill_store(base, batch, context, dtype, huge, interleaved):
     if interleaved:
         kv = host_zeros((batch, NUM_KV_HEADS, context, 2, HEAD_DIM), dtype, pin=False, huge=huge)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
@@ -200,53 +276,72 @@ def store_budget(args) -> float:
     return min(16 * 2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 3)
 
 
-def attention_rows(args, threads, probe, flush, gen) -> list[dict]:
-    dtype = getattr(torch, args.dtype)
+def attention_rows(args, threads, probe, flush, gen, row_format=None) -> list[dict]:
+    """Kernel 1's rows at one thread count and host row format (default: --dtype)."""
+    row_format = row_format or args.dtype
+    row_bytes = HEAD_DIM * (
+        QUANT_DTYPES[row_format].itemsize
+        if row_format in QUANT_DTYPES
+        else getattr(torch, row_format).itemsize
+    )
+    scale_bytes = 4 if row_format in QUANT_DTYPES else 0  # per K (and per V) block of PHYSICAL_BLOCK rows
     rows = []
-    for context in map(tokens, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            store_bytes = 2 * batch * NUM_KV_HEADS * context * HEAD_DIM * dtype.itemsize
-            smallest_call = (
-                max(1, round(min(map(float, args.budgets.split(","))) * context)) * store_bytes // context
-            )
-            num_stores, sets = (1, 1) if flush else rotation(store_bytes, smallest_call, store_budget(args))
-            stores = [make_store(batch, context, dtype, args.pages == "huge") for _ in range(num_stores)]
-            q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
-            scale = HEAD_DIM**-0.5
-            for budget in map(float, args.budgets.split(",")):
-                for selection in args.selections.split(","):
-                    block = None if selection == "token" else int(selection.removeprefix("block"))
-                    units = context // (block or 1)
-                    count = max(1, round(budget * units))
-                    selections = make_selections(batch, units, count, sets, gen)
-                    lengths = torch.full((batch, NUM_KV_HEADS), count)
-                    row_count = count * (block or 1)
-                    nbytes = batch * NUM_KV_HEADS * (row_count * HEAD_DIM * dtype.itemsize * 2 + count * 8)
-                    # call i: store i % S, selection (i // S) % len(selections)
-                    calls = [
-                        (q, k, v, idx, lengths, scale)
-                        for idx, (k, v) in itertools.product(selections, stores)
-                    ]
-                    native = [
-                        functools.partial(cpu.sparse_attention_lse, *c, block_size=block, num_threads=threads)
-                        for c in calls
-                    ]
-                    prepared = prepared_calls(calls, block, threads)
-                    baseline = [
-                        functools.partial(reference.sparse_attention_lse, *c, block_size=block) for c in calls
-                    ]
-                    (native_s, prepared_s), bandwidth = probe.around(
-                        lambda native=native, prepared=prepared: (
-                            timed(native, args.reps, flush),
-                            timed(prepared, args.reps, flush),
-                        )
+    for context, batch in args.shape_list:
+        store_bytes = 2 * batch * NUM_KV_HEADS * context * row_bytes
+        smallest_call = (
+            max(1, round(min(map(float, args.budgets.split(","))) * context)) * store_bytes // context
+        )
+        num_stores, sets = (1, 1) if flush else rotation(store_bytes, smallest_call, store_budget(args))
+        stores = [make_row_store(batch, context, row_format, args.pages == "huge") for _ in range(num_stores)]
+        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+        scale = HEAD_DIM**-0.5
+        for budget in map(float, args.budgets.split(",")):
+            for selection in args.selections.split(","):
+                block = None if selection == "token" else int(selection.removeprefix("block"))
+                units = context // (block or 1)
+                count = max(1, round(budget * units))
+                selections = make_selections(batch, units, count, sets, gen)
+                lengths = torch.full((batch, NUM_KV_HEADS), count)
+                row_count = count * (block or 1)
+                kv_bytes = batch * NUM_KV_HEADS * row_count * row_bytes * 2
+                # a token row reads its block's K and V scale; a block reads them once
+                scales_read = (
+                    2 * scale_bytes * (count if block is None else count * math.ceil(block / PHYSICAL_BLOCK))
+                )
+                nbytes = kv_bytes + batch * NUM_KV_HEADS * (count * 8 + scales_read)
+                # call i: store i % S, selection (i // S) % len(selections)
+                calls = [
+                    (q, k, v, idx, lengths, scale, scales)
+                    for idx, (k, v, scales) in itertools.product(selections, stores)
+                ]
+                native = [
+                    functools.partial(
+                        cpu.sparse_attention_lse, *c[:6], block_size=block, num_threads=threads, **c[6]
                     )
-                    torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
-                    label = (context, batch, budget, selection, row_count, nbytes)
-                    rows.append(row("attention", *label, native_s, torch_s, bandwidth, prepared_s))
-                    rows[-1]["rotation"] = [len(stores), len(selections)]
-                    print_row(rows[-1])
-            del stores
+                    for c in calls
+                ]
+                prepared = prepared_calls(calls, block, threads)
+                baseline = [
+                    functools.partial(reference.sparse_attention_lse, *c[:6], block_size=block, **c[6])
+                    for c in calls
+                ]
+                (native_s, prepared_s), bandwidth = probe.around(
+                    lambda native=native, prepared=prepared: (
+                        timed(native, args.reps, flush),
+                        timed(prepared, args.reps, flush),
+                    )
+                )
+                torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
+                label = (context, batch, budget, selection, row_count, nbytes)
+                rows.append(row("attention", *label, native_s, torch_s, bandwidth, prepared_s))
+                rows[-1].update(
+                    rotation=[len(stores), len(selections)],
+                    row_format=row_format,
+                    threads=threads,
+                    kv_gbps=round(kv_bytes / prepared_s / 1e9, 2),
+                )
+                print_row(rows[-1])
+        del stores
     return rows
 
 
@@ -256,12 +351,24 @@ def prepared_calls(calls, block, threads) -> list:
     host's VMs), so the row shows the kernel's own speed too."""
     out = {}
     prepared = []
-    for q, k, v, idx, lengths, scale in calls:
+    for q, k, v, idx, lengths, scale, *scales in calls:
         q3 = q[:, :, 0].contiguous()
         if q3.shape not in out:
             out[q3.shape] = (torch.empty(q3.shape), torch.empty(q3.shape[:2]))
         prepared.append(
-            cpu.PreparedAttention(q3, k, v, idx, lengths, scale, *out[q3.shape], None, block, threads)
+            cpu.PreparedAttention(
+                q3,
+                k,
+                v,
+                idx,
+                lengths,
+                scale,
+                *out[q3.shape],
+                None,
+                block,
+                threads,
+                **(scales[0] if scales else {}),
+            )
         )
     return prepared
 
@@ -279,27 +386,24 @@ def make_digests(batch: int, num_blocks: int, dtype: torch.dtype, huge: bool, ge
 def scoring_rows(args, threads, probe, flush, gen) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
-    for context in map(tokens, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            num_blocks = context // PHYSICAL_BLOCK
-            nbytes = 2 * batch * NUM_KV_HEADS * num_blocks * HEAD_DIM * dtype.itemsize
-            copies = 1 if flush else max(2, math.ceil(2 * last_level_cache_bytes() / nbytes) + 1)
-            digests = [
-                make_digests(batch, num_blocks, dtype, args.pages == "huge", gen) for _ in range(copies)
-            ]
-            q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
-            for logical in (16, 64):
-                factor = logical // PHYSICAL_BLOCK
-                top = max(1, round(0.05 * num_blocks / factor))
-                calls = [(q, key_min, key_max, top, factor) for key_min, key_max in digests]
-                native = [functools.partial(cpu.score_topk, *c, num_threads=threads) for c in calls]
-                native_s, bandwidth = probe.around(functools.partial(timed, native, args.reps, flush))
-                baseline = [functools.partial(torch_score_topk, *c) for c in calls]
-                torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
-                label = (context, batch, None, f"block{logical}", num_blocks // factor, nbytes)
-                rows.append(row("score+top5%", *label, native_s, torch_s, bandwidth))
-                rows[-1]["rotation"] = [copies, 1]
-                print_row(rows[-1])
+    for context, batch in args.shape_list:
+        num_blocks = context // PHYSICAL_BLOCK
+        nbytes = 2 * batch * NUM_KV_HEADS * num_blocks * HEAD_DIM * dtype.itemsize
+        copies = 1 if flush else max(2, math.ceil(2 * last_level_cache_bytes() / nbytes) + 1)
+        digests = [make_digests(batch, num_blocks, dtype, args.pages == "huge", gen) for _ in range(copies)]
+        q = torch.randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+        for logical in (16, 64):
+            factor = logical // PHYSICAL_BLOCK
+            top = max(1, round(0.05 * num_blocks / factor))
+            calls = [(q, key_min, key_max, top, factor) for key_min, key_max in digests]
+            native = [functools.partial(cpu.score_topk, *c, num_threads=threads) for c in calls]
+            native_s, bandwidth = probe.around(functools.partial(timed, native, args.reps, flush))
+            baseline = [functools.partial(torch_score_topk, *c) for c in calls]
+            torch_s = None if args.no_torch else timed(baseline, args.torch_reps, flush)
+            label = (context, batch, None, f"block{logical}", num_blocks // factor, nbytes)
+            rows.append(row("score+top5%", *label, native_s, torch_s, bandwidth))
+            rows[-1].update(rotation=[copies, 1], threads=threads)
+            print_row(rows[-1])
     return rows
 
 
@@ -334,8 +438,8 @@ def row(
 
 
 HEADER = (
-    "| kernel | context | batch | budget | selection | rows/head | MB | ms | GB/s | read BW GB/s | % read BW "
-    "| torch ms | speedup | prepared ms | % read BW | speedup |"
+    "| format | threads | kernel | context | batch | budget | selection | rows/head | MB | ms | GB/s | read BW GB/s | % read BW "
+    "| torch ms | speedup | prepared ms | % read BW | speedup | KV GB/s |"
 )
 
 
@@ -348,10 +452,11 @@ def format_row(r: dict) -> str:
     else:
         fast = "-" if r["prepared_speedup"] is None else f"{r['prepared_speedup']:.1f}x"
         prepared = f"{r['prepared_ms']:.3f} | {r['prepared_pct_read_bw']:.0f}% | {fast}"
+    kv = "-" if r.get("kv_gbps") is None else f"{r['kv_gbps']:.1f}"
     return (
-        f"| {r['kernel']} | {r['context'] // 1024}K | {r['batch']} | {budget} | {r['selection']} | "
+        f"| {r.get('row_format', '-')} | {r.get('threads', '-')} | {r['kernel']} | {r['context'] // 1024}K | {r['batch']} | {budget} | {r['selection']} | "
         f"{r['rows_per_head']} | {r['mbytes']:.1f} | {r['ms']:.3f} | {r['gbps']:.1f} | {r['read_bw_gbps']:.0f} | "
-        f"{r['pct_read_bw']:.0f}% | {torch_ms} | {speedup} | {prepared} |"
+        f"{r['pct_read_bw']:.0f}% | {torch_ms} | {speedup} | {prepared} | {kv} |"
     )
 
 
@@ -437,7 +542,8 @@ def main() -> None:
     args = parse_args()
     if not cpu.is_available():
         raise SystemExit(f"CPU kernels unavailable: {_library.unavailable_reason()}")
-    threads = args.threads or _library.default_num_threads()
+    thread_counts = args.thread_counts or [_library.default_num_threads()]
+    threads = thread_counts[0]
     torch.set_num_threads(threads)  # the torch baseline gets the same cores
     info = machine_info(threads)
     print(json.dumps(info), flush=True)
@@ -464,12 +570,18 @@ def main() -> None:
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     each_call = flush if args.cold == "flush" else None
-    probe = ReadProbe(threads)
     kernels = args.kernels.split(",")
-    rows = (attention_rows(args, threads, probe, each_call, gen) if "attention" in kernels else []) + (
-        scoring_rows(args, threads, probe, each_call, gen) if "score" in kernels else []
-    )
-    low, high = min(probe.seen), max(probe.seen)
+    rows, seen = [], []
+    for count in thread_counts:  # each count against a read probe of its own threads
+        torch.set_num_threads(count)
+        probe = ReadProbe(count)
+        if "attention" in kernels:
+            for row_format in args.row_formats:
+                rows += attention_rows(args, count, probe, each_call, gen, row_format)
+        if "score" in kernels:
+            rows += scoring_rows(args, count, probe, each_call, gen)
+        seen += probe.seen
+    low, high = min(seen), max(seen)
 
     suffix = ("-4k" if args.pages == "4k" else "") + ("-flush" if args.cold == "flush" else "")
     name = args.name or machine_slug(info) + suffix
@@ -477,12 +589,12 @@ def main() -> None:
     manifest.write(out_dir, name=f"cpu_attention_{name}.manifest.json")
     result = {"machine": info, "read_bandwidth_gbps": round(bandwidth, 2),
               "probe_range_gbps": [round(low, 1), round(high, 1)], "dtype": args.dtype,
-              "pages": args.pages, "cold": args.cold, "note": args.note, "rows": rows}  # fmt: skip
+              "row_formats": args.row_formats, "thread_counts": thread_counts, "pages": args.pages, "cold": args.cold, "note": args.note, "rows": rows}  # fmt: skip
     (out_dir / f"cpu_attention_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# CPU kernels on {info['cpu_model']} ({info['cores']} cores, host `{info['hostname']}`)",
         "",
-        f"Threads {threads}, ISA `{info['isa']}`, prefetch {info['prefetch']}, {args.dtype} KV "
+        f"Threads {', '.join(map(str, thread_counts))}, ISA `{info['isa']}`, prefetch {info['prefetch']}, {args.dtype} KV (rows in {', '.join(args.row_formats)}) "
         f"({'transparent huge pages' if args.pages == 'huge' else '4 KiB pages'}), torch "
         f"{info['torch']}, {info['compiler']}. Read bandwidth at the start: **{bandwidth:.1f} GB/s** (2 GiB read, "
         "same threads); `read BW` is the best of a 1 GiB read just before and one just after each row (this "
@@ -491,7 +603,8 @@ def main() -> None:
         "min+max digests for scoring. Speedup is over the torch-gather reference (`tandem.kernels.reference`). "
         "`ms` times the general call (`cpu.sparse_attention_lse`: argument checks, copies, new outputs); the "
         "`prepared` columns time the same rows through `cpu.PreparedAttention`, laid out once as the decode path "
-        "does, i.e. the kernel with a few us of Python.",
+        "does, i.e. the kernel with a few us of Python; `KV GB/s` is the K+V row bytes in the row format (no ids or "
+        "scales) per second of the prepared call.",
         "",
         *([args.note, ""] if args.note else []),
         HEADER,

@@ -59,7 +59,7 @@ def test_host_mode(capsys, tmp_path):
     bench.write_text(json.dumps({"host_read_gbs": 65, "pcie_gbs": 55, "hbm_gbs": 2900, "device": "fixture"}))
     assert run_cli(["--from-bench", str(bench), "--context", "32k", "--batch", "16"]) == 0
     assert "predicted TPOT" in capsys.readouterr().out
-    assert run_cli(["--host", "--host-bandwidth-gbs", "40", "--host-cores", "8"]) == 0
+    assert run_cli(["--host", "--host-bandwidth-gbs", "40", "--cpu-threads", "7"]) == 0
     out = capsys.readouterr().out
     assert "| 128K | 16 |" in out and "no (max batch" in out
 

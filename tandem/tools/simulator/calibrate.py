@@ -1,51 +1,51 @@
-"""The same step model with "memory tier = host DRAM + CPU cores": predicts Tandem's decode TPOT on a host.
+"""A GPU host's measured facts, read from `tandem bench`'s file, and the host model's reports.
 
-Tandem's hybrid attention is PnG-KV with one GPU and one memory-side device: the GPU runs the FC layers
-and dense attention over a hot set (sinks + recent window, appended on the GPU, never recalled), the
-host scores page digests and attends the selected fraction of the offloaded tokens, and only q, o and
-lse cross PCIe. So a host is described as a ``MemoryDeviceSpec`` (capacity = host RAM, bandwidth =
-measured read bandwidth, compute = cores x per-core rate, link = pinned PCIe) and run through
-``schemes.pnkv_step`` unchanged.
+The model itself is `host_step` (one model of Tandem's decode step on a host, used by every table). This module
+reads the host (`HostMeasurements`: bandwidths from a bench file or flags, plus the per-layer costs measured on the
+lent H100), prices a bench file's rows (`bench_comparison`) and a grid of contexts x batches (`prediction_rows`)
+through that one model, and prints them.
 
 Bench file (JSON): `tandem bench`'s own bench.json, whose "bandwidth" (host_read_gbps, pcie_h2d_gbps, hbm_gbps,
-measured beside its rows) and "machine" (gpu, cores, memory_gb, gpu_memory_gb) describe the host; or a flat object
-with these keys:
+measured beside its rows) and "machine" (gpu, cores, threads, memory_gb, gpu_memory_gb) describe the host; or a
+flat object with these keys:
 
     required: host_read_gbs (host memory read, GB/s), pcie_gbs (pinned host->GPU, GB/s),
               hbm_gbs (GPU attention/weights streaming, GB/s)
-    optional: device (str), host_cores (16), host_memory_gib (128), gpu_memory_gib (80),
-              gpu_tflops (989), cpu_gflops_per_core (100), layer_sync_us (60)
-
-`bench_comparison` puts a bench.json's measured quest rows beside the model's prediction for the same host.
+    optional: device (str), host_cores (16), cpu_threads (15), host_memory_gib (128), gpu_memory_gib (80),
+              layer_sync_us (50), forward_layer_us (75), selection_layer_us (49)
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from tandem.config import DEFAULT_GPU_SHARE, TandemConfig
-from tandem.tools.simulator.config import SystemConfig, Workload, format_context, parse_context
-from tandem.tools.simulator.hardware import GPUS, MemoryDeviceSpec, PlatformSpec, get_model
-from tandem.tools.simulator.model import SimResult, simulate
+from tandem.tools.simulator.config import format_context, parse_context
+from tandem.tools.simulator.hardware import get_model
+from tandem.tools.simulator.host_step import CpuRates, HostStep, StepSetup, host_step
 
 REQUIRED_KEYS = ("host_read_gbs", "pcie_gbs", "hbm_gbs")
 
 
 @dataclass(frozen=True)
 class HostMeasurements:
-    """Measured facts of a GPU host (units in the names; GB = 1e9 bytes).
+    """Measured facts of a GPU host (units in the names; GB = 1e9 bytes). For a tensor-parallel host, the host read
+    is the ranks' sum and `cpu_threads` each rank's.
 
-    Defaults for optional fields are the lent H100 host's (`LENT_H100_HOST`, docs/simulator.md); ``cpu_gflops_per_core`` (bf16 dot
-    products with fp32 accumulation on AVX-512) is an assumption until a benchmark measures it. ``layer_sync_us``
-    (per layer: hand q to the CPU workers, wait, copy (o, lse) back, merge) is the engine's measured round trip
-    on the H100: ~50 us a layer even with nothing to attend (a streaming step with and without hand-offs,
-    `2026-11-27_h100_decode_forward/`) and 60-70 us on a small model (`2026-11-27_h100_handoff_server/`).
+    The per-layer costs default to the lent H100's, measured apart from the bench runs the model is checked on:
+    - layer_sync_us: a layer's hand-off to the host and back with nothing to attend, 51 us: a streaming step took
+      8.77 ms with hand-offs and 7.13 ms without (`2026-11-27_h100_decode_forward/`);
+    - forward_layer_us: the forward's time past its weights, per layer: a streaming step of the 8B shape took 7.35
+      ms against 4.95 ms of weights at 128K (`2026-11-27_h100_decode_forward/`), (7.35 - 4.95) / 32 layers;
+    - selection_layer_us: quest's selection past reading the digests, per layer: ~1.9 ms a step at 1 x 128K (bounds
+      0.65, top-k 0.81, recall plan 0.47, traced in `2026-11-27_h100_host_dtype/profile_quest_128k.json`), less
+      the digests' 0.35 ms at HBM speed, over 32 layers.
 
     Example:
-        >>> HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900).host_cores
-        16
+        >>> HostMeasurements(host_read_gbs=108, pcie_gbs=55, hbm_gbs=3030).cpu_threads
+        15
     """
 
     host_read_gbs: float
@@ -53,27 +53,24 @@ class HostMeasurements:
     hbm_gbs: float
     device: str = "H100-80GB host"
     host_cores: int = 16
+    cpu_threads: int = 15
     host_memory_gib: float = 128
     gpu_memory_gib: float = 80
-    gpu_tflops: float = 989
-    cpu_gflops_per_core: float = 100
-    layer_sync_us: float = 60
+    layer_sync_us: float = 50
+    forward_layer_us: float = 75
+    selection_layer_us: float = 49
 
     def __post_init__(self) -> None:
-        for name in (
-            "host_read_gbs",
-            "pcie_gbs",
-            "hbm_gbs",
-            "host_memory_gib",
-            "gpu_memory_gib",
-            "gpu_tflops",
-        ):
+        for name in ("host_read_gbs", "pcie_gbs", "hbm_gbs", "host_memory_gib", "gpu_memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)}: must be positive, got {getattr(self, name)}")
         if self.host_cores < 1:
             raise ValueError(f"--host-cores: must be at least 1, got {self.host_cores}")
-        if not self.cpu_gflops_per_core > 0 or self.layer_sync_us < 0:
-            raise ValueError("--cpu-gflops-per-core must be positive and --layer-sync-us non-negative")
+        if self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads: must be at least 1, got {self.cpu_threads}")
+        for name in ("layer_sync_us", "forward_layer_us", "selection_layer_us"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{_flag(name)}: must be 0 or more, got {getattr(self, name)}")
 
 
 # the command-line flag of each HostMeasurements field, where its name differs (tandem simulate --host)
@@ -84,10 +81,9 @@ def _flag(name: str) -> str:
     return FIELD_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
-# Measured on the lent H100 host (docs/simulator.md): 15-thread host copy 65 GB/s (read + write bytes, so a
-# pure read stream reaches at least this), pinned PCIe 55 GB/s, SDPA decode over 128K tokens of one 8B
-# layer (512 MiB of KV) in 185 us = 2.9 TB/s.
-LENT_H100_HOST = HostMeasurements(host_read_gbs=65, pcie_gbs=55, hbm_gbs=2900, device="lent H100 host")
+# The lent H100 host as `tandem bench` measured it (`2026-11-27_h100_host_dtype/bench/bench.json`): 15-thread host
+# read, pinned PCIe and HBM streaming.
+LENT_H100_HOST = HostMeasurements(host_read_gbs=107.9, pcie_gbs=55.1, hbm_gbs=3032, device="lent H100 host")
 
 
 def read_bench(path: str | Path) -> dict:
@@ -138,6 +134,8 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
         )
     flat = {field: float(bandwidth[key]) for key, field in BENCH_BANDWIDTHS.items()}
     flat["device"] = f"{machine.get('gpu', 'GPU')} host ({file.parent.name or file.name})"
+    if machine.get("threads"):
+        flat["cpu_threads"] = int(machine["threads"])
     # a tensor-parallel bench's ranks measured the host together, each on its own cores: the host is the sum
     gpus = int((data.get("model") or {}).get("gpus") or 1)
     flat["host_read_gbs"] *= gpus
@@ -150,80 +148,68 @@ def _from_tandem_bench(data: dict, file: Path) -> dict:
     return flat
 
 
-def bench_comparison(
-    path: str | Path,
-    sparsity: float = 0.05,
-    hot_tokens: int | None = None,
-    device_share: float | None = None,
-    host: HostMeasurements | None = None,
-) -> list[dict]:
-    """Each quest row of a `tandem bench` bench.json (status ok, the host tier in the model's dtype) beside the
-    prediction for the host the file describes: {context, batch, system, measured_ms, predicted_ms, error}
-    with error = predicted / measured - 1. hot_tokens: sinks + window on the GPU (default: `bench_settings`,
-    TandemConfig's); device_share: quest's gpu_share on CUDA (default: the engine's), or the one a row's label
-    names. Selection is
-    priced on the GPU, as the engine runs it (the digests mirrored in GPU memory). The recall cache's hit share is
-    the row's own (`cache_bytes_per_step` of the selected bytes); a tensor-parallel file is priced on its GPUs.
-
-    Where the file also measured `streaming` at the same context and batch (the step without host attention),
-    `floor_predicted_ms` / `floor_error` replace the model's weight-streaming time by that measured floor: the
-    model prices the weights at HBM speed, and the layers' code takes longer (docs/engine.md)."""
-    data = read_bench(path)
-    host = host or _host_of(data, Path(path))  # given: the file's host with the command line's overrides
-    settings = bench_settings(data)
-    model, gpus = settings["model"], settings["gpus"]
-    hot_tokens = settings["hot_tokens"] if hot_tokens is None else hot_tokens
-    device_share = settings["device_share"] if device_share is None else device_share
-    if not data.get("rows") or model is None:
-        raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
-    floors = {
-        (r["context"], r["batch"]): r["tpot_median_ms"]
-        for r in data["rows"]
-        if r.get("system") == "tandem-streaming" and r.get("status") == "ok"
-    }
-    out = []
-    for row in data["rows"]:
-        system = row.get("system", "")
-        if not system.startswith("tandem-quest") or row.get("status") != "ok":
-            continue
-        if "host_dtype=" in system and "host_dtype=none" not in system:
-            continue  # the model prices a host tier in the model's dtype
-        pred = predict_host(
-            host, model, row["context"], row["batch"], sparsity=sparsity, hot_tokens=hot_tokens,
-            device_share=_share_of(system, device_share), gpu_selection=settings["gpu_selection"], gpus=gpus,
-            recall_hit=_recall_hit(row), host_split=_setting_of(system, "host_split") or "heads",
-        )  # fmt: skip
-        predicted = pred.result.step.step_s * 1e3
-        measured = row["tpot_median_ms"]
-        entry = {
-            "context": row["context"], "batch": row["batch"], "system": system, "measured_ms": measured,
-            "predicted_ms": predicted, "error": predicted / measured - 1,
-        }  # fmt: skip
-        floor = floors.get((row["context"], row["batch"]))
-        if floor is not None:
-            with_floor = predicted - pred.result.step.phases["fc"] * 1e3 + floor
-            entry.update(floor_predicted_ms=with_floor, floor_error=with_floor / measured - 1)
-        out.append(entry)
-    return out
+def predict_host(
+    host: HostMeasurements,
+    model: str,
+    context: str | int,
+    batch: int,
+    setup: StepSetup | None = None,
+    rates: CpuRates | None = None,
+) -> HostStep:
+    """Tandem's decode step on `host` for `batch` requests of `context` tokens (`host_step`): the one model every
+    table of `tandem simulate --host` / `--from-bench` uses."""
+    return host_step(
+        host, rates or CpuRates.load(), get_model(model), parse_context(context), batch, setup or StepSetup()
+    )
 
 
-def _recall_hit(row: dict) -> float:
-    """The share of a bench row's selected bytes that its recall cache served (0 without one): measured, since
-    how often a step re-selects last steps' blocks depends on the model, not the host."""
+def engine_setup(data: dict | None = None, sparsity: float = 0.05) -> StepSetup:
+    """The layout `tandem bench` runs (TandemConfig's hot set, quest's default device share, 16-token pages) on the
+    file's GPU count; a row's label may change the policy, row format, device share and split (`row_setup`)."""
+    config = TandemConfig()
+    gpus = int(((data or {}).get("model") or {}).get("gpus") or 1)
+    return StepSetup(
+        sparsity=sparsity,
+        hot_tokens=config.sink_tokens + config.window_tokens,
+        page_size=config.block_size,
+        device_share=DEFAULT_GPU_SHARE,
+        gpus=gpus,
+    )
+
+
+def row_setup(row: dict, base: StepSetup) -> StepSetup | None:
+    """How the model prices one bench row (its label's policy and settings, its measured recall-cache hits), or
+    None for a row it does not model (HF's caches, other policies)."""
+    system = row.get("system", "")
+    policy = system.removeprefix("tandem-").partition("[")[0]
+    if not system.startswith("tandem-") or policy not in ("quest", "streaming"):
+        return None
+    dtype = _setting_of(system, "host_dtype")
+    row_format = "bfloat16" if dtype in (None, "none", "None") else dtype
+    split = _setting_of(system, "host_split") or base.host_split
+    share = _setting_of(system, "gpu_share")
+    budget = _setting_of(system, "budget")
+    return StepSetup(
+        policy=policy,
+        row_format=row_format,
+        sparsity=float(budget) if budget else base.sparsity,
+        hot_tokens=base.hot_tokens,
+        page_size=base.page_size,
+        device_share=float(share) if share not in (None, "None") else base.device_share,
+        recall_hit=_recall_hit(row, row_format),
+        gpus=base.gpus,
+        host_split=split,
+    )
+
+
+def _recall_hit(row: dict, row_format: str) -> float:
+    """The share of a bench row's selected tokens that its recall cache served (0 without one): measured, since how
+    often a step re-selects last steps' blocks depends on the model and the prompt, not the host. Counted in tokens:
+    the cache holds model-dtype rows, the host tier `row_format` rows."""
+    stored = {"int8": 0.5, "fp8": 0.5}.get(row_format, 1.0)  # host row bytes per model-dtype row byte
     cached = row.get("cache_bytes_per_step") or 0.0
-    total = cached + (row.get("cpu_bytes_per_step") or 0.0) + (row.get("pcie_bytes_per_step") or 0.0)
-    return cached / total if total > 0 else 0.0
-
-
-def _share_of(system: str, default: float) -> float:
-    """The gpu_share a bench row's label names (`tandem-quest[gpu_share=0.7]`), else `default`; a request split
-    has none."""
-    if _setting_of(system, "host_split") == "requests":
-        return 0.0
-    try:
-        return float(_setting_of(system, "gpu_share") or default)
-    except ValueError:
-        return default
+    host = ((row.get("cpu_bytes_per_step") or 0.0) + (row.get("pcie_bytes_per_step") or 0.0)) / stored
+    return cached / (cached + host) if cached + host > 0 else 0.0
 
 
 def _setting_of(system: str, name: str) -> str | None:
@@ -235,227 +221,165 @@ def _setting_of(system: str, name: str) -> str | None:
     return None
 
 
-def comparison_table(rows: list[dict]) -> str:
-    """Markdown of `bench_comparison`."""
-    lines = [
-        "| context | batch | system | measured TPOT (ms) | predicted (ms) | error | with the measured floor | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        floor = (
-            f"{r['floor_predicted_ms']:.2f} | {r['floor_error']:+.0%}"
-            if "floor_predicted_ms" in r
-            else "- | -"
-        )
-        lines.append(
-            f"| {format_context(r['context'])} | {r['batch']} | {r['system']} | {r['measured_ms']:.2f} | "
-            f"{r['predicted_ms']:.2f} | {r['error']:+.0%} | {floor} |"
-        )
-    return "\n".join(lines)
-
-
-def host_system(
-    host: HostMeasurements,
-    model: str,
-    context: str | int,
-    batch: int,
+def bench_comparison(
+    path: str | Path,
     sparsity: float = 0.05,
-    hot_tokens: int = 4096,
-    page_size: int = 16,
-    device_share: float = 0.0,
-    gpu_selection: bool = False,
-    gpus: int = 1,
-    recall_hit: float = 0.0,
-    host_split: str = "heads",
-) -> SystemConfig:
-    """`gpus` GPUs (tensor-parallel) + the host tier, running Tandem's layout (PnG-KV with a fixed hot set).
-
-    sparsity: fraction of the offloaded tokens the CPU attends per step. Efficiencies are 1 because the
-    bandwidths are measured; 85% of host RAM is assumed usable for KV (OS, pinned staging buffers).
-    host_split: how `gpus` ranks divide the host tier (`TandemConfig.host_split`). "heads": every rank takes an
-    equal share of every request, so the host is one memory device with the ranks' summed bandwidth and cores.
-    "requests": the host is one device per rank (its share of the bandwidth, cores and memory) under PnG-KV's
-    DP mapping: whole requests per device, so the busiest one holds ceil(batch / gpus) of them.
-    """
-    ctx = parse_context(context)
-    workload = Workload(
-        context_tokens=ctx,
-        budget_fraction=sparsity,
-        page_size=page_size,
-        max_batch=batch,
-        hot_tokens=min(hot_tokens, ctx),
-        device_share=device_share,
-        gpu_selection=gpu_selection,
-        recall_hit=recall_hit,
-    )
-    tier = MemoryDeviceSpec(
-        name=f"host DRAM + {host.host_cores} cores",
-        capacity_gib=host.host_memory_gib * 0.85,
-        bandwidth_gbs=host.host_read_gbs,
-        tflops=host.host_cores * host.cpu_gflops_per_core / 1000,
-        active_w=0.0,
-        idle_w=0.0,
-        link_gbs=host.pcie_gbs,
-        hw_cost_per_h=0.0,
-        op_cost_per_h=0.0,
-    )
-    devices = 1
-    if host_split == "requests" and gpus > 1:
-        devices = gpus
-        tier = replace(
-            tier,
-            capacity_gib=tier.capacity_gib / gpus,
-            bandwidth_gbs=tier.bandwidth_gbs / gpus,
-            tflops=tier.tflops / gpus,
-        )
-    gpu = replace(GPUS["h100"], name=host.device, hbm_gib=host.gpu_memory_gib, hbm_gbs=host.hbm_gbs)
-    gpu = replace(gpu, bf16_tflops=host.gpu_tflops, pcie_gbs=host.pcie_gbs)
-    platform = PlatformSpec(
-        host_link_gbs=host.pcie_gbs,
-        gpu_bw_eff=1.0,
-        pnm_bw_eff=1.0,
-        pnm_flops_eff=1.0,
-        link_eff=1.0,
-        layer_overhead_us=host.layer_sync_us / 2,  # two hops per layer: q out, (o, lse) back
-    )
-    return SystemConfig(get_model(model), gpu, gpus, devices, "pnkv", workload, platform, tier)
+    host: HostMeasurements | None = None,
+    rates: CpuRates | None = None,
+) -> list[dict]:
+    """Every row of a `tandem bench` bench.json (status ok) beside the host model's prediction for the host the file
+    describes: {context, batch, system, policy, row_format, gpus, host_split, measured_ms, predicted_ms, error,
+    terms_ms} with error = predicted / measured - 1, or predicted_ms None and `reason` for a row the model does not
+    price (HF's caches, policies other than quest and streaming)."""
+    data = read_bench(path)
+    host = host or _host_of(data, Path(path))  # given: the file's host with the command line's overrides
+    model = (data.get("model") or {}).get("name")
+    if not data.get("rows") or model is None:
+        raise ValueError(f"--from-bench: {path} has no measured rows (a tandem bench bench.json has)")
+    rates = rates or CpuRates.load()
+    base = engine_setup(data, sparsity)
+    out = []
+    for row in data["rows"]:
+        if row.get("status") != "ok":
+            continue
+        entry = {"context": row["context"], "batch": row["batch"], "system": row.get("system", ""),
+                 "measured_ms": row["tpot_median_ms"], "gpus": base.gpus}  # fmt: skip
+        setup = row_setup(row, base)
+        if setup is None:
+            out.append({**entry, "predicted_ms": None, "error": None, "reason": "not modelled"})
+            continue
+        step = predict_host(host, model, row["context"], row["batch"], setup, rates)
+        terms = step.terms_ms()
+        out.append({
+            **entry, "policy": setup.policy, "row_format": setup.row_format, "host_split": setup.host_split,
+            "device_share": setup.device_share, "recall_hit": setup.recall_hit, "predicted_ms": terms["step"],
+            "error": terms["step"] / row["tpot_median_ms"] - 1, "terms_ms": terms,
+        })  # fmt: skip
+    return out
 
 
-@dataclass(frozen=True)
-class HostPrediction:
-    """Predicted decode step on a host; ``fits`` is False when the requested batch exceeds host RAM."""
-
-    result: SimResult
-    requested_batch: int
-
-    @property
-    def fits(self) -> bool:
-        return self.result.feasible and self.result.step.batch >= self.requested_batch
-
-    @property
-    def max_batch(self) -> int:
-        return self.result.step.batch
-
-
-def predict_host(
-    host: HostMeasurements, model: str, context: str | int, batch: int, **kwargs: object
-) -> HostPrediction:
-    """Predict Tandem's TPOT on ``host`` for ``batch`` requests of ``context`` tokens."""
-    if batch < 1:
-        raise ValueError(f"--batch: must be at least 1, got {batch}")
-    cfg = host_system(host, model, context, batch, **kwargs)  # type: ignore[arg-type]
-    if cfg.memory.capacity_gib <= 0:
-        raise ValueError("--host-memory-gib: must be positive")
-    unlimited = replace(cfg, workload=replace(cfg.workload, max_batch=None))
-    capacity = simulate(unlimited).step.batch
-    result = simulate(cfg)
-    if capacity < batch:
-        return HostPrediction(replace(result, step=replace(result.step, batch=capacity)), batch)
-    return HostPrediction(result, batch)
+def grid_setups(data: dict, sparsity: float = 0.05) -> dict:
+    """The recall-cache hit share the report's grid uses at each (context, batch) of a bench file: that of the
+    file's quest row there with the grid's own setup (model-dtype rows, default share, heads split), so that the
+    grid and the comparison price such a row alike; elsewhere 0."""
+    base = engine_setup(data, sparsity)
+    hits = {}
+    for row in data.get("rows") or []:
+        setup = row_setup(row, base) if row.get("status") == "ok" else None
+        if (
+            setup
+            and setup.policy == "quest"
+            and setup == StepSetup(**{**_fields(base), "recall_hit": setup.recall_hit})
+        ):
+            hits[(row["context"], row["batch"])] = setup.recall_hit
+    return hits
 
 
-def format_host_prediction(pred: HostPrediction) -> str:
-    """One prediction as text: TPOT and the critical-path breakdown."""
-    r = pred.result
-    c, s = r.config, r.step
-    head = (
-        f"{c.model.name}, context {format_context(c.workload.context_tokens)}, batch {pred.requested_batch},"
-        f" sparsity {c.workload.budget_fraction:.0%} + {c.workload.hot_tokens} hot tokens on the GPU,"
-        f" {c.gpu.name} + {c.memory.name}"
-    )
-    if not pred.fits:
-        need = pred.requested_batch * c.workload.context_tokens * c.model.kv_bytes_per_token / 2**30
-        fit = f"host RAM holds {pred.max_batch} requests"
-        return f"{head}\n  does not fit: {need:.0f} GiB of KV for the batch; {fit}"
-    ms = {k: v * 1e3 for k, v in s.phases.items()}
-    return "\n".join(
-        [
-            head,
-            f"  predicted TPOT   {s.step_s * 1e3:.2f} ms ({r.tokens_per_s:,.1f} tokens/s over the batch)",
-            f"  breakdown        FC {ms['fc']:.2f} ms"
-            f" | attention (GPU hot set || CPU sparse) {ms['attention']:.2f} ms"
-            f" | PCIe + sync {ms['communication']:.2f} ms",
-        ]
-    )
-
-
-def bench_settings(data: dict) -> dict:
-    """How `bench_comparison` prices the rows of a `tandem bench` file (its JSON object, `read_bench`), as
-    `predict_host` keywords plus `model`: the file's model and GPU count, Tandem's hot set (sinks + window of
-    `TandemConfig`), quest's default device share and selection on the GPU. The report's prediction table for such
-    a file uses the same, so that its two tables agree wherever they price the same row."""
-    config = TandemConfig()
-    return {
-        "model": (data.get("model") or {}).get("name"),
-        "gpus": int((data.get("model") or {}).get("gpus") or 1),
-        "hot_tokens": config.sink_tokens + config.window_tokens,
-        "device_share": DEFAULT_GPU_SHARE,
-        "gpu_selection": True,
-    }
+def _fields(setup: StepSetup) -> dict:
+    return {f.name: getattr(setup, f.name) for f in fields(setup)}
 
 
 def prediction_rows(
     host: HostMeasurements = LENT_H100_HOST,
     model: str = "llama-3.1-8b",
-    sparsity: float = 0.05,
-    hot_tokens: int = 4096,
+    setup: StepSetup | None = None,
+    rates: CpuRates | None = None,
     contexts=("32k", "64k", "128k"),
     batches=(1, 16),
-    **kwargs: object,
+    recall_hits: dict | None = None,
 ) -> list[dict]:
-    """Predictions for each context x batch at `sparsity`: {context, batch, fits, max_batch, predicted_ms, fc_ms,
-    attention_ms, communication_ms} (times None where the batch does not fit host RAM). `kwargs` go to
-    `predict_host` (gpus, device_share, gpu_selection, ...)."""
+    """The model for each context x batch: {context, batch, fits, max_batch, predicted_ms, terms_ms} (predicted_ms
+    None where the batch does not fit host RAM). recall_hits: {(context, batch): share} where measured (`grid_setups`),
+    else `setup`'s."""
+    setup = setup or StepSetup()
+    rates = rates or CpuRates.load()
     out = []
-    for context in contexts:
+    for context in map(parse_context, contexts):
         for batch in batches:
-            pred = predict_host(
-                host, model, context, batch, sparsity=sparsity, hot_tokens=hot_tokens, **kwargs
+            hit = (recall_hits or {}).get((context, batch), setup.recall_hit)
+            step = predict_host(
+                host, model, context, batch, StepSetup(**{**_fields(setup), "recall_hit": hit}), rates
             )
-            row = {
-                "context": parse_context(context),
-                "batch": batch,
-                "fits": pred.fits,
-                "max_batch": pred.max_batch,
-            }
-            phases = pred.result.step.phases if pred.fits else {}
-            row.update(
-                predicted_ms=pred.result.step.step_s * 1e3 if pred.fits else None,
-                **{
-                    f"{k}_ms": phases[k] * 1e3 if pred.fits else None
-                    for k in ("fc", "attention", "communication")
-                },
-            )
-            out.append(row)
+            terms = step.terms_ms()
+            out.append({
+                "context": context, "batch": batch, "fits": step.fits, "max_batch": step.max_batch,
+                "recall_hit": hit, "predicted_ms": terms["step"] if step.fits else None,
+                "terms_ms": terms if step.fits else None,
+            })  # fmt: skip
     return out
 
 
-def prediction_table(
-    host: HostMeasurements = LENT_H100_HOST,
-    model: str = "llama-3.1-8b",
-    sparsity: float = 0.05,
-    hot_tokens: int = 4096,
-    **kwargs: object,
-) -> str:
-    """Markdown table of predictions for 32K/64K/128K at batch 1 and 16, at `sparsity` (default 5%); `kwargs` as
-    `prediction_rows`."""
-    return prediction_markdown(prediction_rows(host, model, sparsity, hot_tokens, **kwargs))
+TERM_COLUMNS = ("floor", "selection", "sync", "cpu", "pcie", "shared_read", "cache")
+TERM_HEADER = "floor | selection | hand-offs | CPU | PCIe | both reads | recall cache"
+
+
+def _terms(terms: dict | None) -> str:
+    if terms is None:
+        return " | ".join("-" for _ in TERM_COLUMNS)
+    return " | ".join(f"{terms[t]:.2f}" for t in TERM_COLUMNS)
 
 
 def prediction_markdown(rows: list[dict]) -> str:
-    """Markdown of `prediction_rows`."""
+    """Markdown of `prediction_rows`: the step and its terms (ms; the largest of CPU, PCIe and both reads counts)."""
     lines = [
-        "| context | batch | predicted TPOT (ms) | FC (ms) | attention (ms) | PCIe + sync (ms)"
-        " | fits host RAM |",
-        "|---|---|---|---|---|---|---|",
+        f"| context | batch | recall hit | predicted TPOT (ms) | {TERM_HEADER} | fits host RAM |",
+        "|---|---|---|---|" + "---|" * len(TERM_COLUMNS) + "---|",
     ]
     for r in rows:
-        context = format_context(r["context"])
-        if not r["fits"]:
-            lines.append(f"| {context} | {r['batch']} | - | - | - | - | no (max batch {r['max_batch']}) |")
-            continue
+        fits = "yes" if r["fits"] else f"no (max batch {r['max_batch']})"
+        step = "-" if r["predicted_ms"] is None else f"{r['predicted_ms']:.2f}"
         lines.append(
-            f"| {context} | {r['batch']} | {r['predicted_ms']:.2f} | {r['fc_ms']:.2f} |"
-            f" {r['attention_ms']:.2f} | {r['communication_ms']:.2f} | yes |"
+            f"| {format_context(r['context'])} | {r['batch']} | {r['recall_hit']:.0%} | {step} | "
+            f"{_terms(r['terms_ms'])} | {fits} |"
         )
     return "\n".join(lines)
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """Markdown of `bench_comparison`: every row, its measured and predicted TPOT, the error and the terms (ms)."""
+    lines = [
+        f"| context | batch | GPUs | system | measured TPOT (ms) | predicted (ms) | error | {TERM_HEADER} |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TERM_COLUMNS),
+    ]
+    for r in rows:
+        predicted = "-" if r["predicted_ms"] is None else f"{r['predicted_ms']:.2f}"
+        error = r.get("reason", "-") if r["error"] is None else f"{r['error']:+.0%}"
+        lines.append(
+            f"| {format_context(r['context'])} | {r['batch']} | {r['gpus']} | {r['system']} | "
+            f"{r['measured_ms']:.2f} | {predicted} | {error} | {_terms(r.get('terms_ms'))} |"
+        )
+    return "\n".join(lines)
+
+
+def format_host_prediction(
+    step: HostStep, model: str, context: int, batch: int, setup: StepSetup, host
+) -> str:
+    """One prediction as text: TPOT and its terms."""
+    head = (
+        f"{model}, context {format_context(context)}, batch {batch}, {setup.policy} {setup.sparsity:.0%} + "
+        f"{setup.hot_tokens} hot tokens, {setup.row_format} host rows, {setup.gpus} GPU(s), {host.device}"
+    )
+    if not step.fits:
+        return f"{head}\n  does not fit: host RAM holds {step.max_batch} requests"
+    t = step.terms_ms()
+    return "\n".join([
+        head,
+        f"  predicted TPOT   {t['step']:.2f} ms ({batch / t['step'] * 1e3:,.1f} tokens/s over the batch)",
+        f"  terms (ms)       floor {t['floor']:.2f} | selection {t['selection']:.2f} | hand-offs {t['sync']:.2f}"
+        f" | host max(CPU {t['cpu']:.2f}, PCIe {t['pcie']:.2f}, both reads {t['shared_read']:.2f})"
+        f" | recall cache {t['cache']:.2f}",
+    ])  # fmt: skip
+
+
+def check_rows(rows: list[dict]) -> list[dict]:
+    """The rows of `bench_comparison` the model prices (quest and streaming)."""
+    return [r for r in rows if r["predicted_ms"] is not None]
+
+
+def json_ready(obj):
+    """`obj` with tuple keys made strings (JSON)."""
+    if isinstance(obj, dict):
+        return {",".join(map(str, k)) if isinstance(k, tuple) else k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_ready(v) for v in obj]
+    return obj

@@ -24,17 +24,19 @@ from tandem.tools.simulator.calibrate import (
     LENT_H100_HOST,
     HostMeasurements,
     bench_comparison,
-    bench_settings,
     comparison_table,
+    engine_setup,
     format_host_prediction,
+    grid_setups,
     load_bench,
     predict_host,
     prediction_markdown,
     prediction_rows,
     read_bench,
 )
-from tandem.tools.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme
+from tandem.tools.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme, parse_context
 from tandem.tools.simulator.hardware import GPUS, MODELS
+from tandem.tools.simulator.host_step import ROW_BYTES, CpuRates
 from tandem.tools.simulator.model import format_result, simulate
 from tandem.tools.simulator.sweep import DEFAULT_OUT, write_sweep
 
@@ -45,8 +47,10 @@ HOST_FLAGS = {
     "hbm_gbs": "hbm_gbs",
     "host_cores": "host_cores",
     "host_memory_gib": "host_memory_gib",
-    "cpu_gflops_per_core": "cpu_gflops_per_core",
+    "cpu_threads": "cpu_threads",
     "layer_sync_us": "layer_sync_us",
+    "forward_layer_us": "forward_layer_us",
+    "selection_layer_us": "selection_layer_us",
 }
 
 
@@ -88,16 +92,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-bench", default=None, metavar="FILE", help="bench JSON (keys in docs/simulator.md)"
     )
     host.add_argument("--host-bandwidth-gbs", type=float, default=None, help="host memory read GB/s")
-    host.add_argument("--host-cores", type=int, default=None, help="CPU cores for attention")
+    host.add_argument(
+        "--host-cores",
+        type=int,
+        default=None,
+        help="host CPU cores (reports; --cpu-threads sets the attention threads)",
+    )
     host.add_argument("--pcie-gbs", type=float, default=None, help="pinned host->GPU GB/s")
     host.add_argument("--hbm-gbs", type=float, default=None, help="GPU HBM streaming GB/s")
     host.add_argument("--host-memory-gib", type=float, default=None, help="host RAM GiB")
-    host.add_argument("--cpu-gflops-per-core", type=float, default=None, help="bf16 GFLOP/s per core")
-    host.add_argument("--layer-sync-us", type=float, default=None, help="per-layer CPU hand-off cost, us")
+    host.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (a rank's)")
+    host.add_argument(
+        "--cpu-rates",
+        default=None,
+        metavar="FILE",
+        help="bench_cpu_attention.py JSON with the CPU attention rates (default: the GPU host's, committed)",
+    )
+    host.add_argument("--layer-sync-us", type=float, default=None, help="per-layer hand-off round trip, us")
+    host.add_argument(
+        "--forward-layer-us", type=float, default=None, help="forward time past the weights, us/layer"
+    )
+    host.add_argument(
+        "--selection-layer-us", type=float, default=None, help="quest selection's fixed us/layer"
+    )
     host.add_argument(
         "--sparsity", type=float, default=0.05, help="fraction of offloaded tokens the CPU attends"
     )
-    host.add_argument("--hot-tokens", type=int, default=4096, help="sinks + window kept on the GPU")
+    host.add_argument("--hot-tokens", type=int, default=None, help="sinks + window on the GPU (default 320)")
+    host.add_argument(
+        "--host-dtype", default="bfloat16", help=f"host tier row format: {', '.join(ROW_BYTES)} (host mode)"
+    )
 
 
 def _workload_kwargs(args: argparse.Namespace) -> dict:
@@ -123,46 +147,53 @@ def _host_measurements(args: argparse.Namespace) -> HostMeasurements:
 
 
 def _host_mode(args: argparse.Namespace) -> bool:
-    return bool(args.host or args.from_bench or any(getattr(args, flag) is not None for flag in HOST_FLAGS))
+    flags = (*HOST_FLAGS, "cpu_rates", "hot_tokens")
+    return bool(args.host or args.from_bench or any(getattr(args, flag) is not None for flag in flags))
 
 
 def _run_host(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.sparsity) and 0 < args.sparsity <= 1):
         raise ValueError(f"--sparsity: must be in (0, 1], got {args.sparsity}")
-    if args.hot_tokens < 0:
+    if args.hot_tokens is not None and args.hot_tokens < 0:
         raise ValueError(f"--hot-tokens: must be 0 or more, got {args.hot_tokens}")
+    if args.host_dtype not in ROW_BYTES:
+        raise ValueError(f"--host-dtype: unknown {args.host_dtype!r}; allowed: {', '.join(ROW_BYTES)}")
     host = _host_measurements(args)
-    if args.context is None:
-        data = read_bench(args.from_bench) if args.from_bench else {}
-        measured = bool(data.get("rows"))  # tandem bench's own file
-        # a bench file's rows are priced as its run was set up; the prediction table uses the same settings
-        settings = bench_settings(data) if measured else {}
-        model = settings.pop("model", None) or args.model
-        settings.setdefault("hot_tokens", args.hot_tokens)
-        predictions = prediction_rows(host, model, args.sparsity, **settings)
-        comparison = bench_comparison(args.from_bench, args.sparsity, host=host) if measured else []
+    rates = CpuRates.load(args.cpu_rates)
+    data = read_bench(args.from_bench) if args.from_bench else {}
+    measured = bool(data.get("rows"))  # tandem bench's own file
+    model = ((data.get("model") or {}).get("name") if measured else None) or args.model
+    # a bench file's rows are priced as its run was set up (its GPU count); the grid uses the same setup
+    setup = replace(engine_setup(data if measured else None, args.sparsity), row_format=args.host_dtype)
+    if args.hot_tokens is not None:
+        setup = replace(setup, hot_tokens=args.hot_tokens)
+    if args.gpus != 1 and not measured:
+        setup = replace(setup, gpus=args.gpus)
+    if args.context is not None:
+        step = predict_host(host, model, args.context, args.batch or 1, setup, rates)
+        context = step_context = parse_context(args.context)
         if args.json:
-            report = {"host": asdict(host), "model": model, "sparsity": args.sparsity, **settings}
-            print(json.dumps({**report, "predictions": predictions, "comparison": comparison}, indent=1))
-            return 0
-        recall = "; no recall cache: the rows below use each one's measured share" if measured else ""
-        print(
-            f"Tandem decode TPOT predicted for {host.device} ({model}, {args.sparsity:.0%} sparsity{recall})"
-        )
-        print(prediction_markdown(predictions))
-        if measured:
-            print(f"\nThe bench's quest rows beside the prediction ({args.from_bench}):")
-            print(comparison_table(comparison))
+            print(json.dumps({"host": asdict(host), "model": model, "context": step_context, "batch": args.batch or 1,
+                              "setup": asdict(setup), "cpu_rates": rates.source, **step.to_dict()}, indent=1))  # fmt: skip
+        else:
+            print(format_host_prediction(step, model, context, args.batch or 1, setup, host))
         return 0
-    pred = predict_host(
-        host, args.model, args.context, args.batch or 1, sparsity=args.sparsity, hot_tokens=args.hot_tokens
-    )
+    hits = grid_setups(data, args.sparsity) if measured and args.host_dtype == "bfloat16" else {}
+    predictions = prediction_rows(host, model, setup, rates, recall_hits=hits)
+    comparison = bench_comparison(args.from_bench, args.sparsity, host=host, rates=rates) if measured else []
     if args.json:
-        print(
-            json.dumps({**pred.result.to_dict(), "fits": pred.fits, "requested_batch": pred.requested_batch})
-        )
-    else:
-        print(format_host_prediction(pred))
+        report = {"host": asdict(host), "model": model, "setup": asdict(setup), "cpu_rates": rates.source}
+        print(json.dumps({**report, "predictions": predictions, "comparison": comparison}, indent=1))
+        return 0
+    print(
+        f"Tandem decode TPOT predicted for {host.device} ({model}, {setup.gpus} GPU(s), quest {args.sparsity:.0%}, "
+        f"{setup.row_format} host rows; CPU rates: {rates.source}). Terms in ms; the host reads count once, the "
+        "largest of CPU, PCIe and both reads."
+    )
+    print(prediction_markdown(predictions))
+    if measured:
+        print(f"\nEvery row of {args.from_bench} beside the same model:")
+        print(comparison_table(comparison))
     return 0
 
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-from tandem.tools.simulator.calibrate import LENT_H100_HOST, prediction_table
+from tandem.tools.simulator.calibrate import (
+    LENT_H100_HOST,
+    engine_setup,
+    prediction_markdown,
+    prediction_rows,
+)
 from tandem.tools.simulator.claims import (
     COST_CONTEXT,
     COST_GPU_COUNTS,
@@ -107,7 +111,6 @@ def write_sweep(
     data = collect(scenario)
     rows = data["rows"]
     claims = data["claims"]
-    torch_level = replace(LENT_H100_HOST, host_read_gbs=35, device="lent H100 host, torch-level CPU kernels")
     md = [
         "# `tandem simulate --sweep`: PNM-KV's Figures 10-14 under the default assumptions",
         "",
@@ -125,15 +128,11 @@ def write_sweep(
         "",
         rows_table([r for r in rows if r["figure"].startswith("fig14")]),
         "",
-        "## Tandem on the lent H100 host (Llama-3.1-8B, 5% sparsity, 4096 hot tokens), predicted",
+        "## Tandem on the lent H100 host (Llama-3.1-8B, quest 5%, bf16 host rows, no recall cache), predicted",
         "",
-        "Host read bandwidth 65 GB/s (compiled CPU kernel target):",
+        "The host-step model (`host_step.py`) with the host's measured bandwidths and the committed CPU rates; ms:",
         "",
-        prediction_table(LENT_H100_HOST),
-        "",
-        "Host read bandwidth 35 GB/s (what torch's dense CPU attention reached on this host):",
-        "",
-        prediction_table(torch_level),
+        prediction_markdown(prediction_rows(LENT_H100_HOST, "llama-3.1-8b", engine_setup())),
         "",
     ]
     paths = [out / "sweep.md", out / "sweep.json"]
