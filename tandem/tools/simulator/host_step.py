@@ -37,7 +37,7 @@ ROW_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "fp8": 1}
 # the committed CPU-kernel benchmark of the GPU host's CPU (16-core Xeon of the lent H100 / H200 VMs)
 DEFAULT_RATES = (
     Path(__file__).resolve().parents[3]
-    / "benchmarks/results/2026-11-29_h200host_cpu_attention_formats/cpu_attention_h200host-formats.json"
+    / "benchmarks/results/2026-11-29_xeon16_cpu_attention_formats/cpu_attention_h200host-formats.json"
 )
 
 
