@@ -99,11 +99,17 @@ class SlotPool:
         return row
 
     def detach(self, cache) -> None:
-        """Free `cache`'s row (no-op for a cache without one). The cache must not decode again."""
+        """Free `cache`'s row (no-op for a cache without one). The cache refuses further use from then on: the
+        next request's tokens go where its hot tier was."""
         row = self._rows.pop(cache, None)
-        self._placed.pop(cache, None)
-        if row is not None:
-            self._release(row, self._holders.get(row))
+        placed = self._placed.pop(cache, None)
+        if row is None:
+            return
+        if placed is not False:
+            cache.mark_failed(
+                RuntimeError(f"its request ended: row {row} of the hot-tier pool went back (SlotPool.detach)")
+            )
+        self._release(row, self._holders.get(row))
 
     def row(self, cache) -> int | None:
         """`cache`'s row where every one of its global layers keeps its hot tier there, else None (answered once

@@ -200,6 +200,10 @@ def test_a_freed_row_is_not_an_empty_row(tiny):
     _step(runner, [b])
     assert b.tokens == expected and runner._steps_same == 2
     assert runner.pool.free == [0]
+    runner.detach(b.cache)  # its row goes back, and the cache, whose hot tier was there, refuses further use
+    assert sorted(runner.pool.free) == [0, 1]
+    with pytest.raises(RuntimeError, match="row 1 of the hot-tier pool went back"):
+        _step(runner, [b])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
