@@ -242,7 +242,7 @@ class Scheduler:
             self.runner.detach(cache)
         del caches, rows
         gc.collect()  # (once, before the heap is frozen) whatever cycle still held a cache
-        _return_free_heap()
+        _return_free_heap(self.device)
         return time.perf_counter() - start
 
     def start(self) -> None:
@@ -288,7 +288,7 @@ class Scheduler:
                         idle = not (self._prefilling or self._decoding or self._waiting)
                     if idle:
                         self.runner.release()  # what the last step held of the last requests' caches
-                        _return_free_heap()
+                        _return_free_heap(self.device)
         except BaseException as err:  # a bug in the scheduler itself: fail every request, never hang them
             self.failure = err
             raise
@@ -452,12 +452,18 @@ def _malloc_trim():
         return None
 
 
-def _return_free_heap() -> None:
-    """Give the heap's free pages back to the OS once the last request has ended. glibc keeps freed memory for
-    reuse, and caches smaller than a huge page (`cache.memory.host_zeros`), hot tiers and activations come from
-    its heap: without this, the default model's scheduler stayed 20-250% above its resident size before a load
-    of 128-2,048-token prompts, all caches freed (2-core CPU; benchmarks/results/2026-11-27_cpu_serve). It took
-    0.15 s there after a load that left 2 GB free on the heap, once per idle spell."""
+def _return_free_heap(device: torch.device | None = None) -> None:
+    """Give freed host memory back to the OS once the last request has ended. glibc keeps freed memory for reuse,
+    and caches smaller than a huge page (`cache.memory.host_zeros`), hot tiers and activations come from its heap;
+    on CUDA, host tiers smaller than a huge page per layer are pinned blocks that torch's host allocator keeps for
+    reuse. Without this the server's resident size stayed well above its level before a load, every cache freed
+    (benchmarks/results/2026-11-27_cpu_serve). Once per idle spell."""
+    if device is not None and device.type == "cuda":
+        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # the name differs across torch versions
+            empty_host = getattr(torch._C, name, None)
+            if empty_host is not None:
+                empty_host()
+                break
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
