@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(srv)
     srv.set_defaults(run=serve.run)
     sim = sub.add_parser(
-        "simulate", help="system model of PNM-KV / PnG-KV platforms (throughput, energy, cost)"
+        "simulate",
+        help="system model of PNM-KV / PnG-KV platforms and of a GPU host (throughput, energy, cost)",
+        description=simulate.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     simulate.add_arguments(sim)
     sim.set_defaults(run=simulate.run)

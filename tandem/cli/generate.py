@@ -50,9 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (with --do-sample)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature (with --do-sample; default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=0.9,
+        help="nucleus sampling mass (with --do-sample; default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default %(default)s)")
     add_cache_arguments(p)
     p.add_argument(
         "--engine",
@@ -107,7 +117,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
+        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16 "
+        "(default %(default)s)",
     )
 
 
@@ -119,16 +130,34 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         default="certified",
         help="host-tier selection policy (default certified: quest's selection with --epsilon, 0.05 unless set)",
     )
-    p.add_argument("--sink-tokens", type=int, default=64)
+    p.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=64,
+        help="first tokens of the prompt kept on the device for the whole decode (default %(default)s)",
+    )
     p.add_argument(
         "--window-tokens",
         type=_window,
         default=256,
-        help="recent tokens on the device: int, or a fraction of the prompt",
+        help="recent tokens on the device: int, or a fraction of the prompt (default %(default)s)",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--budget", type=float, default=0.05, help="quest: fraction of host entries attended")
-    p.add_argument("--beta", type=float, default=1.0, help="hgca: salience threshold factor")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block, the unit that moves to the host tier and that quest selects "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="quest: fraction of host entries attended (default %(default)s)",
+    )
+    p.add_argument(
+        "--beta", type=float, default=1.0, help="hgca: salience threshold factor (default %(default)s)"
+    )
     p.add_argument(
         "--epsilon",
         type=float,
@@ -316,6 +345,33 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+# statistics of the decode's reads of the host tier: None when no decode step read it
+HOST_READ_STATS = ("mean_fraction_attended", "streaming_head_share", "mean_head_budget", "granularity_share")
+
+
+def explain_unread_host_tier(stats: dict, config: TandemConfig) -> dict:
+    """`stats` as `tandem generate` prints them. Where no decode step read the host tier, its read statistics
+    are all None, which reads like a policy that attended nothing; instead one `host_tier` line says why (the
+    prompt fits the hot tier, or no decode step ran) and those statistics are left out."""
+    if stats.get("mean_fraction_attended") is not None:
+        return stats
+    shown = {k: v for k, v in stats.items() if not (k in HOST_READ_STATS and v is None)}
+    if (shown.get("certified") or {}).get("head_steps") == 0:
+        del shown["certified"]
+    if not stats.get("host_rows"):
+        window = config.window_for_prompt(stats["prompt_tokens"])
+        shown["host_tier"] = (
+            f"empty: all {stats['tokens']} tokens fit the hot tier (sinks {config.sink_tokens} + window "
+            f"{window}), so no decode step read host entries"
+        )
+    else:
+        shown["host_tier"] = (
+            f"{stats['host_rows']} rows, unread by any decode step (they arrived after the last one, or none ran: "
+            "the first token comes from the prefill)"
+        )
+    return shown
+
+
 def stats_line(stats: dict) -> str:
     """The line `tandem generate` ends with on stderr; fluxion adds its share of streaming heads and mean head
     budget (a fraction of the host entries)."""
@@ -323,13 +379,17 @@ def stats_line(stats: dict) -> str:
         f"[tandem] prompt {stats['prompt_tokens']} tok | generated {stats['generated_tokens']} tok | "
         f"prefill {stats['prefill_seconds']:.2f} s | decode {stats['decode_tokens_per_s'] or 0:.2f} tok/s | "
         f"hot {stats['hot_bytes'] / 2**20:.1f} MiB | host {stats['host_bytes'] / 2**20:.1f} MiB | "
-        f"host entries attended {_percent(stats['mean_fraction_attended'])} ({stats['policy']})"
+        + (
+            f"host tier {stats['host_tier']} ({stats['policy']})"
+            if "host_tier" in stats
+            else f"host entries attended {_percent(stats['mean_fraction_attended'])} ({stats['policy']})"
+        )
     )
     if stats.get("gpus", 1) > 1:
         line += f" | {stats['gpus']} GPUs, tensor-parallel (hot / host: one rank's)"
         if stats.get("host_split") == "requests":
             line += ", host attention split by requests"
-    if stats["policy"] == "fluxion":
+    if stats["policy"] == "fluxion" and "host_tier" not in stats:
         line += (
             f" | streaming heads {_percent(stats.get('streaming_head_share'))} | "
             f"mean head budget {_percent(stats.get('mean_head_budget'))}"
@@ -473,6 +533,7 @@ def _run(args) -> int:
         device=str(device),
         engine=use_engine,
     )
+    stats = explain_unread_host_tier(stats, config)
     if args.json:
         print(json.dumps({"text": text, "stats": stats}))
     else:

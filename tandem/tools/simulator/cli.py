@@ -1,14 +1,7 @@
 """``tandem simulate``: size GPU + CXL-PNM systems, reproduce PNM-KV's Figures 10-14, predict a host.
 
-The main CLI calls ``add_arguments(parser)`` and ``run(args)``; ``python -m tandem.simulator.cli`` runs
+The main CLI calls ``add_arguments(parser)`` and ``run(args)``; ``python -m tandem.tools.simulator.cli`` runs
 standalone. Library code raises ValueError; ``run`` prints it on stderr and returns 2.
-
-Examples:
-    python -m tandem.simulator.cli --model llama-3.1-70b --context 512k --gpus 2 --pnm 8 --scheme pnkv
-    python -m tandem.simulator.cli --model llama-3.1-8b --context 128k --gpus 1 --pnm 8 --compare
-    python -m tandem.simulator.cli --sweep --out benchmarks/results/2026-11-26_cpu_simulate_sweep
-    python -m tandem.simulator.cli --host --context 128k --batch 1 --host-bandwidth-gbs 65 --pcie-gbs 55
-    python -m tandem.simulator.cli --from-bench bench.json
 """
 
 from __future__ import annotations
@@ -34,11 +27,36 @@ from tandem.tools.simulator.calibrate import (
     prediction_rows,
     read_bench,
 )
-from tandem.tools.simulator.config import MAPPINGS, SCHEMES, SystemConfig, check_scheme, parse_context
+from tandem.tools.simulator.config import (
+    SCHEMES,
+    SystemConfig,
+    Workload,
+    check_scheme,
+    parse_context,
+)
 from tandem.tools.simulator.hardware import GPUS, MODELS
 from tandem.tools.simulator.host_step import ROW_BYTES, CpuRates
 from tandem.tools.simulator.model import format_result, simulate
 from tandem.tools.simulator.sweep import DEFAULT_OUT, write_sweep
+
+DESCRIPTION = """\
+Model a long-context decode system's throughput, energy and cost.
+
+Without host flags: a GPU + CXL-PNM platform under the PNM-KV paper's three schemes. With
+no arguments that is llama-3.1-8b at 128K tokens per request on 1 x A100 + 8 CXL-PNM
+devices, scheme pnkv (PnG-KV); every default is listed below, and the output's first line
+names the system modelled.
+
+With --host or any host flag: Tandem's decode time per token (TPOT) on a GPU host whose
+KV host tier is DRAM attended by CPU cores. --sweep writes the paper's Figures 10-14.
+Assumptions: docs/simulator.md.
+
+examples:
+  tandem simulate --model llama-3.1-70b --context 512k --gpus 2 --pnm 8 --scheme pnkv
+  tandem simulate --model llama-3.1-8b --context 128k --compare
+  tandem simulate --sweep --out /tmp/simulate_sweep
+  tandem simulate --host --context 128k --batch 1 --host-bandwidth-gbs 65 --pcie-gbs 55
+"""
 
 # CLI flag -> HostMeasurements field
 HOST_FLAGS = {
@@ -56,71 +74,181 @@ HOST_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every flag of ``tandem simulate`` to ``parser``."""
+    load_defaults = Workload(context_tokens=1)
+    host_defaults = LENT_H100_HOST
     system = parser.add_argument_group("system (PNM-KV platform)")
-    system.add_argument("--model", default="llama-3.1-8b", help=f"one of: {', '.join(MODELS)}")
-    system.add_argument("--context", default=None, help="tokens per request: 128k, 512k, 1m or an integer")
-    system.add_argument("--gpus", type=int, default=1, help="GPUs (FC layers tensor-parallel over them)")
-    system.add_argument("--pnm", type=int, default=8, help="CXL-PNM devices (CXL-Mem expanders for baseline)")
     system.add_argument(
-        "--scheme", default="pnkv", help=f"one of: {', '.join(f'{k} ({v})' for k, v in SCHEMES.items())}"
+        "--model", default="llama-3.1-8b", help=f"one of: {', '.join(MODELS)} (default %(default)s)"
     )
-    system.add_argument("--compare", action="store_true", help="print all three schemes for this system")
-    system.add_argument("--gpu", default="a100", help=f"GPU type: {', '.join(GPUS)}")
-    system.add_argument("--mapping", default="dp", help=f"attention onto PNMs: {', '.join(MAPPINGS)}")
+    system.add_argument(
+        "--context",
+        default=None,
+        help="tokens per request: 128k, 512k, 1m or an integer (default 128k; host mode without it: a grid of "
+        "contexts)",
+    )
+    system.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs, FC layers tensor-parallel over them (default %(default)s; host mode with a bench file: its run's)",
+    )
+    system.add_argument(
+        "--pnm",
+        type=int,
+        default=8,
+        help="CXL-PNM devices, or CXL-Mem expanders for the baseline scheme (default %(default)s)",
+    )
+    system.add_argument(
+        "--scheme",
+        default="pnkv",
+        help="baseline (the paper's GPU-CXL-Mem: KV on CXL memory, attended on the GPU), pnm (PNM-KV: attended "
+        "on the PNM devices) or pnkv (the paper's PnG-KV: PNM-KV plus a steady set attended on the GPU) "
+        "(default %(default)s)",
+    )
+    system.add_argument(
+        "--compare",
+        action="store_true",
+        help="print all three schemes for this system (default: --scheme only)",
+    )
+    system.add_argument("--gpu", default="a100", help=f"GPU type: {', '.join(GPUS)} (default %(default)s)")
+    system.add_argument(
+        "--mapping",
+        default="dp",
+        help="attention onto the PNM devices: dp (requests spread) or tp (heads spread) (default %(default)s)",
+    )
     system.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    load = parser.add_argument_group("workload (assumptions; defaults in docs/simulator.md)")
-    load.add_argument("--budget", type=float, default=None, help="T_Budget / context (default 0.25)")
-    load.add_argument("--page-size", type=int, default=16, help="tokens per page digest")
-    load.add_argument("--recall-rate", type=float, default=None, help="baseline recall per step / context")
-    load.add_argument("--steady-churn", type=float, default=None, help="PnG-KV steady set replaced per step")
+    load = parser.add_argument_group("workload (assumptions: docs/simulator.md)")
     load.add_argument(
-        "--steady-ratio", type=float, default=None, help="GPU share of T_Budget (default #G/(#G+#P))"
+        "--budget",
+        type=float,
+        default=None,
+        help=f"T_Budget / context, tokens attended per step (default {load_defaults.budget_fraction:g})",
     )
     load.add_argument(
-        "--batch", type=int, default=None, help="cap on the batch (host mode: the batch, default 1)"
+        "--page-size", type=int, default=16, help="tokens per page digest (default %(default)s)"
+    )
+    load.add_argument(
+        "--recall-rate",
+        type=float,
+        default=None,
+        help=f"baseline: tokens recalled per step / context (default {load_defaults.recall_rate:g})",
+    )
+    load.add_argument(
+        "--steady-churn",
+        type=float,
+        default=None,
+        help=f"PnG-KV: share of the steady set replaced per step (default {load_defaults.steady_churn:g})",
+    )
+    load.add_argument(
+        "--steady-ratio",
+        type=float,
+        default=None,
+        help="GPU share of T_Budget (default #GPUs / (#GPUs + #PNMs))",
+    )
+    load.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="cap on the batch (default: as many requests as memory holds; host mode: the batch, default 1)",
     )
 
     sweep = parser.add_argument_group("sweep (Figures 10-14)")
     sweep.add_argument("--sweep", action="store_true", help="write markdown, JSON and PNG figures")
-    sweep.add_argument("--out", default=str(DEFAULT_OUT), help="output folder for --sweep")
+    sweep.add_argument(
+        "--out", default=str(DEFAULT_OUT), help="output folder for --sweep (default %(default)s)"
+    )
     sweep.add_argument("--no-plots", action="store_true", help="skip PNGs in --sweep")
 
-    host = parser.add_argument_group("host calibration (memory tier = host DRAM + CPU cores)")
+    host = parser.add_argument_group(
+        f"host calibration (memory tier = host DRAM + CPU cores; defaults: the {host_defaults.device}'s, or the "
+        "--from-bench file's)"
+    )
     host.add_argument("--host", action="store_true", help="predict Tandem's TPOT on a GPU host")
     host.add_argument(
-        "--from-bench", default=None, metavar="FILE", help="bench JSON (keys in docs/simulator.md)"
+        "--from-bench",
+        default=None,
+        metavar="FILE",
+        help="bench JSON whose host measurements and rows to use (keys in docs/simulator.md; default: none)",
     )
-    host.add_argument("--host-bandwidth-gbs", type=float, default=None, help="host memory read GB/s")
+    host.add_argument(
+        "--host-bandwidth-gbs",
+        type=float,
+        default=None,
+        help=f"host memory read GB/s (default {host_defaults.host_read_gbs:g})",
+    )
     host.add_argument(
         "--host-cores",
         type=int,
         default=None,
-        help="host CPU cores (reports; --cpu-threads sets the attention threads)",
+        help="host CPU cores (reports; --cpu-threads sets the attention threads) "
+        f"(default {host_defaults.host_cores})",
     )
-    host.add_argument("--pcie-gbs", type=float, default=None, help="pinned host->GPU GB/s")
-    host.add_argument("--hbm-gbs", type=float, default=None, help="GPU HBM streaming GB/s")
-    host.add_argument("--host-memory-gib", type=float, default=None, help="host RAM GiB")
-    host.add_argument("--cpu-threads", type=int, default=None, help="CPU attention threads (a rank's)")
+    host.add_argument(
+        "--pcie-gbs",
+        type=float,
+        default=None,
+        help=f"pinned host->GPU GB/s (default {host_defaults.pcie_gbs:g})",
+    )
+    host.add_argument(
+        "--hbm-gbs",
+        type=float,
+        default=None,
+        help=f"GPU HBM streaming GB/s (default {host_defaults.hbm_gbs:g})",
+    )
+    host.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help=f"host RAM GiB (default {host_defaults.host_memory_gib:g})",
+    )
+    host.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help=f"CPU attention threads (a rank's; default {host_defaults.cpu_threads})",
+    )
     host.add_argument(
         "--cpu-rates",
         default=None,
         metavar="FILE",
         help="bench_cpu_attention.py JSON with the CPU attention rates (default: the GPU host's, committed)",
     )
-    host.add_argument("--layer-sync-us", type=float, default=None, help="per-layer hand-off round trip, us")
     host.add_argument(
-        "--forward-layer-us", type=float, default=None, help="forward time past the weights, us/layer"
+        "--layer-sync-us",
+        type=float,
+        default=None,
+        help=f"per-layer hand-off round trip, us (default {host_defaults.layer_sync_us:g})",
     )
     host.add_argument(
-        "--selection-layer-us", type=float, default=None, help="quest selection's fixed us/layer"
+        "--forward-layer-us",
+        type=float,
+        default=None,
+        help=f"forward time past the weights, us/layer (default {host_defaults.forward_layer_us:g})",
     )
     host.add_argument(
-        "--sparsity", type=float, default=0.05, help="fraction of offloaded tokens the CPU attends"
+        "--selection-layer-us",
+        type=float,
+        default=None,
+        help=f"quest selection's fixed us/layer (default {host_defaults.selection_layer_us:g})",
     )
-    host.add_argument("--hot-tokens", type=int, default=None, help="sinks + window on the GPU (default 320)")
     host.add_argument(
-        "--host-dtype", default="bfloat16", help=f"host tier row format: {', '.join(ROW_BYTES)} (host mode)"
+        "--sparsity",
+        type=float,
+        default=0.05,
+        help="fraction of offloaded tokens the CPU attends (default %(default)s)",
+    )
+    host.add_argument(
+        "--hot-tokens",
+        type=int,
+        default=None,
+        help=f"sinks + window on the GPU (default {engine_setup().hot_tokens}: TandemConfig's sink_tokens + "
+        "window_tokens)",
+    )
+    host.add_argument(
+        "--host-dtype",
+        default="bfloat16",
+        help=f"host tier row format: {', '.join(ROW_BYTES)} (host mode; default %(default)s)",
     )
 
 
@@ -233,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tandem simulate", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
