@@ -1,4 +1,4 @@
-"""Tightness of the certified selection (`TandemConfig(epsilon=...)`, quest's or fluxion's) on the default model: for every layer,
+"""Tightness of the certified selection (`TandemConfig.certified.epsilon`, quest's or fluxion's) on the default model: for every layer,
 decode step and (request, query head), the certified probability of the skipped entries beside the measured one,
 full attention over the same cache in float64. Each cell selects with one `certify_bound` (`--bounds`: the int8
 key sketch, or the block digests), and every bound's certificate of that same selection is recorded: the
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model, manifest
+from tandem.config import CertifiedConfig
 from tandem.tools.evaluation.certified import trace_certificates
 from tandem.tools.evaluation.haystack import load_haystack
 from tandem.tools.evaluation.tasks import TaskBuilder
@@ -83,11 +84,7 @@ def cell(
     met, kept, needed, violations = [], [], [], 0
     start = time.perf_counter()
     for sample in samples:
-        config = TandemConfig(
-            # fluxion's default profile was calibrated with 64 sinks, and needs at least those
-            policy=policy, sink_tokens=64 if policy == "fluxion" else 16, window_tokens=window, epsilon=epsilon, max_budget=max_budget,
-            certify_bound=bound,
-        )  # fmt: skip
+        config = TandemConfig(policy=policy, sink_tokens=64 if policy == "fluxion" else 16, window_tokens=window, certified=CertifiedConfig(epsilon=epsilon, max_budget=max_budget, bound=bound))  # fmt: skip
         cache = TandemCache.for_model(model, config)
         with trace_certificates() as records:
             model.generate(
@@ -146,7 +143,9 @@ def bound_gaps(model, sample, block: int = 16) -> list[dict]:
     from tandem.policies import certify
 
     seen = {}
-    config = TandemConfig(policy="quest", sink_tokens=16, window_tokens=256, epsilon=0.05)
+    config = TandemConfig(
+        policy="quest", sink_tokens=16, window_tokens=256, certified=CertifiedConfig(epsilon=0.05)
+    )
     cache = TandemCache.for_model(model, config)
     with trace_certificates(on_select=lambda layer, q: seen.setdefault(layer.layer_idx, (layer, q))):
         model.generate(

@@ -1,4 +1,4 @@
-"""How a decode step's selected host blocks are split between the GPU and the CPU (`TandemConfig.scheduler`),
+"""How a decode step's selected host blocks are split between the GPU and the CPU (`TandemConfig.quest.scheduler`),
 on mixed-length batches in the style of Fluxion §8.3: the priority queue against no parallel work (CPU only),
 uniform by heads, length-based (volume) and quest's static `gpu_share` at several values, side by side.
 
@@ -15,6 +15,7 @@ HBM + host bytes per step / (host read + PCIe bandwidth), both sides reading at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import random
@@ -24,6 +25,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import queue
+from tandem.config import QuestConfig
 from tandem.engine import TandemRunner
 from tandem.shapes import build_random_model, model_weight_bytes_per_step
 from tandem.tools.bench import bandwidth
@@ -60,11 +62,7 @@ def switch(runner, cache, scheduler: str, share: float | None, programs: int | N
     may remake a recall cache of another width, which a recording cannot), the one after is recorded again."""
     queue.GPU_PROGRAMS = programs
     config = cache.config
-    config.gpu_cache = None
-    config.gpu_share = None
-    config.scheduler = scheduler
-    if share is not None:
-        config.gpu_share = share
+    config.quest = dataclasses.replace(config.quest, gpu_cache=None, gpu_share=share, scheduler=scheduler)
     for layer in cache.tandem_layers():
         layer.gpu_share = config.gpu_share_on("cuda")
         layer.gpu_cache = config.gpu_cache_on("cuda")
@@ -78,7 +76,9 @@ def run_workload(model, batch, low, high, variants, rounds, steps, budget, seed)
     lengths = sorted((rng.randint(low // 16, high // 16) * 16 for _ in range(batch)), reverse=True)
     context = lengths[0]
     first = variants[0]
-    config = TandemConfig(policy="quest", budget=budget, scheduler=first[1], gpu_share=first[2])
+    config = TandemConfig(
+        policy="quest", quest=QuestConfig(budget=budget, scheduler=first[1], gpu_share=first[2])
+    )
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache)
     for layer in cache.tandem_layers():

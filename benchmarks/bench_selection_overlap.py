@@ -18,13 +18,16 @@ import argparse
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs, load_model
+from tandem.config import QuestConfig
 from tandem.policies import quest
 from tandem.tools.evaluation.haystack import load_haystack
 
 
 def record_selections(model, ids, budget: float, steps: int) -> list[list[list[set[int]]]]:
     """[layer][step][kv head] -> the step's selected block ids (request 0)."""
-    cache = TandemCache.for_model(model, TandemConfig(policy="quest", budget=budget, window_tokens=256))
+    cache = TandemCache.for_model(
+        model, TandemConfig(policy="quest", quest=QuestConfig(budget=budget), window_tokens=256)
+    )
     log: dict[int, list] = {}
     original = quest.QuestPolicy.select
 
@@ -51,7 +54,9 @@ def measured_hits(
     """(hits, device reads, CPU reads) as shares of the attended host rows with Tandem's own recall cache (its
     clock, its copies), decoding the same prompt; on the CPU the device share and the plan run as the torch
     reference does."""
-    config = TandemConfig(policy="quest", budget=budget, window_tokens=256, gpu_share=share, gpu_cache=factor)
+    config = TandemConfig(
+        policy="quest", quest=QuestConfig(budget=budget, gpu_share=share, gpu_cache=factor), window_tokens=256
+    )
     cache = TandemCache.for_model(model, config)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=steps, do_sample=False, **generate_cache_kwargs(model, cache))

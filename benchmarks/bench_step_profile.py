@@ -34,6 +34,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import decode
+from tandem.config import QuestConfig
 from tandem.engine import TandemRunner
 from tandem.engine import handoff as handoff_module
 from tandem.engine import step as step_module
@@ -298,7 +299,9 @@ def main() -> None:
             policy, _, rest = spec.partition(":")
             share, _, host_dtype = rest.partition(":")
             config = TandemConfig(
-                policy=policy, gpu_share=float(share) if share else None, host_dtype=host_dtype or None
+                policy=policy,
+                quest=QuestConfig(gpu_share=float(share) if share else None),
+                host_dtype=host_dtype or None,
             )
             cache = TandemCache.for_model(model, config)
             runner = TandemRunner(model, cache, handoff=handoff, fused={"on": True, "off": False}[fused])

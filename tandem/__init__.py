@@ -1,7 +1,14 @@
 """Tandem: long-context decoding with the KV cache split between GPU and host memory, attention split between
 GPU and CPU, and the two partial results merged exactly by log-sum-exp."""
 
-from .config import TandemConfig
+from .config import (
+    CertifiedConfig,
+    DistributedConfig,
+    FluxionConfig,
+    HgcaConfig,
+    QuestConfig,
+    TandemConfig,
+)
 
 __version__ = "0.1.0"
 
@@ -20,4 +27,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 
-__all__ = ["TandemCache", "TandemConfig", "generate_cache_kwargs", "load_model", "__version__"]
+__all__ = [
+    "CertifiedConfig", "DistributedConfig", "FluxionConfig", "HgcaConfig", "QuestConfig", "TandemCache",
+    "TandemConfig", "generate_cache_kwargs", "load_model", "__version__",
+]  # fmt: skip

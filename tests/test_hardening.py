@@ -15,6 +15,7 @@ from transformers import DynamicCache
 import tandem.cache.memory
 import tandem.cli as cli
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import HgcaConfig, QuestConfig
 from tandem.kernels import ops
 from tandem.models import default_model_path, load_model, resolve_device
 from tests.tiny import tiny_model
@@ -120,38 +121,52 @@ def test_a_prompt_file_that_is_not_utf8_is_named(capsys, tmp_path):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("beta", math.inf),
-        ("budget", math.nan),
-        ("maw_alpha", -math.inf),
-        ("gpu_share", math.nan),
-        ("tau", math.inf),
+        ("hgca.beta", math.inf),
+        ("quest.budget", math.nan),
+        ("hgca.maw_alpha", -math.inf),
+        ("quest.gpu_share", math.nan),
+        ("fluxion.tau", math.inf),
     ],
 )
 def test_config_refuses_non_finite_numbers(field, value):
-    with pytest.raises(ValueError, match=f"TandemConfig.{field}=.* is out of range"):
-        TandemConfig(policy="quest", **{field: value})
+    key, _, name = field.partition(".")
+    with pytest.raises(ValueError, match=rf"TandemConfig\.{key}\.{name}=.* is out of range"):
+        TandemConfig(policy=key).with_settings({field: value})
 
 
 def test_config_takes_numpy_numbers_and_names_wrong_types():
-    config = TandemConfig(budget=np.float32(0.25), span=np.int64(4), window_tokens=np.int32(128))
-    assert type(config.budget) is float and type(config.span) is int and type(config.window_tokens) is int
-    for field, value in (("budget", "0.1"), ("span", 2.0), ("window_tokens", "all"), ("beta", None)):
-        with pytest.raises(ValueError, match=f"TandemConfig.{field}=.* has the wrong type"):
-            TandemConfig(**{field: value})
+    config = TandemConfig(
+        policy="quest", quest=QuestConfig(budget=np.float32(0.25)), window_tokens=np.int32(128)
+    )
+    assert type(config.quest.budget) is float and type(config.window_tokens) is int
+    assert type(HgcaConfig(span=np.int64(4)).span) is int
+    for field, value in (
+        ("quest.budget", "0.1"),
+        ("hgca.span", 2.0),
+        ("window_tokens", "all"),
+        ("hgca.beta", None),
+    ):
+        with pytest.raises(ValueError, match=rf"TandemConfig\.{field}=.* has the wrong type"):
+            TandemConfig(policy=field.partition(".")[0] if "." in field else "quest").with_settings(
+                {field: value}
+            )
 
 
 def test_config_assignment_is_checked_and_a_bad_value_is_refused():
     config = TandemConfig(policy="quest")
-    with pytest.raises(ValueError, match="TandemConfig.budget=-1 is out of range"):
-        config.budget = -1
-    assert config.budget == 0.05  # the old value stays
-    config.budget = 0.2
-    assert config.budget == 0.2
-    config.gpu_share = 0.5
+    with pytest.raises(ValueError, match="TandemConfig.window_tokens=0 is out of range"):
+        config.window_tokens = 0
+    assert config.window_tokens == 256  # the old value stays
+    with pytest.raises(ValueError, match=r"TandemConfig\.quest\.budget=-1 is out of range"):
+        config.quest = {"budget": -1}
+    assert config.quest.budget == 0.05
+    config.quest = QuestConfig(budget=0.2, gpu_share=0.5)
+    assert config.quest.budget == 0.2
     with pytest.raises(
-        ValueError, match="TandemConfig.gpu_share=0.5 is out of range: allowed 0 unless policy='quest'"
+        ValueError,
+        match=r"TandemConfig\.quest\.budget=0\.2 is out of range: allowed its default .*policy='hgca'",
     ):
-        config.policy = "hgca"  # the fields are checked together: a device share needs quest
+        config.policy = "hgca"  # the fields are checked together: quest's settings need quest
     assert config.policy == "quest"
     with pytest.raises(AttributeError, match="no field 'bugdet'"):
         config.bugdet = 0.1

@@ -14,6 +14,7 @@ The runtime (levels 0-5) is what a deployment imports; the tools sit above it an
 """
 
 import ast
+import re
 import threading
 from pathlib import Path
 
@@ -248,3 +249,25 @@ def test_the_state_checker_sees_a_read_of_the_engines_graphs(tmp_path):
         encoding="utf-8",
     )
     assert sorted(line.split(" ")[-1] for line in engine_reads([probe])) == [".replay", ".segments"]
+
+
+# ---- the sub-configs -------------------------------------------------------------------------------------------
+def test_each_sub_config_is_read_by_the_module_it_names_and_the_config_layer_imports_none_of_them():
+    """The sub-configs sit in the config layer (level 0, torch-free, so `import tandem` stays light); each names
+    the module that reads it (`Feature.READER`, a level above), which must exist and read `config.<key>.`, while
+    nothing in `tandem.config` imports a layer above it (`test_no_import_goes_up_a_layer` covers the package)."""
+    from tandem.config import FEATURES
+
+    for key, cls in FEATURES.items():
+        assert level(cls.READER) > 0 and _is_module(cls.READER), cls.READER
+        source = (
+            PACKAGE.parent.joinpath(*cls.READER.split(".")).with_suffix(".py").read_text(encoding="utf-8")
+        )
+        assert re.search(rf"\b(config|cfg)\.{key}\.", source), f"{cls.READER} does not read config.{key}"
+    config_imports = [
+        target
+        for path in (PACKAGE / "config").rglob("*.py")
+        for target, _ in imports(path)
+        if level(target) > 0
+    ]
+    assert not config_imports, config_imports

@@ -34,44 +34,65 @@ ANY_VALUE = st.one_of(
     st.sampled_from(list(POLICIES) + ["cuda", "cuda:0", "predictor", "static", "oracle", "int8", "fp8"]),
 )
 FIELDS = [
-    "policy", "sink_tokens", "window_tokens", "block_size", "budget", "beta", "maw_alpha", "span",
-    "observation_tokens", "prefill_chunk", "cpu_threads", "gpu_share", "gpu_cache", "device", "huge_pages", "tau",
-    "fluxion_mode", "granularity", "skip_streaming", "host_dtype", "epsilon", "max_budget",
+    "policy", "sink_tokens", "window_tokens", "block_size", "quest.budget", "hgca.beta", "hgca.maw_alpha",
+    "hgca.span", "hgca.observation_tokens", "prefill_chunk", "cpu_threads", "quest.gpu_share", "quest.gpu_cache",
+    "device", "huge_pages", "fluxion.tau", "fluxion.mode", "fluxion.granularity", "fluxion.skip_streaming",
+    "host_dtype", "certified.epsilon", "certified.max_budget",
 ]  # fmt: skip
+# the policy that reads each sub-config (a sub-config of another policy must keep its defaults)
+POLICY_OF = {"quest": "quest", "hgca": "hgca", "fluxion": "fluxion", "certified": "quest"}
+
+
+def _get(config: TandemConfig, name: str):
+    key, dot, sub = name.partition(".")
+    return getattr(getattr(config, key), sub) if dot else getattr(config, key)
 
 
 def _valid(config: TandemConfig) -> None:
     """What any constructed config must satisfy, checked independently of the constructor's own code."""
     assert config.policy in POLICIES
-    for name in ("sink_tokens", "block_size", "span", "observation_tokens", "prefill_chunk", "cpu_threads"):
-        assert type(getattr(config, name)) is int and getattr(config, name) >= (
-            0 if name == "sink_tokens" else 1
-        )
+    for name in (
+        "sink_tokens",
+        "block_size",
+        "hgca.span",
+        "hgca.observation_tokens",
+        "prefill_chunk",
+        "cpu_threads",
+    ):
+        assert type(_get(config, name)) is int and _get(config, name) >= (0 if name == "sink_tokens" else 1)
     window = config.window_tokens
     assert (type(window) is int and 1 <= window <= MAX_WINDOW_TOKENS) or (
         type(window) is float and 0 < window < 1
     )
-    for name in ("budget", "beta", "maw_alpha", "tau"):
-        value = getattr(config, name)
+    for name in ("quest.budget", "hgca.beta", "hgca.maw_alpha", "fluxion.tau"):
+        value = _get(config, name)
         assert type(value) is float and math.isfinite(value)
-    assert 0 < config.budget <= 1 and config.beta > 0 and 0 < config.maw_alpha <= 1 and 0 <= config.tau < 1
-    assert config.gpu_share is None or (type(config.gpu_share) is float and 0 <= config.gpu_share <= 1)
-    assert config.huge_pages in (True, False) and config.skip_streaming in (True, False)
-    assert config.granularity in (None, 16, 32, 64, 128)
+    assert (
+        0 < config.quest.budget <= 1
+        and config.hgca.beta > 0
+        and 0 < config.hgca.maw_alpha <= 1
+        and 0 <= config.fluxion.tau < 1
+    )
+    assert config.quest.gpu_share is None or (
+        type(config.quest.gpu_share) is float and 0 <= config.quest.gpu_share <= 1
+    )
+    assert config.huge_pages in (True, False) and config.fluxion.skip_streaming in (True, False)
+    assert config.fluxion.granularity in (None, 16, 32, 64, 128)
     assert config.host_dtype in (None, "int8", "fp8")
-    assert type(config.max_budget) is float and 0 < config.max_budget <= 1
-    if config.epsilon is not None:
-        assert type(config.epsilon) is float and 0 < config.epsilon < 1
+    assert type(config.certified.max_budget) is float and 0 < config.certified.max_budget <= 1
+    if config.certified.epsilon is not None:
+        assert type(config.certified.epsilon) is float and 0 < config.certified.epsilon < 1
         assert config.policy in ("certified", "quest", "fluxion") and config.host_dtype is None
-        assert not config.gpu_share
+        assert not config.quest.gpu_share
 
 
 @SETTINGS
 @given(field=st.sampled_from(FIELDS), value=ANY_VALUE)
 def test_every_config_field_accepts_a_valid_value_or_names_itself(field, value):
-    policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache", "epsilon") else {}
+    key, dot, _ = field.partition(".")
+    policy = POLICY_OF[key] if dot else "certified"
     try:
-        config = TandemConfig(**{**policy, field: value})
+        config = TandemConfig(policy=policy).with_settings({field: value})
     except ValueError as err:
         assert f"TandemConfig.{field}=" in str(err) or "TandemConfig." in str(err)
         assert "allowed" in str(err)
@@ -82,13 +103,17 @@ def test_every_config_field_accepts_a_valid_value_or_names_itself(field, value):
 @SETTINGS
 @given(field=st.sampled_from(FIELDS), value=ANY_VALUE)
 def test_assignment_keeps_a_valid_config(field, value):
-    config = TandemConfig(policy="quest")
-    before = getattr(config, field)
+    key, dot, sub = field.partition(".")
+    config = TandemConfig(policy=POLICY_OF[key] if dot else "quest")
+    before = _get(config, field)
     try:
-        setattr(config, field, value)
+        if dot:  # a sub-config is replaced whole (they are frozen)
+            setattr(config, key, {**getattr(config, key).to_dict(), sub: value})
+        else:
+            setattr(config, field, value)
     except ValueError as err:
         assert "TandemConfig." in str(err) and "allowed" in str(err)
-        assert getattr(config, field) == before or (isinstance(before, float) and math.isnan(before))
+        assert _get(config, field) == before or (isinstance(before, float) and math.isnan(before))
     _valid(config)
 
 

@@ -247,7 +247,7 @@ class PooledRows:
 def batches(layer) -> bool:
     """Whether `decode_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
     that keeps no moving average of the hot tier (a pool holds none), and no task queue or request split."""
-    return not layer.policy.needs_maw and layer.config.scheduler == "share" and layer.split is None
+    return not layer.policy.needs_maw and layer.config.quest.scheduler == "share" and layer.split is None
 
 
 def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
@@ -409,12 +409,12 @@ def prepare(layer, q3: torch.Tensor, scale: float):
 def _queue_plan(layer, q3: torch.Tensor, ranked):
     """With scheduler != "share", this step's task queue with its plan made on ranked's device
     (`queue.QueueBuffers`); else None."""
-    scheduler = layer.config.scheduler
+    scheduler = layer.config.quest.scheduler
     if scheduler == "share" or ranked is None:
         return None
     if not ops.native_cpu_available():
         raise RuntimeError(
-            f"TandemConfig.scheduler={scheduler!r} needs the compiled CPU kernels (see `tandem.kernels.cpu`); "
+            f"TandemConfig.quest.scheduler={scheduler!r} needs the compiled CPU kernels (see `tandem.kernels.cpu`); "
             "use scheduler='share'"
         )
     batch, num_q_heads, head_dim = q3.shape
@@ -426,7 +426,7 @@ def _queue_plan(layer, q3: torch.Tensor, ranked):
             batch, layer.num_kv_heads, group, head_dim, width, ranked.device
         )
     k = layer.policy.step_blocks(layer, ranked.device)
-    qb.make_plan(ranked, k, ranked_limit(layer.host), scheduler, layer.config.queue_share())
+    qb.make_plan(ranked, k, ranked_limit(layer.host), scheduler, layer.config.quest.queue_share())
     return qb
 
 
@@ -448,7 +448,7 @@ def hot_part(
             return (out, lse) if in_place else (out.clone(), lse.clone())
     maw_args = {}
     if layer.policy.needs_maw:
-        maw_args = {"maw": hot.maw, "alpha": layer.config.maw_alpha}  # Algorithm 1, line 8
+        maw_args = {"maw": hot.maw, "alpha": layer.config.hgca.maw_alpha}  # Algorithm 1, line 8
     return ops.hot_attention(q3, hot.keys, hot.values, hot.valid, scale, **maw_args)
 
 
@@ -536,7 +536,8 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, c
     """
     host = layer.host
     if bufs.queue is not None:
-        if q.is_cuda and layer.config.scheduler != "cpu":  # on CPU tensors `overlapped` runs a thread instead
+        # on CPU tensors `overlapped` runs a thread instead
+        if q.is_cuda and layer.config.quest.scheduler != "cpu":
             if count is None and host.last_event is not None:
                 torch.cuda.current_stream(q.device).wait_event(host.last_event)
             ops.merge_lse_(out, lse, *bufs.queue.gpu_part(layer, q, ranked, scale))

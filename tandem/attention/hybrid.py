@@ -165,7 +165,7 @@ def _observe(layer, q, scale) -> None:
     if not layer.observe_appends:
         return
     hot, host = layer.hot, layer.host
-    q_obs = q[:, :, -layer.config.observation_tokens :]
+    q_obs = q[:, :, -layer.config.hgca.observation_tokens :]
     hot.maw.copy_(observation_weights(q_obs, tier_pieces(hot.keys, hot.valid), scale))
     if host.rows:
         host.wait()

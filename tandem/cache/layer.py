@@ -55,7 +55,7 @@ class LayerKV(Failable):
         self.rows_attended_device = 0  # of rows_attended: read by the device over PCIe (quest's gpu_share)
         self.rows_attended_cached = 0  # of rows_attended: attended from the recall cache in device memory
         self.gpu_share = (
-            0.0  # the device share in effect (config.gpu_share resolved once the device is known)
+            0.0  # the device share in effect (config.quest.gpu_share resolved once the device is known)
         )
         self.rows_available = 0
         self.decode_steps = 0
@@ -66,7 +66,7 @@ class LayerKV(Failable):
         )
         self.recall: RecallCache | None = None  # quest's cache of selected host blocks on the device
         self.recall_budget = recall_budget  # sizes a default-sized recall cache (shared by a cache's layers)
-        self.gpu_cache = 0.0  # its size in effect (config.gpu_cache resolved once the device is known)
+        self.gpu_cache = 0.0  # its size in effect (config.quest.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
         # None, or a callable (slots, dtype, device, keep_maw) -> the storage of a batch-1 hot tier of that many
@@ -95,7 +95,7 @@ class LayerKV(Failable):
         self.gpu_cache = cfg.gpu_cache_on(keys.device.type)
         if self.gpu_cache and self.gpu_share == 0:
             raise ValueError(
-                f"TandemConfig.gpu_cache={cfg.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
+                f"TandemConfig.quest.gpu_cache={cfg.quest.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
                 f"on {keys.device.type}: pass gpu_share in (0, 1] (the default on CUDA is > 0), or gpu_cache=0"
             )
         storage = None
@@ -128,7 +128,7 @@ class LayerKV(Failable):
         stream = None
         if keys.is_cuda:
             stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
-        if cfg.host_split == "requests" and self.rank is not None and self.rank.world > 1:
+        if cfg.distributed.host_split == "requests" and self.rank is not None and self.rank.world > 1:
             self.split = RequestSplit(self.rank, batch)
         self.host = HostTier(
             batch,
@@ -145,12 +145,12 @@ class LayerKV(Failable):
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
             # (and with a request split: the device's ranking is what crosses to the ranks, on CPU as on CUDA)
             mirror_device=keys.device
-            if keys.is_cuda or self.gpu_share > 0 or cfg.scheduler != "share" or self.split is not None
+            if keys.is_cuda or self.gpu_share > 0 or cfg.quest.scheduler != "share" or self.split is not None
             else None,
             huge_pages=cfg.huge_pages,
             quant=cfg.host_dtype,
             bounds_device=keys.device if self.policy.needs_bounds_on(keys.device) else None,
-            keep_sketch=cfg.certify_bound == "sketch",
+            keep_sketch=cfg.certified.bound == "sketch",
             split=self.split,
         )
         if self.capacity_hint > prompt_len:
@@ -165,7 +165,7 @@ class LayerKV(Failable):
         if not self.gpu_cache or width == 0 or self.host is None:
             return None
         batch, heads, k_max = ranked.shape
-        if self.config.gpu_cache is None and self.recall_budget is not None:
+        if self.config.quest.gpu_cache is None and self.recall_budget is not None:
             element = self.host.dtype.itemsize  # the recall cache holds decoded rows
             self.gpu_cache = self.recall_budget.factor_for(
                 self.gpu_cache, batch, heads, k_max, width, self.host.block_size, self.head_dim, element,
@@ -186,7 +186,7 @@ class LayerKV(Failable):
                 kv_bytes = 2 * batch * heads * slots * self.host.block_size * self.head_dim
                 kv_bytes *= self.host.dtype.itemsize
                 raise MemoryError(
-                    f"TandemConfig.gpu_cache={self.gpu_cache}: quest's recall cache needs {kv_bytes / 2**30:.2f} GiB "
+                    f"TandemConfig.quest.gpu_cache={self.gpu_cache}: quest's recall cache needs {kv_bytes / 2**30:.2f} GiB "
                     f"per layer on {ranked.device}, which is full; pass a smaller gpu_cache, or gpu_cache=0 to "
                     "turn it off"
                 ) from err

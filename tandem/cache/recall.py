@@ -152,7 +152,7 @@ HEADROOM = 0.5
 
 
 class RecallBudget:
-    """The size of the default-sized recall caches (`TandemConfig.gpu_cache` left None) of one `TandemCache`'s
+    """The size of the default-sized recall caches (`TandemConfig.quest.gpu_cache` left None) of one `TandemCache`'s
     layers: `DEFAULT_GPU_CACHE` times the budget where the layers' caches together fit in HEADROOM of the device's
     free memory, else as many slots as fit (at least a step's blocks plus the device's copies), else none. Decided
     when the first layer makes its cache (the others have made their hot tiers and digest mirrors by then: the

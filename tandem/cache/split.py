@@ -1,7 +1,7 @@
 """Host attention split by requests across tensor-parallel ranks: PnG-KV's DP mapping (§3.2).
 
 Under tensor parallelism each rank computes the KV and the queries of its heads for every request. By default
-(`TandemConfig.host_split="heads"`) its host tier holds those heads and its CPU attends them: the host work is
+(`TandemConfig.distributed.host_split="heads"`) its host tier holds those heads and its CPU attends them: the host work is
 split by heads, as the GPU work is. With `host_split="requests"` the host work is split by requests instead:
 rank r's host tier holds every head of its own requests (a contiguous range of the batch), and its CPU attends
 them. Two all-to-alls per layer and step join the two layouts, on the GPUs (NVLink with NCCL):

@@ -14,13 +14,18 @@ from ..config import (
     DEFAULT_GPU_CACHE,
     DEFAULT_GPU_SHARE,
     ENGINE_CHOICES,
+    FEATURES,
     FLUXION_GRANULARITIES,
     FLUXION_MODES,
     HOST_DTYPES,
     HOST_SPLITS,
+    MOVED,
     POLICIES,
+    FluxionConfig,
     TandemConfig,
+    moved_message,
     parse_number,
+    parse_setting,
     uses_engine,
 )
 
@@ -198,9 +203,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tau",
         type=float,
-        default=TandemConfig.tau,
+        default=FluxionConfig.tau,
         help="fluxion: attention-output error each head may keep (Eq. 2), 0 or a value calibrated in the "
-        f"profile (default {TandemConfig.tau:g}; 0 attends everything)",
+        f"profile (default {FluxionConfig.tau:g}; 0 attends everything)",
     )
     p.add_argument(
         "--profile",
@@ -210,10 +215,10 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fluxion-mode",
         choices=FLUXION_MODES,
-        default=TandemConfig.fluxion_mode,
+        default=FluxionConfig.mode,
         help="fluxion: per-head budgets from the profile's predictor, per step, or its static per-head values, "
         "or (oracle, analysis only) measured exactly each step over the whole host tier "
-        f"(default {TandemConfig.fluxion_mode})",
+        f"(default {FluxionConfig.mode})",
     )
     p.add_argument(
         "--granularity",
@@ -231,6 +236,18 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-threads", type=int, default=None, help="CPU attention threads (default: all cores but one)"
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any cache setting by its TandemConfig name: a core field (window_tokens=512) or a sub-config's "
+        "field (quest.budget=0.1, certified.epsilon=0.02, fluxion.mode=static, distributed.host_split=requests); "
+        "repeatable, applied after the flags above (--budget is quest.budget, --epsilon certified.epsilon, ...)",
+    )
+    for action in p._actions:  # each sub-config flag names the setting it is
+        if action.dest in FLAG_SETTINGS:
+            action.help = f"{action.help or ''} [--set {FLAG_SETTINGS[action.dest]}]".strip()
 
 
 def _read_prompt(args) -> str:
@@ -317,28 +334,61 @@ def _start_rank(args):
     return rank
 
 
+# the flags that set one field of a sub-config (`tandem generate --budget 0.1` is `--set quest.budget=0.1`)
+FLAG_SETTINGS = {
+    "budget": "quest.budget",
+    "gpu_share": "quest.gpu_share",
+    "gpu_cache": "quest.gpu_cache",
+    "beta": "hgca.beta",
+    "epsilon": "certified.epsilon",
+    "max_budget": "certified.max_budget",
+    "tau": "fluxion.tau",
+    "profile": "fluxion.profile",
+    "fluxion_mode": "fluxion.mode",
+    "granularity": "fluxion.granularity",
+    "skip_streaming": "fluxion.skip_streaming",
+    "host_split": "distributed.host_split",
+}
+
+
+def _field_default(path: str):
+    key, _, name = path.partition(".")
+    return getattr(FEATURES[key](), name)
+
+
 def build_config(args: argparse.Namespace) -> TandemConfig:
-    """The `TandemConfig` of parsed `tandem generate` arguments; ValueError names the bad field."""
-    return TandemConfig(
+    """The `TandemConfig` of parsed `tandem generate` arguments; ValueError names the bad field.
+
+    A sub-config flag left at its default sets nothing (so `--policy hgca` is not refused for quest's
+    `--budget` default); `--set` items come last and win."""
+    config = TandemConfig(
         policy=args.policy,
         sink_tokens=args.sink_tokens,
         window_tokens=args.window_tokens,
         block_size=args.block_size,
-        budget=args.budget,
-        beta=args.beta,
-        gpu_share=args.gpu_share,
-        gpu_cache=args.gpu_cache,
         host_dtype=args.host_dtype,
-        host_split=getattr(args, "host_split", "heads"),  # `generate --gpus` only
         cpu_threads=args.cpu_threads,
-        tau=args.tau,
-        profile=args.profile,
-        fluxion_mode=args.fluxion_mode,
-        granularity=args.granularity,
-        skip_streaming=args.skip_streaming,
-        epsilon=args.epsilon,
-        max_budget=args.max_budget,
     )
+    settings = {
+        path: getattr(args, dest)
+        for dest, path in FLAG_SETTINGS.items()
+        if hasattr(args, dest) and getattr(args, dest) != _field_default(path)
+    }
+    for item in getattr(args, "set", None) or ():
+        name, eq, text = item.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE (e.g. quest.budget=0.1)")
+        if name.strip() in MOVED:
+            try:
+                value = parse_setting(".".join(MOVED[name.strip()]), text.strip())
+            except ValueError:
+                value = text.strip()
+            raise ValueError(f"--set {item!r}: {moved_message(name.strip(), value)}")
+        try:
+            settings[name.strip()] = parse_setting(name.strip(), text.strip())
+        except ValueError as err:
+            raise ValueError(f"--set {item!r}: {err}") from None
+    return config.with_settings(settings)
 
 
 def _percent(value: float | None) -> str:

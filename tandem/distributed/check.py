@@ -21,7 +21,7 @@ import sys
 import torch
 
 from .. import shapes
-from ..config import TandemConfig
+from ..config import DistributedConfig, QuestConfig, TandemConfig
 from ..engine import TandemRunner
 from ..integrations.hf import TandemCache
 from . import launch
@@ -36,7 +36,13 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 def _run(model, policy: str, prompt: torch.Tensor, steps: int, use_graphs, host_split: str = "heads") -> dict:
     """One run over a fresh cache: the prefill's logits [B, V] (transformers' forward), the greedy tokens
     [B, steps] (the engine), and the logits [B, V] of one more decode step of Tandem's own forward, run eagerly."""
-    config = TandemConfig(policy=policy, sink_tokens=16, window_tokens=32, budget=0.25, host_split=host_split)
+    config = TandemConfig(
+        policy=policy,
+        sink_tokens=16,
+        window_tokens=32,
+        **({"quest": QuestConfig(budget=0.25)} if policy == "quest" else {}),
+        distributed=DistributedConfig(host_split=host_split),
+    )
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache, use_graphs=use_graphs)
     logits = runner.prefill(prompt, chunk_tokens=128, max_new_tokens=steps + 2)
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--host-splits",
         default="heads",
-        help="comma list of TandemConfig.host_split values the shard runs with (heads, requests)",
+        help="comma list of TandemConfig.distributed.host_split values the shard runs with (heads, requests)",
     )
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--batch", type=int, default=2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def observed_tokens(config) -> int:
     """Prompt tokens whose queries score the prompt once it is cached: `hgca`'s `observation_tokens`, else 0."""
-    return config.observation_tokens if config.policy == "hgca" else 0
+    return config.hgca.observation_tokens if config.policy == "hgca" else 0
 
 
 def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> int:

@@ -111,7 +111,7 @@ class DecodeStep(StepContext):
             context.device_blocks.fill_(share)
             context.device_blocks_value = share
         queued = any(
-            layer.config.scheduler != "share" for layer in layers
+            layer.config.quest.scheduler != "share" for layer in layers
         )  # the queue's GPU side reads host rows
         if (share or queued) and self.device.type == "cuda":
             # the device reads host rows in place: rows evicted just now must have landed in host memory first

@@ -284,9 +284,9 @@ class TandemCache(Cache):
         }
         if self.config.policy == "fluxion":
             stats.update(fluxion_statistics([kv.policy.statistics() for kv in kvs]))
-        if self.config.epsilon is not None:
+        if self.config.certified.epsilon is not None:
             stats["certified"] = certified_statistics(
-                [kv.policy.certifier.statistics() for kv in kvs], self.config.epsilon
+                [kv.policy.certifier.statistics() for kv in kvs], self.config.certified.epsilon
             )
             stats["certified"]["unit"] = "row" if certifies_rows(self.config) else "block"
         return stats
@@ -312,7 +312,7 @@ def fluxion_statistics(per_layer: list[dict]) -> dict:
 def certified_statistics(per_layer: list[dict], epsilon: float) -> dict:
     """The certified selection over layers and decode steps, per (request, query head) of each layer and step:
     the certified skipped probability p and output bound (mean, max), the share that met epsilon when selected,
-    the largest excess of p over epsilon where the max_budget cap bound, and the share of live host units (rows or blocks: `certify_unit`) kept."""
+    the largest excess of p over epsilon where the max_budget cap bound, and the share of live host units (rows or blocks: `certified.unit`) kept."""
     total = {
         k: sum(s[k] for s in per_layer) for k in ("head_steps", "p_sum", "bound_sum", "met", "units_kept")
     }

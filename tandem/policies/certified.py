@@ -1,4 +1,4 @@
-"""The certified selection of one layer (`TandemConfig(epsilon=...)`), shared by quest and fluxion.
+"""The certified selection of one layer (`TandemConfig.certified.epsilon`), shared by quest and fluxion.
 
 `Certifier.select` runs inside the decode step, on the compute device: it bounds every host block's mass
 (`certified_mass`) and keeps, per query head, the fewest blocks that certify p <= epsilon (`certify`). A policy
@@ -7,7 +7,7 @@ their lower mass bounds count toward the attended mass; the certified blocks are
 `after_attention` computes the step's certificate with the exact attended mass and adds it to device counters
 (`CERT_COUNTERS`). Both are plain torch with no host reads, so a recorded CUDA graph replays them.
 
-The unit it keeps (`TandemConfig.certify_unit`) is a host row or a block of `block_size` rows. Rows rank by the
+The unit it keeps (`TandemConfig.certified.unit`) is a host row or a block of `block_size` rows. Rows rank by the
 key sketch's per-row bounds, so a block whose mass sits in one row costs one row; `select` then returns a row
 mask and `unit` is 1. The counters "units_kept" / "units_live" count the kept and live units per KV head.
 """
@@ -53,9 +53,9 @@ def span_blocks(host, device) -> int:
 
 
 def certifies_rows(config) -> bool:
-    """True when `config`'s certified selection keeps single rows (`TandemConfig.certify_unit`)."""
-    unit = config.certify_unit
-    return unit == "row" or (unit is None and config.certify_bound == "sketch")
+    """True when `config`'s certified selection keeps single rows (`TandemConfig.certified.unit`)."""
+    unit = config.certified.unit
+    return unit == "row" or (unit is None and config.certified.bound == "sketch")
 
 
 def certified_row_mass(host, q: torch.Tensor, scale: float):
@@ -153,12 +153,12 @@ class Certifier:
             if self.rows:
                 self.step = self._select_rows(layer, q, scale, known, forced)
                 return self.step.union
-            mass, lower, rows = certified_mass(host, q, scale, self.config.certify_bound)
+            mass, lower, rows = certified_mass(host, q, scale, self.config.certified.bound)
             # live blocks [B, 1] as a device tensor, so that a recorded step follows the host tier's growth
             live = (rows > 0).sum(-1, keepdim=True)
-            most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)  # [B, 1]
+            most = torch.ceil(live * self.config.certified.max_budget).long().clamp(min=1)  # [B, 1]
             union, needed, kept = certify.certified_blocks(
-                mass, known, self.config.epsilon, most, layer.num_kv_heads, lower, forced
+                mass, known, self.config.certified.epsilon, most, layer.num_kv_heads, lower, forced
             )
             tail, skipped_norm = certify.skipped_blocks(
                 mass, union, host.value_norm_dev[:, :, : rows.shape[1]], rows
@@ -189,12 +189,12 @@ class Certifier:
         n = span_blocks(host, q.device) * host.block_size
         valid = host.row_valid_dev[:, :n]
         live = valid.sum(-1, keepdim=True)  # [B, 1] on the device: a recorded step follows the tier's growth
-        most = torch.ceil(live * self.config.max_budget).long().clamp(min=1)
+        most = torch.ceil(live * self.config.certified.max_budget).long().clamp(min=1)
         if forced is not None:
             forced = forced.repeat_interleave(host.block_size, dim=-1) & valid[:, None, :]
         union, needed, kept, tail, skipped_norm = certify.certified_rows(
             q, host.key_codes_dev[:, :, :n], host.key_code_scale_dev[:, :, :n], host.key_code_error_dev[:, :, :n],
-            valid, scale, known, self.config.epsilon, most, layer.num_kv_heads,
+            valid, scale, known, self.config.certified.epsilon, most, layer.num_kv_heads,
             host.value_norm_dev[:, :, : n // host.block_size], host.block_size, forced,
         )  # fmt: skip
         return Step(union, needed, kept, live, tail, skipped_norm)
@@ -216,7 +216,7 @@ class Certifier:
         with torch.no_grad():
             p, bound = certify.certificate_from_tail(s.tail, s.skipped_norm, lse, out)
             self.last_certificate = (p, bound)
-            excess = (p - self.config.epsilon).clamp(min=0)
+            excess = (p - self.config.certified.epsilon).clamp(min=0)
             step = torch.stack([
                 torch.full_like(p[0, 0], p.numel()), p.sum(), p.max(), bound.sum(), bound.max(),
                 s.met.float().sum(), excess.max(), s.union.sum(-1).float().sum(),

@@ -11,7 +11,7 @@ selection), the probability the skipped rows hold is p <= D / (W + D). The outpu
 ||o - o_sparse|| <= p (max ||v|| over the skipped blocks + ||o_sparse||): o is the mix (1 - p) o_sparse + p o_tail
 with ||o_tail|| at most the largest skipped value norm.
 
-With `certify_bound="sketch"` (`TandemConfig`) the bound is per row instead: every host key k_i is kept as an
+With `certified.bound="sketch"` (`TandemConfig`) the bound is per row instead: every host key k_i is kept as an
 int8 sketch k~_i = s_i c_i (a symmetric scale s_i per row, codes c_i in [-127, 127]) with its error radius
 e_i = ||k_i - k~_i|| (`key_sketch`), so that q.k_i <= q.k~_i + ||q|| e_i (Cauchy-Schwarz); a block's mass bound is
 the sum of its rows' exp(scaled bound) (`sketch_mass_bounds`), not n_b times its largest. On the default model
@@ -187,7 +187,7 @@ def certified_blocks(
     forced: torch.Tensor | None = None,
 ):
     """The certified selection: (union [B, Hkv, n] bool, needed [B, Hq], kept [B, Hq]). A unit is a block, or,
-    given per-row bounds, a row (`certify_unit`).
+    given per-row bounds, a row (`certified.unit`).
 
     mass: the log of each unit's upper mass bound [B, Hq, n] (-inf: a unit without rows); known_lse: [B, Hq] log
     of a lower bound of the hot tier's mass; lower: [B, Hq, n] the log of a lower bound of each unit's mass, or

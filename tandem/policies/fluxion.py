@@ -3,8 +3,8 @@
 Every decode step, on the compute device:
 1. each query head gets its properties (bgt0, k, streaming): from the head-property predictor over the step's
    41 features (`policies.fluxion_features`, anchored at the prompt's last query), or from the profile's static
-   per-head values (`fluxion_mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped.
-   `fluxion_mode="oracle"` instead measures the step's exact Eq. 2 budgets over every host entry (analysis only);
+   per-head values (`fluxion.mode="static"`), or, at tau = 0, (1, 0, no) for every head: nothing may be skipped.
+   `fluxion.mode="oracle"` instead measures the step's exact Eq. 2 budgets over every host entry (analysis only);
 2. streaming heads select nothing (`skip_streaming`); each GQA group with a retrieval head picks the block size
    minimising Eq. 3 (or the fixed `granularity`), and each retrieval head its Eq. 1 budget at that size;
 3. each head ranks logical blocks by its own Quest bound and keeps its budget; the group's union goes to the CPU
@@ -39,15 +39,15 @@ def resolve_profile(
 ) -> Profile | None:
     """The profile `config` asks for, checked against the model's shapes and the config (None at tau = 0, which
     needs none). Raises ValueError / FileNotFoundError naming what to change."""
-    if config.tau == 0 or config.fluxion_mode == "oracle":  # neither reads a profile
+    if config.fluxion.tau == 0 or config.fluxion.mode == "oracle":  # neither reads a profile
         return None
-    profile = load_profile(config.profile)
+    profile = load_profile(config.fluxion.profile)
     profile.check_model(num_layers, num_q_heads, num_kv_heads, head_dim)
-    profile.tau_key(config.tau)
-    if config.fluxion_mode == "predictor" and not profile.predictor:
+    profile.tau_key(config.fluxion.tau)
+    if config.fluxion.mode == "predictor" and not profile.predictor:
         raise ValueError(
-            f"TandemConfig.fluxion_mode='predictor': the profile {profile.path} has no predictor (calibrated with "
-            "--no-train); allowed: fluxion_mode='static', or a profile from `tandem calibrate --train`"
+            f"TandemConfig.fluxion.mode='predictor': the profile {profile.path} has no predictor (calibrated with "
+            "--no-train); allowed: fluxion.mode='static', or a profile from `tandem calibrate --train`"
         )
     if isinstance(config.window_tokens, int):
         profile.check_hot_set(config.sink_tokens, config.window_tokens)
@@ -71,17 +71,19 @@ class FluxionPolicy(Policy):
         # budget sum, groups per block size (len(SELECTION_BLOCKS)), groups with no CPU work
         self._counters: torch.Tensor | None = None
         self._constants: dict = {}  # per device: what a step reads, made before any graph records it
-        self.needs_bounds = config.epsilon is not None
+        self.needs_bounds = config.certified.epsilon is not None
         self.certifier = Certifier(config) if self.needs_bounds else None
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     def _ensure_profile(self, layer) -> None:
         if not self._checked:
             num_layers = layer.num_layers
-            reads_profile = self.config.tau != 0 and self.config.fluxion_mode != "oracle"
+            reads_profile = self.config.fluxion.tau != 0 and self.config.fluxion.mode != "oracle"
             if num_layers is None and reads_profile:
                 # a LayerKV built on its own: only its index can be checked against the profile
-                num_layers = max(layer.layer_idx + 1, load_profile(self.config.profile).meta["layers"])
+                num_layers = max(
+                    layer.layer_idx + 1, load_profile(self.config.fluxion.profile).meta["layers"]
+                )
             self.profile = resolve_profile(
                 self.config, num_layers, layer.num_q_heads, layer.num_kv_heads, layer.head_dim
             )
@@ -96,7 +98,7 @@ class FluxionPolicy(Policy):
             self._checked = True
 
     def _predictor(self, device):
-        key = (self.profile.tau_key(self.config.tau), str(device))
+        key = (self.profile.tau_key(self.config.fluxion.tau), str(device))
         models = self.profile.__dict__.setdefault("_models", {})
         if key not in models:
             models[key] = predictor_from_state(self.profile.predictor[key[0]]).to(device)
@@ -106,14 +108,18 @@ class FluxionPolicy(Policy):
         """Tensors each step reads, on `device` (copied there once, outside any graph capture)."""
         key = str(device)
         if key not in self._constants:
-            blocks = SELECTION_BLOCKS if self.config.granularity is None else (self.config.granularity,)
+            blocks = (
+                SELECTION_BLOCKS
+                if self.config.fluxion.granularity is None
+                else (self.config.fluxion.granularity,)
+            )
             const = {
                 "blocks": blocks,
                 "block_sizes": torch.tensor(blocks, device=device),
                 "selection_blocks": torch.tensor(SELECTION_BLOCKS, device=device),
             }
-            if self.profile is not None and self.config.fluxion_mode == "static":
-                static = self.profile.static[self.profile.tau_key(self.config.tau)]
+            if self.profile is not None and self.config.fluxion.mode == "static":
+                static = self.profile.static[self.profile.tau_key(self.config.fluxion.tau)]
                 for name in ("bgt0", "k", "streaming"):
                     const[name] = static[name][layer.layer_idx].to(device)
             self._constants[key] = const
@@ -121,7 +127,7 @@ class FluxionPolicy(Policy):
 
     @property
     def uses_predictor(self) -> bool:
-        return self.config.tau != 0 and self.config.fluxion_mode == "predictor"
+        return self.config.fluxion.tau != 0 and self.config.fluxion.mode == "predictor"
 
     def on_anchor(self, layer, q_last: torch.Tensor, scale: float) -> None:
         """After a prefill or append: cache Appendix A.2's statistics of the host tier with the prompt's last
@@ -138,16 +144,16 @@ class FluxionPolicy(Policy):
     def head_properties(self, layer, q: torch.Tensor, host_rows: torch.Tensor):
         """(bgt0, k, streaming) [B, Hq] for this step."""
         batch, num_q_heads, _ = q.shape
-        if self.config.tau == 0:
+        if self.config.fluxion.tau == 0:
             ones = torch.ones(batch, num_q_heads, device=q.device)
             return ones, torch.zeros_like(ones), torch.zeros_like(ones, dtype=torch.bool)
-        if self.config.fluxion_mode == "static":
+        if self.config.fluxion.mode == "static":
             const = self._on(q.device, layer)
             return tuple(const[n][None].expand(batch, -1) for n in ("bgt0", "k", "streaming"))
         if self.anchor is None:
             raise RuntimeError("fluxion: a decode step before any prefill (no anchor query)")
         sink, local = hot_segments(layer.hot)
-        tau_index = self.profile.tau_index(self.config.tau)
+        tau_index = self.profile.tau_index(self.config.fluxion.tau)
         features = step_features(
             layer.layer_idx, q, self.anchor, sink, local, host_rows, self.scale, tau_index
         )
@@ -157,14 +163,14 @@ class FluxionPolicy(Policy):
         return bgt0.view(shape), k.view(shape), (logit >= threshold).view(shape)
 
     def measured_budgets(self, layer, q: torch.Tensor, blocks: tuple[int, ...]):
-        """`fluxion_mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
+        """`fluxion.mode="oracle"`: this step's exact Eq. 2 budgets at each block size [B, Hq, len(blocks)] and
         streaming labels [B, Hq], measured over every host entry (`policies.fluxion_search.min_budgets`). It reads the
         whole host tier each step: an analysis mode that separates the budget rule from the predictor."""
         cpu = host_segment(layer, q.device)
         hot = join_segments(*hot_segments(layer.hot))
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        budgets, error = min_budgets(q, hot, cpu, scale, blocks, (self.config.tau,))
-        return budgets[..., 0], error <= self.config.tau
+        budgets, error = min_budgets(q, hot, cpu, scale, blocks, (self.config.fluxion.tau,))
+        return budgets[..., 0], error <= self.config.fluxion.tau
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """[B, Hkv, nblk] int64: each KV head's selected 16-token host blocks ascending, then nblk (none)."""
@@ -177,13 +183,13 @@ class FluxionPolicy(Policy):
         with torch.no_grad():
             const = self._on(q.device, layer)
             blocks = const["blocks"]
-            if self.config.fluxion_mode == "oracle" and self.config.tau != 0:
+            if self.config.fluxion.mode == "oracle" and self.config.fluxion.tau != 0:
                 measured, streaming = self.measured_budgets(layer, q, blocks)
-                active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
+                active = ~streaming if self.config.fluxion.skip_streaming else torch.ones_like(streaming)
                 budgets = measured * active[..., None]
             else:
                 bgt0, k, streaming = self.head_properties(layer, q, host_rows)
-                active = ~streaming if self.config.skip_streaming else torch.ones_like(streaming)
+                active = ~streaming if self.config.fluxion.skip_streaming else torch.ones_like(streaming)
                 budgets = head_budgets(bgt0.float(), k.float(), active, blocks)
             choice = choose_granularity(budgets, host_rows, const["block_sizes"], layer.num_kv_heads)
             mask = select_blocks(q, key_min, key_max, budgets, choice, host_rows, blocks, BASE_BLOCK)

@@ -50,7 +50,7 @@ class Profile:
             if abs(t - tau) <= 1e-9:
                 return i
         raise ValueError(
-            f"TandemConfig.tau={tau!r} was not calibrated in the profile {self.path or '(in memory)'}: "
+            f"TandemConfig.fluxion.tau={tau!r} was not calibrated in the profile {self.path or '(in memory)'}: "
             f"allowed {', '.join(f'{t:g}' for t in self.taus)} (run `tandem calibrate --taus ...` for others)"
         )
 
@@ -63,7 +63,8 @@ class Profile:
             raise ValueError(
                 f"the fluxion profile {self.path or '(in memory)'} was calibrated on {meta.get('model', '?')} "
                 f"({_shape_text(have)}), but this model has {_shape_text(want)}: run `tandem calibrate --model "
-                "<this model> --out PROFILE` and pass TandemConfig(profile=PROFILE) (--profile on the command line)"
+                "<this model> --out PROFILE` and pass "
+                "TandemConfig(fluxion=FluxionConfig(profile=PROFILE)) (--profile on the command line)"
             )
 
     def check_hot_set(self, sink_tokens: int, window_tokens: int) -> None:

@@ -46,7 +46,7 @@ class HGCAPolicy(Policy):
         for first, n, hot_counts in self._evicted:
             maw = self._widen(host.maw[:, :, first : first + n])  # [B, Hq, n]
             batch, num_q_heads, _ = maw.shape
-            threshold = self.config.beta / hot_counts.clamp(min=1).to(maw.dtype)
+            threshold = self.config.hgca.beta / hot_counts.clamp(min=1).to(maw.dtype)
             keep = (maw > threshold[:, None, None]) & host.valid[:, None, first : first + n]
             keep = keep.view(batch, layer.num_kv_heads, num_q_heads // layer.num_kv_heads, n).any(dim=2)
             self._extend(keep, first)
@@ -58,7 +58,7 @@ class HGCAPolicy(Policy):
         if host.rows == 0 or host_weights is None:
             return
         host.maw[:, :, : host.rows].copy_(host_weights)
-        threshold = self.config.beta / host.valid_rows().clamp(min=1).to(torch.float32)  # [B]
+        threshold = self.config.hgca.beta / host.valid_rows().clamp(min=1).to(torch.float32)  # [B]
         threshold = threshold[:, None].expand(-1, layer.num_q_heads)
         masked = self._widen(host_weights.masked_fill(~host.valid[:, None, : host.rows], 0.0))
         self.indices, self.lengths = ops.threshold_select(
@@ -67,7 +67,7 @@ class HGCAPolicy(Policy):
 
     def _widen(self, maw: torch.Tensor) -> torch.Tensor:
         """[B, Hq, N] -> max of each entry's MAW and the MAW of the `span - 1` entries before it."""
-        span = self.config.span
+        span = self.config.hgca.span
         if span == 1 or maw.shape[-1] == 0:
             return maw
         return F.max_pool1d(F.pad(maw, (span - 1, 0)), span, stride=1)

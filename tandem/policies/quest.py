@@ -34,7 +34,7 @@ class QuestPolicy(Policy):
         # blocks_this_step on the digests' device (read by device_select's kernels) and its value on the host
         self._k: torch.Tensor | None = None
         self._k_value: int | None = None
-        self.certified = config.epsilon is not None
+        self.certified = config.certified.epsilon is not None
         self.needs_bounds = self.certified
         self.certifier = Certifier(config) if self.certified else None
 
@@ -53,7 +53,7 @@ class QuestPolicy(Policy):
             return None
         scores = ops.block_scores_matmul(q, host.key_min_dev, host.key_max_dev, host.block_valid_dev)
         num_blocks = scores.shape[-1]
-        k_max = min(num_blocks, math.ceil(self.config.budget * num_blocks))
+        k_max = min(num_blocks, math.ceil(self.config.quest.budget * num_blocks))
         if ops.top_blocks_available(scores):
             return ops.top_blocks(scores, self.step_blocks(layer, scores.device), k_max)
         best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
@@ -78,7 +78,7 @@ class QuestPolicy(Policy):
     def blocks_this_step(self, layer) -> int:
         """Blocks each KV head attends this step: ceil(budget * host blocks)."""
         host = layer.host
-        return math.ceil(self.config.budget * (host.rows // host.block_size))
+        return math.ceil(self.config.quest.budget * (host.rows // host.block_size))
 
     def device_share(self, layer) -> int:
         """How many of this step's selected blocks (the first entries of device_select's ids) the compute device

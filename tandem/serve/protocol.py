@@ -6,12 +6,13 @@ from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import TandemConfig
+from ..config import FEATURES, MOVED, TandemConfig, moved_message, setting_names
 
-# TandemConfig fields a request may set; the rest are the server's (threads, device, memory layout, and the
-# fluxion profile: a file path on the server, which a client must not choose)
-SERVER_FIELDS = ("cpu_threads", "device", "huge_pages", "prefill_chunk", "profile")
-REQUEST_FIELDS = tuple(f for f in TandemConfig.field_names() if f not in SERVER_FIELDS)
+# TandemConfig settings a request may set, by their `--set` names: core fields, and sub-config fields either dotted
+# ("quest.budget": 0.1) or nested ("quest": {"budget": 0.1}); the rest are the server's (threads, device, memory
+# layout, and the fluxion profile: a file path on the server, which a client must not choose)
+SERVER_FIELDS = ("cpu_threads", "device", "huge_pages", "prefill_chunk", "fluxion.profile")
+REQUEST_FIELDS = tuple(name for name in setting_names() if name not in SERVER_FIELDS)
 MAX_STOP = 16
 
 
@@ -76,25 +77,44 @@ class _Common(BaseModel):
 
     def cache_config(self, base: TandemConfig) -> TandemConfig:
         """The server's config with this request's Tandem fields (extra body fields) applied and checked."""
-        extras = dict(self.model_extra or {})
-        for name in extras:
-            if name in SERVER_FIELDS:
-                raise APIError(
-                    400, f"'{name}' is a server setting (a `tandem serve` flag), not a request field", name
-                )
-            if name not in REQUEST_FIELDS:
-                raise APIError(
-                    400,
-                    f"unknown field '{name}': allowed are the OpenAI fields this endpoint takes and Tandem's cache "
-                    f"fields {', '.join(REQUEST_FIELDS)}",
-                    name,
-                )
-        if not extras:
+        settings = request_settings(dict(self.model_extra or {}))
+        if not settings:
             return base
         try:
-            return TandemConfig(**{**base.to_dict(), **extras})
+            return base.with_settings(settings)
         except (ValueError, TypeError) as err:
-            raise config_error(err, extras) from None
+            raise config_error(err, settings) from None
+
+
+def request_settings(extras: dict) -> dict:
+    """A request's Tandem fields as dotted settings ({"quest": {"budget": 0.1}} -> {"quest.budget": 0.1}); an
+    APIError names a server setting, an old flat spelling (with its new one) or an unknown field."""
+    settings = {}
+    for name, value in extras.items():
+        if name in FEATURES and isinstance(value, dict):
+            settings.update({f"{name}.{sub}": item for sub, item in value.items()})
+        elif name in FEATURES:
+            raise APIError(
+                400, f"'{name}' must be an object of its fields, e.g. {{\"{name}\": {{...}}}}", name
+            )
+        else:
+            settings[name] = value
+    for name in settings:
+        if name in SERVER_FIELDS:
+            raise APIError(
+                400, f"'{name}' is a server setting (a `tandem serve` flag), not a request field", name
+            )
+        if name in MOVED:
+            raise APIError(400, moved_message(name, settings[name]), name)
+        if name not in REQUEST_FIELDS:
+            raise APIError(
+                400,
+                f"unknown field '{name}': allowed are the OpenAI fields this endpoint takes and Tandem's cache "
+                f"fields {', '.join(REQUEST_FIELDS)} (a sub-config's fields dotted or as an object: "
+                '"quest.budget": 0.1 or "quest": {"budget": 0.1})',
+                name,
+            )
+    return settings
 
 
 def config_error(err: Exception, names) -> APIError:

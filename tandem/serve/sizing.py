@@ -91,17 +91,17 @@ def request_bytes(
     device = hot
     if needs_digest and (on_cuda or share > 0):
         device += digest + blocks  # the digests' mirror on the compute device, and which blocks hold rows
-    if config.epsilon is not None:
+    if config.certified.epsilon is not None:
         # the certified selection's digests on the compute device, float32: key centres [Hkv, nb, D], radii and
         # value norms [Hkv, nb], rows per block [nb]
         device += blocks * (shape.num_kv_heads * (shape.head_dim + 2) + 1) * 4
-    if config.epsilon is not None and config.certify_bound == "sketch":
+    if config.certified.epsilon is not None and config.certified.bound == "sketch":
         # and the int8 key sketch per row: codes [Hkv, rows, D], scale and error radius [Hkv, rows] float32,
         # which rows are live [rows]
         device += rows * (shape.num_kv_heads * (shape.head_dim + 8) + 1)
     if config.policy == "quest" and share > 0:
         factor = config.gpu_cache_on(device_type) or 0.0
-        selected = math.ceil(config.budget * blocks)
+        selected = math.ceil(config.quest.budget * blocks)
         device += int(factor * selected) * bs * kv_row * e
     # a sliding-window layer keeps window - 1 tokens on the device, and no host tier
     sliding = sum((window - 1) * (kv_row * e + 1) for window in shape.sliding)

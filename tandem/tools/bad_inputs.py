@@ -202,9 +202,29 @@ def command_line_cases() -> list[Case]:
 
 def config_cases() -> list[Case]:
     from tandem import TandemConfig
+    from tandem.config import FEATURES, MOVED, moved_message
 
-    def make(**kwargs):
-        return lambda: TandemConfig(**kwargs)
+    def make(**settings):
+        """TandemConfig of `settings` (core fields, dotted sub-config fields) as one call with sub-configs."""
+        nested: dict = {}
+        for name, value in settings.items():
+            key, dot, sub = name.partition(".")
+            if dot:
+                nested.setdefault(key, {})[sub] = value
+            else:
+                nested[key] = value
+        return lambda: TandemConfig.from_dict(nested)
+
+    def shown(**settings) -> str:
+        """`settings` as the Python call that makes them: TandemConfig(policy='quest', quest=QuestConfig(...))."""
+        core = [f"{name}={value!r}" for name, value in settings.items() if "." not in name]
+        nested: dict = {}
+        for name, value in settings.items():
+            if "." in name:
+                key, _, sub = name.partition(".")
+                nested.setdefault(key, []).append(f"{sub}={value!r}")
+        features = [f"{key}={FEATURES[key].__name__}({', '.join(subs)})" for key, subs in nested.items()]
+        return f"TandemConfig({', '.join(core + features)})"
 
     def assign(field, value):
         def run():
@@ -218,45 +238,59 @@ def config_cases() -> list[Case]:
         "sink_tokens": [-1, 1 << 21, 2.0, "4", None],
         "window_tokens": [0, -5, 1 << 23, 1.0, 0.0, math.nan, "256", None, True],
         "block_size": [0, 5000, 16.0, None],
-        "budget": [0.0, -0.1, 1.5, math.nan, math.inf, "0.1", None],
-        "beta": [0.0, -1.0, math.inf, math.nan],
-        "maw_alpha": [0.0, 1.5, math.nan],
-        "span": [0, 1 << 13, 1.5],
-        "observation_tokens": [0, -1],
+        "quest.budget": [0.0, -0.1, 1.5, math.nan, math.inf, "0.1", None],
+        "hgca.beta": [0.0, -1.0, math.inf, math.nan],
+        "hgca.maw_alpha": [0.0, 1.5, math.nan],
+        "hgca.span": [0, 1 << 13, 1.5],
+        "hgca.observation_tokens": [0, -1],
         "prefill_chunk": [0, 1 << 25],
         "cpu_threads": [0, -1, 5000, 1.5],
-        "gpu_share": [-0.1, 1.5, math.nan],
-        "gpu_cache": [-1.0, 100.0, math.nan],
+        "quest.gpu_share": [-0.1, 1.5, math.nan],
+        "quest.gpu_cache": [-1.0, 100.0, math.nan],
         "device": ["tpu", "cuda:x", 0],
         "huge_pages": [2, "yes"],
         "host_dtype": ["int4", "bf16", 8],
-        "host_split": ["tensor", None],
-        "tau": [-0.1, 1.0, math.inf],
-        "profile": [3],
-        "fluxion_mode": ["magic"],
-        "granularity": [8, 17, True],
-        "skip_streaming": [2, "no"],
-        "epsilon": [0.0, 1.0, -0.1, math.nan, "0.05"],
-        "max_budget": [0.0, 1.5, math.nan],
-        "certify_bound": ["box", None],
-        "certify_unit": ["rows", 16],
+        "distributed.host_split": ["tensor", None],
+        "fluxion.tau": [-0.1, 1.0, math.inf],
+        "fluxion.profile": [3],
+        "fluxion.mode": ["magic"],
+        "fluxion.granularity": [8, 17, True],
+        "fluxion.skip_streaming": [2, "no"],
+        "certified.epsilon": [0.0, 1.0, -0.1, math.nan, "0.05"],
+        "certified.max_budget": [0.0, 1.5, math.nan],
+        "certified.bound": ["box", None],
+        "certified.unit": ["rows", 16],
     }
-    certified = ("epsilon", "max_budget", "certify_bound", "certify_unit")
     cases = []
     for field, values in bad.items():
         for value in values:
-            policy = {"policy": "quest"} if field in ("gpu_share", "gpu_cache", *certified) else {}
-            cases.append(
-                Case("TandemConfig", f"TandemConfig({field}={value!r})", make(**policy, **{field: value}))
-            )
-    for field, value in (("budget", -1), ("window_tokens", 0), ("beta", math.inf), ("policy", "dense")):
+            policy = {"policy": "quest"} if field.startswith(("quest.", "certified.")) else {}
+            policy = {"policy": "hgca"} if field.startswith("hgca.") else policy
+            policy = {"policy": "fluxion"} if field.startswith("fluxion.") else policy
+            settings = {**policy, field: value}
+            cases.append(Case("TandemConfig", shown(**settings), make(**settings)))
+    for field, value in (("window_tokens", 0), ("policy", "dense")):
         cases.append(
             Case("TandemConfig", f"config.{field} = {value!r} after construction", assign(field, value))
         )
-    cases.append(Case("TandemConfig", "config.bugdet = 0.1 (a misspelt field)", assign("bugdet", 0.1)))
     cases.append(
-        Case("TandemConfig", "TandemConfig(policy='hgca', gpu_share=0.5)", make(policy="hgca", gpu_share=0.5))
+        Case(
+            "TandemConfig",
+            "config.quest = {'budget': -1} after construction",
+            assign("quest", {"budget": -1}),
+        )
     )
+    cases.append(Case("TandemConfig", "config.bugdet = 0.1 (a misspelt field)", assign("bugdet", 0.1)))
+    for name in MOVED:  # every flat spelling of earlier versions: refused, naming the new one
+        cases.append(
+            Case(
+                "TandemConfig",
+                f"TandemConfig({name}=...) ({moved_message(name).split(':')[0]})",
+                make(**{name: 1}),
+            )
+        )
+    settings = {"policy": "hgca", "quest.gpu_share": 0.5}  # a sub-config of another policy
+    cases.append(Case("TandemConfig", shown(**settings), make(**settings)))
     cases.append(
         Case(
             "TandemConfig",
@@ -264,18 +298,17 @@ def config_cases() -> list[Case]:
             make(policy="fluxion", block_size=32),
         )
     )
-    for fields in ({"policy": "hgca", "epsilon": 0.05}, {"policy": "quest", "epsilon": 0.05, "gpu_share": 0.4},
-                   {"policy": "quest", "epsilon": 0.05, "host_dtype": "int8"},
-                   {"policy": "quest", "epsilon": 0.05, "certify_bound": "digest", "certify_unit": "row"},
-                   {"policy": "hgca", "host_split": "requests"},
-                   {"policy": "quest", "host_split": "requests", "gpu_share": 0.4}):  # fmt: skip
-        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        cases.append(Case("TandemConfig", f"TandemConfig({shown})", make(**fields)))
-    for field, value in (("budget", np.float32(0.25)), ("span", np.int64(4)), ("window_tokens", np.int32(128)),
-                         ("window_tokens", 0.25)):  # fmt: skip
-        cases.append(
-            Case("TandemConfig", f"TandemConfig({field}={value!r})", make(**{field: value}), "accepted")
-        )
+    for fields in ({"policy": "hgca", "certified.epsilon": 0.05},
+                   {"policy": "quest", "certified.epsilon": 0.05, "quest.gpu_share": 0.4},
+                   {"policy": "quest", "certified.epsilon": 0.05, "host_dtype": "int8"},
+                   {"policy": "quest", "certified.epsilon": 0.05, "certified.bound": "digest", "certified.unit": "row"},
+                   {"policy": "hgca", "distributed.host_split": "requests"},
+                   {"policy": "quest", "distributed.host_split": "requests", "quest.gpu_share": 0.4}):  # fmt: skip
+        cases.append(Case("TandemConfig", shown(**fields), make(**fields)))
+    for field, value in (("quest.budget", np.float32(0.25)), ("hgca.span", np.int64(4)),
+                         ("window_tokens", np.int32(128)), ("window_tokens", 0.25)):  # fmt: skip
+        settings = {"policy": field.partition(".")[0], field: value} if "." in field else {field: value}
+        cases.append(Case("TandemConfig", shown(**settings), make(**settings), "accepted"))
     return cases
 
 

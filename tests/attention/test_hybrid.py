@@ -8,7 +8,7 @@ import torch
 from tandem.attention import TaskPool, attend
 from tandem.attention.hybrid import causal_mask
 from tandem.cache import LayerKV
-from tandem.config import TandemConfig
+from tandem.config import HgcaConfig, QuestConfig, TandemConfig
 from tandem.kernels import reference
 from tandem.kernels.ops import native_cpu_available
 from tests.tolerances import TOLERANCES
@@ -122,7 +122,12 @@ def test_append_on_nonempty_cache_is_exact(device):
 def test_sparse_policies_run_and_report_fraction(policy):
     seq = Sequence(2, 8, 2, 16, 260, pads=[0, 5])
     cfg = TandemConfig(
-        policy=policy, sink_tokens=4, window_tokens=32, block_size=8, budget=0.25, device="cpu"
+        policy=policy,
+        sink_tokens=4,
+        window_tokens=32,
+        block_size=8,
+        **({"quest": QuestConfig(budget=0.25)} if policy == "quest" else {}),
+        device="cpu",
     )
     layer = LayerKV(cfg, 0, 8, 2, 16)
     pool = TaskPool(2)
@@ -146,8 +151,22 @@ def test_sparse_policies_run_and_report_fraction(policy):
 def test_quest_with_full_budget_and_hgca_with_zero_threshold_equal_dense(device):
     seq = Sequence(2, 8, 4, 16, 180, pads=[3, 0])
     for cfg in (
-        TandemConfig(policy="quest", budget=1.0, sink_tokens=4, window_tokens=16, block_size=4, device="cpu"),
-        TandemConfig(policy="hgca", beta=1e-30, sink_tokens=4, window_tokens=16, block_size=4, device="cpu"),
+        TandemConfig(
+            policy="quest",
+            quest=QuestConfig(budget=1.0),
+            sink_tokens=4,
+            window_tokens=16,
+            block_size=4,
+            device="cpu",
+        ),
+        TandemConfig(
+            policy="hgca",
+            hgca=HgcaConfig(beta=1e-30),
+            sink_tokens=4,
+            window_tokens=16,
+            block_size=4,
+            device="cpu",
+        ),
     ):
         layer = LayerKV(cfg, 0, 8, 4, 16)
         pool = TaskPool(2)
@@ -165,7 +184,12 @@ def test_task_pool_threads_do_not_change_results(policy, inference_mode):
     outs = []
     for threads in (1, 3):
         cfg = TandemConfig(
-            policy=policy, budget=0.3, sink_tokens=4, window_tokens=16, block_size=4, device="cpu"
+            policy=policy,
+            **({"quest": QuestConfig(budget=0.3)} if policy == "quest" else {}),
+            sink_tokens=4,
+            window_tokens=16,
+            block_size=4,
+            device="cpu",
         )
         layer = LayerKV(cfg, 0, 8, 4, 16)
         pool = TaskPool(threads)

@@ -13,6 +13,7 @@ import torch
 
 from tandem import TandemConfig
 from tandem.attention import queue
+from tandem.config import CertifiedConfig, QuestConfig
 from tandem.kernels import cpu, ops
 from tests.cache.test_recall_cache import _config, _padded_prompts
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
@@ -180,34 +181,45 @@ def test_decode_with_each_scheduler_equals_the_static_share(device, scheduler):
     model = _tiny(device=device)
     ids, mask = _padded_prompts(device)
     base, base_runner = _run(
-        model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 24, chunk_tokens=32
+        model,
+        ids,
+        mask,
+        _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=0)),
+        24,
+        chunk_tokens=32,
     )
-    ours, runner = _run(model, ids, mask, _config(budget=0.3, scheduler=scheduler), 24, chunk_tokens=32)
+    ours, runner = _run(
+        model, ids, mask, _config(quest=QuestConfig(budget=0.3, scheduler=scheduler)), 24, chunk_tokens=32
+    )
     assert torch.equal(base, ours)
     layers, base_layers = runner.cache.tandem_layers(), base_runner.cache.tandem_layers()
     assert sum(x.rows_attended for x in layers) == sum(x.rows_attended for x in base_layers) > 0
     device_rows = sum(x.rows_attended_device for x in layers)
     assert (device_rows == 0) == (scheduler == "cpu")
-    full, _ = _run(model, ids, mask, _config(budget=1.0, scheduler=scheduler), 24, chunk_tokens=32)
+    full, _ = _run(
+        model, ids, mask, _config(quest=QuestConfig(budget=1.0, scheduler=scheduler)), 24, chunk_tokens=32
+    )
     assert torch.equal(full, _hf_greedy(model, ids, mask, 24))
 
 
 def test_config_names_the_scheduler_and_what_it_needs():
     with pytest.raises(ValueError, match=r"scheduler='lanes' .*\"share\", \"queue\""):
-        TandemConfig(policy="quest", scheduler="lanes")
+        TandemConfig(policy="quest", quest=QuestConfig(scheduler="lanes"))
     with pytest.raises(ValueError, match=r"scheduler='queue' .*policy='quest'"):
-        TandemConfig(policy="hgca", scheduler="queue")
+        TandemConfig(policy="hgca", quest=QuestConfig(scheduler="queue"))
     with pytest.raises(ValueError, match=r"scheduler='queue' .*epsilon"):
-        TandemConfig(policy="quest", scheduler="queue", epsilon=0.05)
+        TandemConfig(
+            policy="quest", quest=QuestConfig(scheduler="queue"), certified=CertifiedConfig(epsilon=0.05)
+        )
     with pytest.raises(ValueError, match=r"gpu_cache=4\.0 .*scheduler='queue'"):
-        TandemConfig(policy="quest", scheduler="queue", gpu_cache=4)
+        TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue", gpu_cache=4))
     with pytest.raises(ValueError, match=r"host_dtype='int8' .*scheduler='heads'"):
-        TandemConfig(policy="quest", scheduler="heads", host_dtype="int8")
+        TandemConfig(policy="quest", quest=QuestConfig(scheduler="heads"), host_dtype="int8")
     with pytest.raises(ValueError, match=r"gpu_share=0\.4 .*scheduler='queue'"):
-        TandemConfig(policy="quest", scheduler="queue", gpu_share=0.4)
-    config = TandemConfig(policy="quest", scheduler="volume", gpu_share=0.3)
+        TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue", gpu_share=0.4))
+    config = TandemConfig(policy="quest", quest=QuestConfig(scheduler="volume", gpu_share=0.3))
     assert (
-        config.queue_share() == 0.3
+        config.quest.queue_share() == 0.3
         and config.gpu_share_on("cuda") == 0.0
         and config.gpu_cache_on("cuda") == 0
     )

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem import QuestConfig, TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.attention import TaskPool, attend
 from tandem.cache.host import HostTier
 from tandem.cache.layer import LayerKV
+from tandem.config import parse_setting
 from tandem.engine import TandemRunner
 from tandem.kernels import reference
 from tandem.tools.evaluation.metrics import layer_full_attention
-from tandem.tools.evaluation.runner import parse_setting
 from tests.tiny import tiny_model
 from tests.tolerances import assert_close
 
@@ -139,8 +139,8 @@ def test_quest_and_hgca_attend_the_quantized_tier(kind):
     scale = 32**-0.5
     layers = {
         "full": _layer("full", kind),
-        "quest": _layer("quest", kind, budget=1.0),
-        "quest25": _layer("quest", kind, budget=0.25),
+        "quest": _layer("quest", kind, quest=QuestConfig(budget=1.0)),
+        "quest25": _layer("quest", kind, quest=QuestConfig(budget=0.25)),
         "hgca": _layer("hgca", kind),
     }
     pool = TaskPool(1)
@@ -170,7 +170,7 @@ def _tiny():
     return model
 
 
-@pytest.mark.parametrize("policy,extra", [("full", {}), ("quest", {"budget": 0.5}), ("hgca", {})])
+@pytest.mark.parametrize("policy,extra", [("full", {}), ("quest", {"quest": {"budget": 0.5}}), ("hgca", {})])
 def test_engine_decodes_a_quantized_tier_as_generate_does(policy, extra):
     model = _tiny()
     ids = torch.randint(0, 128, (2, 75), generator=torch.Generator().manual_seed(4))

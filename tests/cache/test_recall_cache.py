@@ -12,7 +12,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.cache.recall import RecallCache
-from tandem.config import DEFAULT_GPU_CACHE
+from tandem.config import DEFAULT_GPU_CACHE, QuestConfig
 from tandem.kernels import gpu, reference
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
 
@@ -38,22 +38,22 @@ def _padded_prompts(device):
 
 def test_config_refuses_a_cache_without_quest_or_without_a_device_share():
     with pytest.raises(ValueError, match=r"gpu_cache=2\.0 .*policy='quest'"):
-        TandemConfig(policy="hgca", gpu_cache=2)
+        TandemConfig(policy="hgca", quest=QuestConfig(gpu_cache=2))
     with pytest.raises(ValueError, match=r"gpu_cache=2\.0 .*device share"):
-        TandemConfig(policy="quest", gpu_share=0, gpu_cache=2)
+        TandemConfig(policy="quest", quest=QuestConfig(gpu_share=0, gpu_cache=2))
     with pytest.raises(ValueError, match=r"gpu_cache=-1 .*\[0, 64\]"):
-        TandemConfig(policy="quest", gpu_cache=-1)
-    assert TandemConfig(policy="quest", gpu_cache=4).gpu_cache == 4.0
+        TandemConfig(policy="quest", quest=QuestConfig(gpu_cache=-1))
+    assert TandemConfig(policy="quest", quest=QuestConfig(gpu_cache=4)).quest.gpu_cache == 4.0
     # the default: on with a device share on CUDA only
-    assert TandemConfig(policy="quest").gpu_cache is None
+    assert TandemConfig(policy="quest").quest.gpu_cache is None
     assert TandemConfig(policy="quest").gpu_cache_on("cuda") == DEFAULT_GPU_CACHE > 0
     assert TandemConfig(policy="quest").gpu_cache_on("cpu") == 0.0
-    assert TandemConfig(policy="quest", gpu_share=0).gpu_cache_on("cuda") == 0.0
+    assert TandemConfig(policy="quest", quest=QuestConfig(gpu_share=0)).gpu_cache_on("cuda") == 0.0
     assert TandemConfig(policy="hgca").gpu_cache_on("cuda") == 0.0
-    assert TandemConfig(policy="quest", gpu_share=0.5).gpu_cache_on("cpu") == 0.0
+    assert TandemConfig(policy="quest", quest=QuestConfig(gpu_share=0.5)).gpu_cache_on("cpu") == 0.0
     # on CPU the device share defaults to 0: the cache would never fill, so the first append says so
     model = _tiny()
-    cache = TandemCache.for_model(model, _config(gpu_cache=2))
+    cache = TandemCache.for_model(model, _config(quest=QuestConfig(gpu_cache=2)))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"gpu_cache=2\.0 needs a device share.*gpu_share"):
         model(ids, **generate_cache_kwargs(model, cache))
@@ -254,10 +254,20 @@ def test_cache_attends_what_quest_attends_without_it(device, gpu_cache):
     model = _tiny(device=device)
     ids, mask = _padded_prompts(device)
     plain, plain_runner = _run(
-        model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 24, chunk_tokens=32
+        model,
+        ids,
+        mask,
+        _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=0)),
+        24,
+        chunk_tokens=32,
     )
     cached, cached_runner = _run(
-        model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=gpu_cache), 24, chunk_tokens=32
+        model,
+        ids,
+        mask,
+        _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=gpu_cache)),
+        24,
+        chunk_tokens=32,
     )
     assert torch.equal(plain, cached)
     plain_stats, cached_stats = plain_runner.cache.stats(), cached_runner.cache.stats()
@@ -274,8 +284,12 @@ def test_cache_attends_what_quest_attends_without_it(device, gpu_cache):
     plain_rows, cached_rows = rows(plain_runner.cache), rows(cached_runner.cache)
     assert plain_rows[0] == cached_rows[0] and plain_rows[2] == 0
     assert cached_rows[2] > 0 and cached_rows[3] < plain_rows[3]
-    eager_plain = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=0))
-    eager = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=gpu_cache))
+    eager_plain = TandemCache.for_model(
+        model, _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=0))
+    )
+    eager = TandemCache.for_model(
+        model, _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=gpu_cache))
+    )
     assert torch.equal(_hf_greedy(model, ids, mask, 24, eager_plain), _hf_greedy(model, ids, mask, 24, eager))
     assert sum(layer.rows_attended_cached for layer in eager.tandem_layers()) == 0  # not collected yet
     eager.stats()
@@ -291,7 +305,12 @@ def test_cache_at_full_budget_matches_dynamic_cache(device):
     mask[1, :9] = 0
     base = _hf_greedy(model, ids, mask, 24)
     ours, runner = _run(
-        model, ids, mask, _config(budget=1.0, gpu_share=0.5, gpu_cache=2), 24, chunk_tokens=32
+        model,
+        ids,
+        mask,
+        _config(quest=QuestConfig(budget=1.0, gpu_share=0.5, gpu_cache=2)),
+        24,
+        chunk_tokens=32,
     )
     assert torch.equal(base, ours)
     assert runner.cache.stats()["mean_fraction_attended"] == 1.0
@@ -307,7 +326,7 @@ def test_a_cache_that_does_not_fit_is_a_clear_memory_error(monkeypatch):
 
     monkeypatch.setattr(layer_module, "RecallCache", type("Full", (RecallCache,), {"__init__": full}))
     model = _tiny()
-    cache = TandemCache.for_model(model, _config(budget=0.3, gpu_share=0.5, gpu_cache=2))
+    cache = TandemCache.for_model(model, _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=2)))
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
     with pytest.raises(MemoryError, match=r"gpu_cache=2\.0: quest's recall cache needs .* GiB .*gpu_cache=0"):
         _hf_greedy(model, ids, torch.ones_like(ids), 4, cache)
@@ -350,13 +369,22 @@ def test_default_cache_shrinks_to_free_memory_and_still_attends_what_quest_atten
     model = _tiny(device=device)
     ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(6)).to(device)
     mask = torch.ones_like(ids)
-    plain, _ = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5, gpu_cache=0), 16, chunk_tokens=32)
+    plain, _ = _run(
+        model,
+        ids,
+        mask,
+        _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=0)),
+        16,
+        chunk_tokens=32,
+    )
     if device == "cpu":
         monkeypatch.setattr(Config, "gpu_cache_on", lambda self, device_type: DEFAULT_GPU_CACHE)
 
     def run(free):
         monkeypatch.setattr(recall, "free_bytes", lambda device: free)
-        ours, runner = _run(model, ids, mask, _config(budget=0.3, gpu_share=0.5), 16, chunk_tokens=32)
+        ours, runner = _run(
+            model, ids, mask, _config(quest=QuestConfig(budget=0.3, gpu_share=0.5)), 16, chunk_tokens=32
+        )
         assert torch.equal(plain, ours)
         layers = runner.cache.tandem_layers()
         factors = {layer.gpu_cache for layer in layers}

@@ -17,7 +17,7 @@ from tandem.cache import memory
 from tandem.cache.host import HostMemoryError, HostTier
 from tandem.cache.hot import HotTier
 from tandem.cache.layer import LayerKV
-from tandem.config import TandemConfig
+from tandem.config import CertifiedConfig, TandemConfig
 from tandem.policies.certify import block_digest, key_sketch
 
 BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 8, 4
@@ -472,7 +472,7 @@ def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
     certified = policy == "quest-certified"
     cfg = TandemConfig(
         policy="quest" if certified else policy,
-        epsilon=0.05 if certified else None,
+        certified=CertifiedConfig(epsilon=0.05 if certified else None),
         device="cpu",
         sink_tokens=4,
         window_tokens=window_tokens,
@@ -566,10 +566,7 @@ def test_a_ring_that_cannot_grow_raises_memory_error_and_stays_as_it_was(monkeyp
 
 @pytest.mark.parametrize("bound", ["sketch", "digest"])
 def test_the_key_sketch_is_kept_only_for_the_sketch_bound(bound):
-    cfg = TandemConfig(
-        policy="quest", epsilon=0.05, certify_bound=bound, device="cpu", sink_tokens=4, window_tokens=8,
-        block_size=BLOCK, cpu_threads=1,
-    )  # fmt: skip
+    cfg = TandemConfig(policy="quest", certified=CertifiedConfig(epsilon=0.05, bound=bound), device="cpu", sink_tokens=4, window_tokens=8, block_size=BLOCK, cpu_threads=1)  # fmt: skip
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     layer.append(*Feeder([0, 3]).next(61))
     host = layer.host
@@ -582,7 +579,7 @@ def test_the_key_sketch_is_kept_only_for_the_sketch_bound(bound):
         assert all(t is None for t in sketch) and host.row_valid_dev is None
         rows_bytes = host.capacity * (NUM_KV_HEADS * (HEAD_DIM + 8) + 1) * BATCH
         sketched = LayerKV(
-            dataclasses.replace(cfg, certify_bound="sketch"), 0, num_q_heads=NUM_Q_HEADS,
+            dataclasses.replace(cfg, certified=dataclasses.replace(cfg.certified, bound="sketch")), 0, num_q_heads=NUM_Q_HEADS,
             num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
         )  # fmt: skip
         sketched.append(*Feeder([0, 3]).next(61))

@@ -2,6 +2,7 @@
 arguments into `TandemConfig` and its stats line."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 import tandem.models
 from tandem.cli import build_parser, generate, main
-from tandem.config import TandemConfig
+from tandem.config import QuestConfig, TandemConfig
 
 
 def _run(args, monkeypatch, smollm, capsys):
@@ -130,7 +131,10 @@ def test_engine_samples_inside_the_step_and_a_seed_repeats_its_text(smollm, monk
     "args,message",
     [
         (["--prompt", "   "], "prompt is empty"),
-        (["--prompt", "hi", "--budget", "2"], "TandemConfig.budget=2.0 is out of range: allowed (0, 1]"),
+        (
+            ["--prompt", "hi", "--budget", "2"],
+            "TandemConfig.quest.budget=2.0 is out of range: allowed (0, 1]",
+        ),
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0 is out of range"),
         (
             ["--prompt-file", "/nonexistent/prompt.txt"],
@@ -179,25 +183,70 @@ def test_fluxion_flags_build_the_config():
         _generate_args("--policy", "fluxion", "--tau", "0.05", "--profile", "cal/p.pt", "--fluxion-mode", "static",
                        "--granularity", "32", "--no-skip-streaming", "--window-tokens", "512")
     )  # fmt: skip
-    assert (config.policy, config.tau, config.profile, config.fluxion_mode) == (
+    assert (config.policy, config.fluxion.tau, config.fluxion.profile, config.fluxion.mode) == (
         "fluxion",
         0.05,
         "cal/p.pt",
         "static",
     )
-    assert config.granularity == 32 and config.skip_streaming is False and config.window_tokens == 512
+    assert (
+        config.fluxion.granularity == 32
+        and config.fluxion.skip_streaming is False
+        and config.window_tokens == 512
+    )
     default = TandemConfig(policy="fluxion")
     config = generate.build_config(_generate_args("--policy", "fluxion"))
-    for name in (
-        "tau",
-        "profile",
-        "fluxion_mode",
-        "granularity",
-        "skip_streaming",
-        "sink_tokens",
-        "block_size",
-    ):
-        assert getattr(config, name) == getattr(default, name), name
+    assert config.fluxion == default.fluxion
+    assert (config.sink_tokens, config.block_size) == (default.sink_tokens, default.block_size)
+
+
+def test_flags_and_set_map_onto_the_sub_configs():
+    config = generate.build_config(
+        _generate_args("--policy", "quest", "--budget", "0.1", "--set", "quest.gpu_share=0.5",
+                       "--set", "certified.max_budget=0.3", "--set", "window_tokens=0.25")
+    )  # fmt: skip
+    assert config.quest == QuestConfig(budget=0.1, gpu_share=0.5)
+    assert config.certified.max_budget == 0.3 and config.window_tokens == 0.25
+    same = generate.build_config(_generate_args("--policy", "quest", "--set", "quest.budget=0.1"))
+    assert same.quest.budget == 0.1  # --budget is --set quest.budget
+    later = generate.build_config(
+        _generate_args("--policy", "quest", "--budget", "0.1", "--set", "quest.budget=0.2")
+    )
+    assert later.quest.budget == 0.2  # --set comes last
+    split = generate.build_config(
+        _generate_args("--policy", "quest", "--set", "distributed.host_split=requests")
+    )
+    assert split.distributed.host_split == "requests"
+    hgca = generate.build_config(_generate_args("--policy", "hgca", "--beta", "2"))
+    assert hgca.hgca.beta == 2.0 and hgca.quest == QuestConfig()  # quest's --budget default sets nothing
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--set", "budget=0.1"],
+            "'budget' moved to quest.budget: use TandemConfig(quest=QuestConfig(budget=0.1))",
+        ),
+        (["--set", "fluxion_mode=static"], "--set fluxion.mode=static"),
+        (["--set", "quest.bugdet=0.1"], "TandemConfig.quest has no field 'bugdet'"),
+        (["--set", "nonsense=1"], "unknown setting 'nonsense'"),
+        (["--set", "quest.budget"], "expected KEY=VALUE"),
+        (["--set", "quest.budget=x"], "'x' is not a number"),
+        (
+            ["--policy", "hgca", "--budget", "0.1"],
+            "TandemConfig.quest.budget=0.1 is out of range: allowed its default",
+        ),
+        (["--policy", "hgca", "--epsilon", "0.1"], "certified.epsilon=0.1 .*policy='hgca'"),
+    ],
+)
+def test_old_spellings_and_unread_settings_on_the_command_line_are_refused(
+    argv, message, monkeypatch, capsys
+):
+    monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message if ".*" in message else re.escape(message), err), err
 
 
 def test_bad_fluxion_flags_are_refused_before_the_model_loads(monkeypatch, capsys):
@@ -207,7 +256,7 @@ def test_bad_fluxion_flags_are_refused_before_the_model_loads(monkeypatch, capsy
     monkeypatch.setattr(tandem.models, "load_model", no_model)
     assert main(["generate", "--prompt", "hi", "--policy", "fluxion", "--tau", "1.5"]) == 2
     err = capsys.readouterr().err
-    assert "tandem: error: TandemConfig.tau=1.5 is out of range" in err and "Traceback" not in err
+    assert "tandem: error: TandemConfig.fluxion.tau=1.5 is out of range" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         _generate_args("--granularity", "24")
     assert "argument --granularity: invalid choice: 24" in capsys.readouterr().err

@@ -34,7 +34,7 @@ def test_serve_help(capsys):
         (["--random-weights", "nope"], "--random-weights='nope' is not a known shape: allowed "),
         (["--random-weights", "llama-3.1-8b", "--model", "m.gguf"], "exclude each other"),
         (["--device", "cpu", "--device-memory", "1"], "--device-memory applies to CUDA devices only"),
-        (["--policy", "quest", "--budget", "2"], "TandemConfig.budget=2.0 is out of range"),
+        (["--policy", "quest", "--budget", "2"], "TandemConfig.quest.budget=2.0 is out of range"),
     ],
 )
 def test_bad_flags_give_one_line_before_loading_a_model(argv, message, monkeypatch, capsys):
@@ -66,7 +66,7 @@ def test_build_server_from_flags(monkeypatch):
     assert warmed == ["quest"]
     assert server.model_name == "tiny" and server.model is model
     assert server.scheduler.limits == Limits(3, 0, 32, int(1.5 * GIB), None)
-    assert (server.config.policy, server.config.budget, server.config.cpu_threads) == ("quest", 0.2, 1)
+    assert (server.config.policy, server.config.quest.budget, server.config.cpu_threads) == ("quest", 0.2, 1)
     assert server.scheduler.pool.num_threads == 1
     defaults = build_server(build_parser().parse_args(["serve", "--model", "/models/Qwen2-0.5B.gguf"]))
     assert defaults.model_name == "Qwen2-0.5B"

@@ -24,10 +24,10 @@ NEW_TOKENS = 10
 # policy name -> TandemConfig fields; the first four keep every host entry (DynamicCache's tokens in float32)
 POLICIES = {
     "full": {"policy": "full"},
-    "quest-all": {"policy": "quest", "budget": 1.0},
-    "fluxion-tau0": {"policy": "fluxion", "tau": 0.0},
-    "hgca-all": {"policy": "hgca", "beta": 1e-9, "span": 1},
-    "quest": {"policy": "quest", "budget": 0.2},
+    "quest-all": {"policy": "quest", "quest": {"budget": 1.0}},
+    "fluxion-tau0": {"policy": "fluxion", "fluxion": {"tau": 0.0}},
+    "hgca-all": {"policy": "hgca", "hgca": {"beta": 1e-9, "span": 1}},
+    "quest": {"policy": "quest", "quest": {"budget": 0.2}},
     "hgca": {"policy": "hgca"},
     "streaming": {"policy": "streaming"},
 }
@@ -49,7 +49,7 @@ class Build:
     def config(self) -> TandemConfig:
         fields = dict(POLICIES[self.policy], **HOT, host_dtype=self.host_dtype)
         if self.certified:
-            fields.update(epsilon=0.05, gpu_share=0.0)
+            fields.update(certified={"epsilon": 0.05})
         return TandemConfig(**fields)
 
     @property

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig
+from tandem.config import CertifiedConfig, FluxionConfig
 from tandem.engine import TandemRunner
 from tests.tiny import tiny_model
 
@@ -19,14 +20,17 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _config(policy: str, tmp_path) -> TandemConfig:
     if policy == "quest":
-        return TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=0.01)
+        return TandemConfig(
+            policy="quest",
+            sink_tokens=4,
+            window_tokens=16,
+            block_size=4,
+            certified=CertifiedConfig(epsilon=0.01),
+        )
     from tests.policies.test_fluxion_policy import SINKS, WINDOW, make_profile
 
     profile = make_profile(tmp_path / "profile.pt", predictor=False, q_heads=8, kv_heads=2, head_dim=8)
-    return TandemConfig(
-        policy="fluxion", tau=0.1, profile=profile, fluxion_mode="static", sink_tokens=SINKS, window_tokens=WINDOW,
-        epsilon=0.01,
-    )  # fmt: skip
+    return TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=profile, mode="static"), sink_tokens=SINKS, window_tokens=WINDOW, certified=CertifiedConfig(epsilon=0.01))  # fmt: skip
 
 
 def _decode(device: str, use_graphs: bool, config: TandemConfig):
@@ -122,7 +126,9 @@ def test_the_default_on_a_cpu_attends_every_host_row_and_equals_dynamic_cache():
     cert = stats["certified"]
     assert cert["head_steps"] == 2 * 8 * 2 * 11  # batch x query heads x layers x decode steps
     assert cert["met_share"] == 1.0 and cert["max_p"] == 0.0 and cert["mean_kept"] == 1.0
-    quest = TandemCache.for_model(model, TandemConfig(policy="quest", epsilon=0.05, **small))
+    quest = TandemCache.for_model(
+        model, TandemConfig(policy="quest", certified=CertifiedConfig(epsilon=0.05), **small)
+    )
     generate(quest)
     assert quest.stats()["mean_fraction_attended"] < 1.0
     assert quest.stats()["certified"]["mean_kept"] < 1.0

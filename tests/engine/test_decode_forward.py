@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import QuestConfig
 from tandem.engine import TandemRunner
 from tandem.engine.forward import DecodeForward, unsupported_reason
 from tandem.kernels import gpu as gpu_kernels
@@ -168,7 +169,9 @@ def test_logits_match_transformers_at_real_layer_shapes_on_cuda(shape):
 
     model = build_random_model(shape, "cuda", torch.float32, num_layers=2)
     vocab = model.config.vocab_size
-    tandem_config = TandemConfig(policy="quest", budget=0.25, sink_tokens=16, window_tokens=64)
+    tandem_config = TandemConfig(
+        policy="quest", quest=QuestConfig(budget=0.25), sink_tokens=16, window_tokens=64
+    )
     ids = torch.randint(0, vocab, (2, 700), generator=torch.Generator().manual_seed(1)).cuda()
     tokens = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(2)).cuda()
 

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import HgcaConfig, QuestConfig
 from tandem.engine import TandemRunner
 from tandem.kernels import gpu as gpu_kernels
 from tandem.kernels.ops import native_cpu_available
@@ -75,7 +76,9 @@ def test_sparse_policies_at_full_budget_match_dynamic_cache(device, policy):
     model = _tiny(device=device)
     ids = torch.randint(0, 128, (1, 83), generator=torch.Generator().manual_seed(2)).to(device)
     mask = torch.ones_like(ids)
-    extra = {"budget": 1.0} if policy == "quest" else {"beta": 1e-9, "span": 1}
+    extra = (
+        {"quest": QuestConfig(budget=1.0)} if policy == "quest" else {"hgca": HgcaConfig(beta=1e-9, span=1)}
+    )
     config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
     ours, runner = _run(model, ids, mask, config, 24, chunk_tokens=32)
     assert torch.equal(_hf_greedy(model, ids, mask, 24), ours)
@@ -94,7 +97,7 @@ def test_graph_handoffs_match_dynamic_cache(handoff, policy):
     at full budget also exercises the device share (half the ranked host blocks read by the GPU)."""
     model = _tiny(device="cuda")
     ids = torch.randint(0, 128, (2, 77), generator=torch.Generator().manual_seed(6)).to("cuda")
-    extra = {"budget": 1.0, "gpu_share": 0.5} if policy == "quest" else {}
+    extra = {"quest": QuestConfig(budget=1.0, gpu_share=0.5)} if policy == "quest" else {}
     config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=12, block_size=4, **extra)
     ours, runner = _run(model, ids, None, config, 30, chunk_tokens=32, handoff=handoff)
     assert runner.handoff == handoff and runner.use_graphs
@@ -257,7 +260,11 @@ def test_quest_read_wholly_by_the_device_has_no_hand_off_and_matches_eager(budge
     model = _tiny(device="cuda")
     ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(8)).cuda()
     config = TandemConfig(
-        policy="quest", budget=budget, gpu_share=1.0, sink_tokens=4, window_tokens=8, block_size=4
+        policy="quest",
+        quest=QuestConfig(budget=budget, gpu_share=1.0),
+        sink_tokens=4,
+        window_tokens=8,
+        block_size=4,
     )
     results = []
     for use_graphs in (False, True):
@@ -391,7 +398,11 @@ def test_real_model_greedy_matches_dynamic_cache(smollm, prose):
 def test_warm_up_leaves_the_runners_cache_alone_and_the_answer_unchanged(device):
     model = _tiny(device=device)
     config = TandemConfig(
-        policy="quest", sink_tokens=4, window_tokens=8, block_size=4, budget=0.5, gpu_cache=0
+        policy="quest",
+        sink_tokens=4,
+        window_tokens=8,
+        block_size=4,
+        quest=QuestConfig(budget=0.5, gpu_cache=0),
     )
     ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(8)).to(device)
     cold = TandemRunner(model, TandemCache.for_model(model, config)).generate(ids, 10)

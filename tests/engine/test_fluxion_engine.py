@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import TandemConfig
+from tandem.config import FluxionConfig
 from tandem.policies.fluxion_profile import Profile
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
 
@@ -38,7 +39,7 @@ def test_fluxion_at_tau_zero_matches_dynamic_cache_in_the_engine(device):
     ids = torch.randint(0, 128, (2, 211), generator=torch.Generator().manual_seed(3)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
-    config = TandemConfig(policy="fluxion", tau=0.0, **HOT)
+    config = TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.0), **HOT)
     ours, runner = _run(model, ids, mask, config, 20, chunk_tokens=64)
     assert torch.equal(_hf_greedy(model, ids, mask, 20), ours)
     stats = runner.cache.stats()
@@ -51,7 +52,9 @@ def test_fluxion_static_full_budget_matches_dynamic_cache_in_the_engine(device, 
     model = _tiny(device=device)
     profile = _static_profile(model, tmp_path / "tiny.pt", bgt0=1.0, streaming_every=10**6)
     ids = torch.randint(0, 128, (1, 260), generator=torch.Generator().manual_seed(4)).to(device)
-    config = TandemConfig(policy="fluxion", tau=0.1, profile=profile, fluxion_mode="static", **HOT)
+    config = TandemConfig(
+        policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=profile, mode="static"), **HOT
+    )
     ours, runner = _run(model, ids, None, config, 16, chunk_tokens=64)
     assert torch.equal(_hf_greedy(model, ids, None, 16), ours)
     assert runner.cache.stats()["mean_fraction_attended"] == 1.0
@@ -66,7 +69,7 @@ def test_fluxion_static_graph_steps_select_as_eager_steps(handoff, tmp_path):
     model = _tiny(device="cuda")
     profile = _static_profile(model, tmp_path / "tiny.pt")
     ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(4)).to("cuda")
-    config = dict(policy="fluxion", tau=0.1, profile=profile, fluxion_mode="static", **HOT)
+    config = dict(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=profile, mode="static"), **HOT)
     graphs, runner = _run(model, ids, None, TandemConfig(**config), 8, chunk_tokens=64, handoff=handoff)
     eager, reference = _run(model, ids, None, TandemConfig(**config), 8, chunk_tokens=64, use_graphs=False)
     assert runner.use_graphs and not reference.use_graphs
@@ -91,7 +94,7 @@ def test_replayed_profile_runs_fluxion_on_an_8b_shaped_layer_in_graphs(tmp_path)
     replay_profile(load_profile(None), 2, 32, 8, 128).save(path)
     ids = torch.randint(0, 128256, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     config = TandemConfig(
-        policy="fluxion", tau=0.1, profile=str(path), fluxion_mode="static", window_tokens=256
+        policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=str(path), mode="static"), window_tokens=256
     )
     tokens, runner = _run(model, ids, None, config, 12, chunk_tokens=1024)
     assert runner.use_graphs and tokens.shape == (1, 12)

@@ -325,13 +325,14 @@ def test_a_layers_compiled_cpu_part_matches_its_python_one(policy):
     LSE and records the same counts as called from Python; hgca's part has no compiled form."""
     from tandem import TandemCache, TandemConfig
     from tandem.attention.decode import CpuPart
+    from tandem.config import QuestConfig
     from tandem.engine import TandemRunner
     from tests.tiny import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model("Llama", num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512)
-    extra = {"gpu_share": 0.4, "gpu_cache": 0} if policy == "quest" else {}
-    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=4, budget=0.3, **extra)
+    extra = {"quest": QuestConfig(budget=0.3, gpu_share=0.4, gpu_cache=0)} if policy == "quest" else {}
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=4, **extra)
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache, use_graphs=False)
     logits = runner.prefill(torch.randint(0, 100, (2, 150)), chunk_tokens=64, max_new_tokens=8)

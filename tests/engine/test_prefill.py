@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import HgcaConfig
 from tandem.engine import TandemRunner
 from tandem.engine.prefill import chunk_end, observed_tokens
 from tandem.engine.rows import RowsRunner
 from tests.tiny import tiny_model
 
-HGCA = TandemConfig(policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, observation_tokens=6)
+HGCA = TandemConfig(
+    policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, hgca=HgcaConfig(observation_tokens=6)
+)
 
 
 def _ends(total, chunk, observed):

@@ -19,13 +19,13 @@ from tests.engine.test_engine import DEVICES, _run, _tiny
 HOT = {"sink_tokens": 4, "window_tokens": 16}
 POLICIES = {
     "full": {"policy": "full"},
-    "quest": {"policy": "quest", "budget": 0.3},
+    "quest": {"policy": "quest", "quest": {"budget": 0.3}},
     "hgca": {"policy": "hgca"},
     "streaming": {"policy": "streaming"},
-    "fluxion-tau0": {"policy": "fluxion", "tau": 0.0},
-    "quest-epsilon": {"policy": "quest", "epsilon": 0.05, "gpu_share": 0.0},
-    "fluxion-tau0-epsilon": {"policy": "fluxion", "tau": 0.0, "epsilon": 0.05, "gpu_share": 0.0},
-    "quest-int8": {"policy": "quest", "budget": 0.3, "host_dtype": "int8"},
+    "fluxion-tau0": {"policy": "fluxion", "fluxion": {"tau": 0.0}},
+    "quest-epsilon": {"policy": "quest", "certified": {"epsilon": 0.05}, "quest": {"gpu_share": 0.0}},
+    "fluxion-tau0-epsilon": {"policy": "fluxion", "fluxion": {"tau": 0.0}, "certified": {"epsilon": 0.05}},
+    "quest-int8": {"policy": "quest", "quest": {"budget": 0.3}, "host_dtype": "int8"},
 }
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import QuestConfig
 from tandem.engine.rows import RowsRunner, choose_tokens
 from tandem.engine.sampling import sample, seed_key
 from tests.tiny import tiny_model
@@ -19,7 +20,13 @@ STEPS = 8
 
 def _config(policy: str) -> TandemConfig:
     # window 16 + 4 sinks: prompts of 39-71 tokens put most of themselves in the host tier
-    return TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=16, budget=0.5)
+    return TandemConfig(
+        policy=policy,
+        sink_tokens=4,
+        window_tokens=16,
+        block_size=16,
+        **({"quest": QuestConfig(budget=0.5)} if policy == "quest" else {}),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig
 from tandem.attention.context import StepContext
+from tandem.config import QuestConfig
 from tandem.engine import TandemRunner
 from tandem.engine import runner as runner_module
 from tandem.engine.step import DecodeStep
@@ -50,7 +51,13 @@ def test_the_layers_read_only_the_step_contexts_contract(monkeypatch, device, po
     monkeypatch.setattr(runner_module, "DecodeStep", WatchedStep)
     monkeypatch.setattr(WatchedStep, "reads", [])
     model = tiny_model("Llama", num_key_value_heads=2).to(device)
-    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=8, block_size=4, gpu_cache=0)
+    config = TandemConfig(
+        policy=policy,
+        sink_tokens=4,
+        window_tokens=8,
+        block_size=4,
+        **({"quest": QuestConfig(gpu_cache=0)} if policy == "quest" else {}),
+    )
     runner = TandemRunner(model, TandemCache.for_model(model, config), handoff=handoff)
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
     runner.decode(

@@ -40,22 +40,34 @@ from tandem.tools.evaluation.tasks import MAX_NEW_TOKENS, score_answer
         ),
         ({"lengths": "1k,2x"}, "--lengths: '2x' is not a context length"),
         ({"lengths": "100"}, "--lengths: '100' is not a context length"),
-        ({"sets": ["quest.bogus=1"]}, "--set 'quest.bogus=1': unknown key 'bogus'; allowed: sink_tokens"),
-        ({"sets": ["quest.budget"]}, "expected policy.key=v1,v2"),
+        (
+            {"sets": ["quest.bogus=1"]},
+            "--set 'quest.bogus=1': unknown key 'quest.bogus'; allowed: sink_tokens",
+        ),
+        ({"sets": ["quest.budget"]}, "expected key=v1,v2"),
         ({"sets": ["quest.budget=a"]}, "'a' is not a number"),
-        ({"sets": ["magic.budget=0.1"]}, "unknown policy 'magic'"),
-        ({"policies": "full", "sets": ["quest.budget=0.1"]}, "policy 'quest' is not in --policies"),
-        ({"sets": ["quest.budget=2"]}, "--set quest[budget=2]: TandemConfig.budget=2 is out of range"),
+        ({"sets": ["magic.budget=0.1"]}, "unknown key 'magic.budget'"),
+        ({"sets": ["budget=0.1"]}, "'budget' moved to quest.budget: use TandemConfig(quest=QuestConfig"),
+        (
+            {"sets": ["quest.epsilon=0.1"]},
+            "'epsilon' moved to certified.epsilon: use --set certified.epsilon=0.1",
+        ),
+        (
+            {"policies": "full", "sets": ["quest.budget=0.1"]},
+            "quest settings apply only to policies quest, none of which is in --policies (full)",
+        ),
+        ({"policies": "full", "sets": ["quest.window_tokens=64"]}, "policy 'quest' is not in --policies"),
+        ({"sets": ["quest.budget=2"]}, "--set quest[budget=2]: TandemConfig.quest.budget=2 is out of range"),
         ({"samples": 0}, "--samples=0 is out of range"),
         ({"ppl_tokens": 600, "lengths": "1k"}, "--ppl-tokens=600 must be less than half"),
         (
             {"policies": "full,fluxion", "sets": ["fluxion.tau=1.5"]},
-            "--set fluxion[tau=1.5]: TandemConfig.tau=1.5 is out of range",
+            "--set fluxion[tau=1.5]: TandemConfig.fluxion.tau=1.5 is out of range",
         ),
         ({"policies": "fluxion", "sets": ["fluxion.tau=x"]}, "--set 'fluxion.tau=x': 'x' is not a number"),
         (
             {"policies": "fluxion", "sets": ["fluxion.granularity=24"]},
-            "--set fluxion[granularity=24]: TandemConfig.granularity=24 is out of range: allowed None",
+            "--set fluxion[granularity=24]: TandemConfig.fluxion.granularity=24 is out of range: allowed None",
         ),
         (
             {"policies": "fluxion", "sets": ["fluxion.granularity=big"]},
@@ -66,15 +78,18 @@ from tandem.tools.evaluation.tasks import MAX_NEW_TOKENS, score_answer
             "--set 'fluxion.skip_streaming=yes': 'yes' is not 0 or 1",
         ),
         (
-            {"policies": "fluxion", "sets": ["fluxion.fluxion_mode=dynamic"]},
-            "--set fluxion[fluxion_mode=dynamic]: TandemConfig.fluxion_mode='dynamic' is out of range",
+            {"policies": "fluxion", "sets": ["fluxion.mode=dynamic"]},
+            "--set fluxion[fluxion_mode=dynamic]: TandemConfig.fluxion.mode='dynamic' is out of range",
         ),
         (
             {"policies": "fluxion", "sets": ["fluxion.profile=a.pt,,b.pt"]},
             "fluxion.profile=a.pt,,b.pt': empty value",
         ),
         ({"policies": "fluxion", "sets": ["fluxion.block_size=32"]}, "16 with policy='fluxion'"),
-        ({"policies": "full,quest", "sets": ["tau=0.1"]}, "'tau' applies only to policy 'fluxion'"),
+        (
+            {"policies": "full,quest", "sets": ["fluxion.tau=0.1"]},
+            "fluxion settings apply only to policies fluxion, none of which is in --policies (full, quest)",
+        ),
     ],
 )
 def test_bad_arguments_name_the_argument_and_allowed_values(kwargs, message):
@@ -97,26 +112,28 @@ def test_lengths_sweeps_and_model_maximum():
         "quest[budget=0.05,block_size=16]",
         "quest[budget=0.05,block_size=32]",
     ]
-    assert variants[-1].config.block_size == 32 and variants[-1].config.budget == 0.05
+    assert variants[-1].config.block_size == 32 and variants[-1].config.quest.budget == 0.05
     everywhere = make_variants(["full", "hgca"], ["window_tokens=128"])
     assert all(v.config.window_tokens == 128 for v in everywhere)
-    bounds = make_variants(["quest"], ["quest.epsilon=0.05", "quest.certify_bound=digest,sketch"])
-    assert [v.config.certify_bound for v in bounds] == ["digest", "sketch"]
-    with pytest.raises(ValueError, match="certify_bound"):
-        make_variants(["quest"], ["quest.epsilon=0.05", "quest.certify_bound=box"])
+    bounds = make_variants(["quest"], ["certified.epsilon=0.05", "certified.bound=digest,sketch"])
+    assert [v.config.certified.bound for v in bounds] == ["digest", "sketch"]
+    with pytest.raises(ValueError, match=r"certified\.bound='box'"):
+        make_variants(["quest"], ["certified.epsilon=0.05", "certified.bound=box"])
     check_lengths([1024, 8192], 8192)
     with pytest.raises(ValueError, match="--lengths: 16384 tokens exceed the model's maximum of 8192"):
         check_lengths([1024, 16384], 8192)
 
 
-def test_a_certified_key_without_a_policy_applies_to_the_certifying_policies_only():
-    variants = make_variants(["full", "quest", "fluxion"], ["epsilon=0.01,0.05"])
+def test_a_certified_key_applies_to_the_certifying_policies_only():
+    variants = make_variants(["full", "quest", "fluxion"], ["certified.epsilon=0.01,0.05"])
     labels = [v.label for v in variants]
     assert labels == [
         "full", "quest[epsilon=0.01]", "quest[epsilon=0.05]", "fluxion[epsilon=0.01]", "fluxion[epsilon=0.05]",
     ]  # fmt: skip
-    with pytest.raises(ValueError, match="applies only to policies certified, quest, fluxion"):
-        make_variants(["full", "hgca"], ["max_budget=0.5"])
+    with pytest.raises(
+        ValueError, match="certified settings apply only to policies certified, quest, fluxion"
+    ):
+        make_variants(["full", "hgca"], ["certified.max_budget=0.5"])
 
 
 def test_fluxion_sweeps_parse_into_labelled_variants():
@@ -134,14 +151,14 @@ def test_fluxion_sweeps_parse_into_labelled_variants():
         "fluxion[tau=0.1]",
         "fluxion[tau=0.2]",
     ]
-    assert [v.config.tau for v in variants[1:]] == [0.02, 0.05, 0.1, 0.2]
-    assert variants[1].overrides == {"tau": 0.02} and variants[0].config == TandemConfig(
+    assert [v.config.fluxion.tau for v in variants[1:]] == [0.02, 0.05, 0.1, 0.2]
+    assert variants[1].overrides == {"fluxion.tau": 0.02} and variants[0].config == TandemConfig(
         policy="full", cpu_threads=variants[0].config.cpu_threads
     )
     ablation = make_variants(
         ["fluxion"],
         [
-            "fluxion.fluxion_mode=static",
+            "fluxion.mode=static",
             "fluxion.granularity=none,16",
             "fluxion.skip_streaming=0,1",
             "fluxion.profile=default,cal/p.pt",
@@ -151,16 +168,22 @@ def test_fluxion_sweeps_parse_into_labelled_variants():
         "fluxion[fluxion_mode=static,granularity=none,skip_streaming=0,profile=default]"
     )
     last = ablation[-1].config
-    assert (last.fluxion_mode, last.granularity, last.skip_streaming, last.profile) == (
+    assert (
+        last.fluxion.mode,
+        last.fluxion.granularity,
+        last.fluxion.skip_streaming,
+        last.fluxion.profile,
+    ) == (
         "static",
         16,
         True,
         "cal/p.pt",
     )
     first = ablation[0].config
-    assert first.granularity is None and first.skip_streaming is False and first.profile is None
-    # a fluxion key without 'fluxion.' changes only the fluxion variants
-    everywhere = make_variants(["quest", "fluxion"], ["tau=0.05", "window_tokens=512"])
+    assert first.fluxion.granularity is None and first.fluxion.skip_streaming is False
+    assert first.fluxion.profile is None
+    # a sub-config's key changes only the variants of the policies that read it
+    everywhere = make_variants(["quest", "fluxion"], ["fluxion.tau=0.05", "window_tokens=512"])
     assert [v.label for v in everywhere] == [
         "quest[window_tokens=512]",
         "fluxion[tau=0.05,window_tokens=512]",
@@ -510,7 +533,7 @@ def test_the_error_task_puts_the_certified_bound_beside_the_measured_error(smoll
     measured error's units, never below it; the report prints both and plots one against the other."""
     model, tok = smollm
     plan = make_plan(
-        "quest", "error", "1k", samples=1, sets=["quest.epsilon=0.05"], ppl_tokens=6, error_steps=2
+        "quest", "error", "1k", samples=1, sets=["certified.epsilon=0.05"], ppl_tokens=6, error_steps=2
     )
     results = evaluate(model, tok, plan, load_haystack())
     run = next(r for r in results["runs"] if r["task"] == "error")

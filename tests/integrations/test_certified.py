@@ -1,14 +1,17 @@
-"""quest's certified selection (`TandemConfig(epsilon=...)`) on real decode steps: every layer's every step, the
+"""quest's certified selection (`TandemConfig.certified.epsilon`) on real decode steps: every layer's every step, the
 measured skipped probability and output deviation from full attention over the same cache never exceed the
 certificate; heads that met epsilon have a certificate under it; the stats report it. The tiny model always,
 the default model with the `model` marker."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import CertifiedConfig, FluxionConfig
 from tandem.policies.certified import Certifier
 from tandem.tools.evaluation.certified import trace_certificates
 from tests.tiny import tiny_model
@@ -40,7 +43,9 @@ def _checked_decode(model, ids, config, steps: int):
             )
         assert torch.all(deviation <= bound * (1 + 1e-3) + 1e-4), (deviation, bound)
         met = torch.tensor(r["met"])
-        assert torch.all(p_cert[met] <= config.epsilon * (1 + 1e-4)), "a head that met epsilon is over it"
+        assert torch.all(p_cert[met] <= config.certified.epsilon * (1 + 1e-4)), (
+            "a head that met epsilon is over it"
+        )
         checked += p.numel()
     return cache, checked
 
@@ -49,10 +54,7 @@ def _checked_decode(model, ids, config, steps: int):
 @pytest.mark.parametrize("epsilon", [0.001, 0.05, 0.3])
 def test_certificates_hold_on_every_decode_step_of_a_tiny_model(epsilon, bound, unit):
     model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
-    config = TandemConfig(
-        policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=epsilon, certify_bound=bound,
-        certify_unit=unit,
-    )  # fmt: skip
+    config = TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, block_size=4, certified=CertifiedConfig(epsilon=epsilon, bound=bound, unit=unit))  # fmt: skip
     ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(0))
     cache, checked = _checked_decode(model, ids, config, steps=12)
     assert checked >= 2 * 8 * 2 * 11  # batch x heads x layers x steps with a host tier
@@ -65,7 +67,11 @@ def test_certificates_hold_on_every_decode_step_of_a_tiny_model(epsilon, bound, 
 def test_a_binding_cap_is_reported_as_not_meeting_epsilon():
     model = tiny_model("Llama", num_attention_heads=8, num_key_value_heads=2)
     config = TandemConfig(
-        policy="quest", sink_tokens=4, window_tokens=16, block_size=4, epsilon=1e-6, max_budget=0.05
+        policy="quest",
+        sink_tokens=4,
+        window_tokens=16,
+        block_size=4,
+        certified=CertifiedConfig(epsilon=1e-6, max_budget=0.05),
     )
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     cache, _ = _checked_decode(model, ids, config, steps=4)
@@ -84,7 +90,7 @@ def test_certificates_hold_on_decode_steps_of_the_default_model(smollm, policy, 
         if policy == "fluxion"
         else dict(sink_tokens=16, window_tokens=64)
     )
-    config = TandemConfig(policy=policy, epsilon=0.05, certify_bound=bound, **hot)
+    config = TandemConfig(policy=policy, certified=CertifiedConfig(epsilon=0.05, bound=bound), **hot)
     text = " ".join(
         f"Item {i} of the inventory is a {['red', 'blue', 'green'][i % 3]} box." for i in range(120)
     )
@@ -98,10 +104,7 @@ def _fluxion_config(tmp_path, name: str, epsilon, max_budget=0.5, **profile):
     from tests.policies.test_fluxion_policy import SINKS, WINDOW, make_profile
 
     path = make_profile(tmp_path / name, predictor=False, **profile)
-    return TandemConfig(
-        policy="fluxion", tau=0.1, profile=path, fluxion_mode="static", sink_tokens=SINKS, window_tokens=WINDOW,
-        cpu_threads=1, epsilon=epsilon, max_budget=max_budget,
-    )  # fmt: skip
+    return TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path, mode="static"), sink_tokens=SINKS, window_tokens=WINDOW, cpu_threads=1, certified=CertifiedConfig(epsilon=epsilon, max_budget=max_budget))  # fmt: skip
 
 
 def _fluxion_decode(model, config, ids, steps=6):
@@ -160,7 +163,7 @@ def test_fluxion_with_epsilon_attends_at_least_what_fluxion_alone_does(tmp_path,
 
     monkeypatch.setattr(Certifier, "select", checked)
     config = _fluxion_config(tmp_path, "b.pt", 0.01, max_budget=1.0, bgt0=0.2, k=0.05)
-    config.certify_unit = unit
+    config.certified = dataclasses.replace(config.certified, unit=unit)
     both = _fluxion_decode(model, config, ids)
     assert len(steps) == 2 * 5 and any(steps)  # 2 layers x 5 decode steps checked; the certificate added some
     assert alone["mean_fraction_attended"] > 0.0

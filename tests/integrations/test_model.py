@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import HgcaConfig, QuestConfig
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.model
@@ -84,8 +85,8 @@ def _needle_prompt(tok, prose, n_tokens, depth, number):
 @pytest.mark.parametrize(
     "config",
     [
-        TandemConfig(policy="quest", budget=0.1, window_tokens=256),
-        TandemConfig(policy="hgca", beta=4.0, window_tokens=256),
+        TandemConfig(policy="quest", quest=QuestConfig(budget=0.1), window_tokens=256),
+        TandemConfig(policy="hgca", hgca=HgcaConfig(beta=4.0), window_tokens=256),
     ],
     ids=["quest", "hgca"],
 )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import FluxionConfig
 from tandem.policies.fluxion_features import NUM_FEATURES
 from tandem.policies.fluxion_predictor import predictor_state, train_predictor
 from tandem.policies.fluxion_profile import Profile, default_profile_path, load_profile
@@ -115,7 +116,12 @@ SHAPES = {
 def test_tau_zero_reproduces_full_attention_without_reading_a_profile(shape, prompt, tmp_path):
     model = tiny_model("Llama", **SHAPES[shape])
     full = _run(model, prompt, policy="full")
-    ours = _run(model, prompt, policy="fluxion", tau=0.0, profile=str(tmp_path / "never-read.pt"))
+    ours = _run(
+        model,
+        prompt,
+        policy="fluxion",
+        fluxion=FluxionConfig(tau=0.0, profile=str(tmp_path / "never-read.pt")),
+    )
     _assert_same_as_full(ours, full)
     stats = ours[1]
     assert stats["streaming_head_share"] == 0.0 and stats["mean_head_budget"] == 1.0
@@ -124,14 +130,16 @@ def test_tau_zero_reproduces_full_attention_without_reading_a_profile(shape, pro
 
 def test_static_budget_one_for_every_head_equals_full_attention(model, prompt, full, tmp_path):
     path = make_profile(tmp_path / "budget-one.pt", bgt0=1.0, k=0.0, predictor=False)
-    ours = _run(model, prompt, policy="fluxion", tau=0.1, profile=path, fluxion_mode="static")
+    ours = _run(model, prompt, policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path, mode="static"))
     _assert_same_as_full(ours, full)
     assert ours[1]["mean_head_budget"] == 1.0
 
 
 def test_streaming_heads_do_no_cpu_work(model, prompt, tmp_path):
     path = make_profile(tmp_path / "streaming.pt", bgt0=0.2, k=0.05, streaming=True, predictor=False)
-    _, stats = _run(model, prompt, policy="fluxion", tau=0.1, profile=path, fluxion_mode="static")
+    _, stats = _run(
+        model, prompt, policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path, mode="static")
+    )
     assert stats["host_rows"] > 0
     assert stats["mean_fraction_attended"] == 0.0
     assert stats["streaming_head_share"] == 1.0
@@ -140,7 +148,10 @@ def test_streaming_heads_do_no_cpu_work(model, prompt, tmp_path):
     # the ablation: every head gets its Eq. 1 budget. Eq. 3 per group of two heads over L host rows:
     # V(16) = L (2/16 + 2 * 2 * 0.4) = 1.725 L < V(32) = L (2/32 + 2 * 2 * 0.45) = 1.8625 L, so blk 16, budget 0.4
     _, stats = _run(
-        model, prompt, policy="fluxion", tau=0.1, profile=path, fluxion_mode="static", skip_streaming=False
+        model,
+        prompt,
+        policy="fluxion",
+        fluxion=FluxionConfig(tau=0.1, profile=path, mode="static", skip_streaming=False),
     )
     assert stats["streaming_head_share"] == 1.0  # still labelled streaming, only not skipped
     assert stats["mean_head_budget"] == pytest.approx(0.4, abs=1e-6)
@@ -153,7 +164,10 @@ def test_streaming_heads_do_no_cpu_work(model, prompt, tmp_path):
 def test_fixed_granularity_is_reported(model, prompt, tmp_path):
     path = make_profile(tmp_path / "granularity.pt", predictor=False)
     _, stats = _run(
-        model, prompt, policy="fluxion", tau=0.1, profile=path, fluxion_mode="static", granularity=32
+        model,
+        prompt,
+        policy="fluxion",
+        fluxion=FluxionConfig(tau=0.1, profile=path, mode="static", granularity=32),
     )
     assert {b: s for b, s in stats["granularity_share"].items() if s} == {32: 1.0}
     assert stats["mean_head_budget"] == pytest.approx(0.2 + 0.05 * 5, abs=1e-6)  # Eq. 1 at blk 32
@@ -165,7 +179,10 @@ def test_each_head_reads_its_budget_in_whole_blocks(prompt, tmp_path):
     model = tiny_model("Llama", **SHAPES["mha"])
     path = make_profile(tmp_path / "mha.pt", bgt0=0.4, k=0.0, predictor=False, kv_heads=4)
     _, stats = _run(
-        model, prompt, policy="fluxion", tau=0.1, profile=path, fluxion_mode="static", granularity=16
+        model,
+        prompt,
+        policy="fluxion",
+        fluxion=FluxionConfig(tau=0.1, profile=path, mode="static", granularity=16),
     )
     assert stats["mean_head_budget"] == pytest.approx(0.4)
     assert 0.4 <= stats["mean_fraction_attended"] <= 0.4 + 16 / 160
@@ -173,7 +190,7 @@ def test_each_head_reads_its_budget_in_whole_blocks(prompt, tmp_path):
 
 def test_predictor_mode_runs_and_reports_statistics(model, prompt, tmp_path):
     path = make_profile(tmp_path / "predictor.pt")
-    out, stats = _run(model, prompt, policy="fluxion", tau=0.1, profile=path)
+    out, stats = _run(model, prompt, policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path))
     assert all(torch.isfinite(s).all() for s in out.scores)
     assert out.sequences.shape == (2, PROMPT + NEW_TOKENS)
     for name in ("mean_fraction_attended", "streaming_head_share", "mean_head_budget"):
@@ -189,7 +206,12 @@ def test_predictor_mode_with_a_prompt_that_fits_on_the_device(model, tmp_path):
     there, and the predictor's features (empty host statistics) stay finite."""
     path = make_profile(tmp_path / "predictor.pt")
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(7))
-    config = TandemConfig(policy="fluxion", tau=0.1, profile=path, sink_tokens=SINKS, window_tokens=WINDOW)
+    config = TandemConfig(
+        policy="fluxion",
+        fluxion=FluxionConfig(tau=0.1, profile=path),
+        sink_tokens=SINKS,
+        window_tokens=WINDOW,
+    )
     cache = TandemCache.for_model(model, config)
     out = model.generate(
         ids, max_new_tokens=60, do_sample=False, pad_token_id=0, output_scores=True,
@@ -204,8 +226,12 @@ def test_oracle_mode_needs_no_profile_and_reads_less_at_a_larger_tau(model, prom
     """fluxion_mode='oracle' measures each step's Eq. 2 budgets itself: no profile file is read, and a looser
     tau never needs more of the host tier."""
     missing = "/nonexistent/profile.pt"
-    _, tight = _run(model, prompt, policy="fluxion", tau=0.05, fluxion_mode="oracle", profile=missing)
-    _, loose = _run(model, prompt, policy="fluxion", tau=0.5, fluxion_mode="oracle", profile=missing)
+    _, tight = _run(
+        model, prompt, policy="fluxion", fluxion=FluxionConfig(tau=0.05, mode="oracle", profile=missing)
+    )
+    _, loose = _run(
+        model, prompt, policy="fluxion", fluxion=FluxionConfig(tau=0.5, mode="oracle", profile=missing)
+    )
     assert 0.0 < loose["mean_fraction_attended"] <= tight["mean_fraction_attended"] <= 1.0
     assert loose["mean_head_budget"] <= tight["mean_head_budget"]
 
@@ -214,7 +240,9 @@ def test_oracle_mode_needs_no_profile_and_reads_less_at_a_larger_tau(model, prom
 def test_profile_of_another_model_is_refused_naming_both_shapes(tmp_path):
     path = make_profile(tmp_path / "other.pt", predictor=False, layers=3, q_heads=8, kv_heads=4, head_dim=8)
     with pytest.raises(ValueError, match="calibrated on tiny-llama") as err:
-        TandemCache.for_model(tiny_model("Llama"), TandemConfig(policy="fluxion", profile=path))
+        TandemCache.for_model(
+            tiny_model("Llama"), TandemConfig(policy="fluxion", fluxion=FluxionConfig(profile=path))
+        )
     text = str(err.value)
     assert "3 layers, 8 query / 4 KV heads, head_dim 8" in text
     assert f"{LAYERS} layers, {Q_HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM}" in text
@@ -224,54 +252,56 @@ def test_uncalibrated_tau_predictor_without_weights_and_missing_file_are_refused
     model = tiny_model("Llama")
     path = make_profile(tmp_path / "static-only.pt", taus=(0.05, 0.1), predictor=False)
     hot = dict(sink_tokens=SINKS, window_tokens=WINDOW)
-    with pytest.raises(ValueError, match=r"TandemConfig\.tau=0\.2 .*allowed 0\.05, 0\.1"):
-        TandemCache.for_model(model, TandemConfig(policy="fluxion", tau=0.2, profile=path, **hot))
-    with pytest.raises(ValueError, match="fluxion_mode='predictor'.*has no predictor"):
-        TandemCache.for_model(model, TandemConfig(policy="fluxion", tau=0.1, profile=path, **hot))
+    with pytest.raises(ValueError, match=r"TandemConfig\.fluxion\.tau=0\.2 .*allowed 0\.05, 0\.1"):
+        TandemCache.for_model(
+            model, TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.2, profile=path), **hot)
+        )
+    with pytest.raises(ValueError, match="fluxion.mode='predictor'.*has no predictor"):
+        TandemCache.for_model(
+            model, TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path), **hot)
+        )
     with pytest.raises(ValueError, match=r"sink_tokens=8, window_tokens=32.*16 sinks and a 32-token window"):
         TandemCache.for_model(
             model,
             TandemConfig(
                 policy="fluxion",
-                tau=0.1,
-                profile=path,
-                fluxion_mode="static",
+                fluxion=FluxionConfig(tau=0.1, profile=path, mode="static"),
                 sink_tokens=8,
                 window_tokens=WINDOW,
             ),
         )
     with pytest.raises(FileNotFoundError, match="missing.pt"):
-        TandemCache.for_model(model, TandemConfig(policy="fluxion", profile=str(tmp_path / "missing.pt")))
+        TandemCache.for_model(
+            model, TandemConfig(policy="fluxion", fluxion=FluxionConfig(profile=str(tmp_path / "missing.pt")))
+        )
     # the accepted configuration builds
     TandemCache.for_model(
-        model, TandemConfig(policy="fluxion", tau=0.05, profile=path, fluxion_mode="static", **hot)
+        model,
+        TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.05, profile=path, mode="static"), **hot),
     )
 
 
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("tau", 1.5),
-        ("tau", -0.1),
-        ("tau", 1.0),
-        ("fluxion_mode", "dynamic"),
-        ("granularity", 48),
-        ("granularity", True),
-        ("skip_streaming", "yes"),
+        ("fluxion.tau", 1.5),
+        ("fluxion.tau", -0.1),
+        ("fluxion.tau", 1.0),
+        ("fluxion.mode", "dynamic"),
+        ("fluxion.granularity", 48),
+        ("fluxion.granularity", True),
+        ("fluxion.skip_streaming", "yes"),
         ("block_size", 32),
     ],
 )
 def test_config_refuses_bad_fluxion_fields(field, value):
     with pytest.raises(ValueError, match=rf"TandemConfig\.{field}="):
-        TandemConfig(policy="fluxion", **{field: value})
+        TandemConfig(policy="fluxion").with_settings({field: value})
 
 
 def test_tau_zero_after_cache_reset_still_needs_no_profile(model, prompt, tmp_path):
     ids, mask = prompt
-    config = TandemConfig(
-        policy="fluxion", tau=0.0, profile=str(tmp_path / "never-read.pt"), sink_tokens=SINKS,
-        window_tokens=WINDOW, cpu_threads=1,
-    )  # fmt: skip
+    config = TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.0, profile=str(tmp_path / "never-read.pt")), sink_tokens=SINKS, window_tokens=WINDOW, cpu_threads=1)  # fmt: skip
     cache = TandemCache.for_model(model, config)
     kwargs = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     model.generate(ids, **kwargs, **generate_cache_kwargs(model, cache))
@@ -294,7 +324,7 @@ def test_shipped_profile_matches_the_default_model_and_generates(request, prose)
         text_config.num_key_value_heads,
         getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
     )
-    assert TandemConfig().tau in profile.taus
+    assert TandemConfig().fluxion.tau in profile.taus
     ids = tok(prose, return_tensors="pt").input_ids[:, :600]
     cache = TandemCache.for_model(model, TandemConfig(policy="fluxion"))
     out = model.generate(

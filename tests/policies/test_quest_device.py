@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.cache.host import HostTier
-from tandem.config import TandemConfig
+from tandem.config import QuestConfig, TandemConfig
 from tandem.kernels import reference
 from tandem.policies.quest import QuestPolicy
 from tests.tolerances import assert_close
@@ -54,7 +54,7 @@ class _Layer:
 
 @pytest.mark.parametrize("budget", [0.05, 0.3, 1.0])
 def test_device_ranked_selection_equals_cpu_selection(budget):
-    policy = QuestPolicy(TandemConfig(policy="quest", budget=budget))
+    policy = QuestPolicy(TandemConfig(policy="quest", quest=QuestConfig(budget=budget)))
     mirrored, plain = _Layer(_host(True)), _Layer(_host(False))
     assert plain.host.key_min_dev is None and mirrored.host.key_min_dev is not None
     q = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2))

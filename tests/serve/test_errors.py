@@ -122,17 +122,22 @@ def test_bad_chat_fields_are_400_naming_the_field(api, fields, param):
 @pytest.mark.parametrize(
     "extra, param, says",
     [
-        ({"budget": 2}, "budget", "TandemConfig.budget=2"),
+        ({"policy": "quest", "quest": {"budget": 2}}, "quest.budget", "TandemConfig.quest.budget=2"),
+        ({"budget": 0.1}, "budget", "'budget' moved to quest.budget"),
         ({"policy": "nope"}, "policy", "TandemConfig.policy='nope'"),
         ({"window_tokens": "wide"}, "window_tokens", "wrong type"),
         ({"host_dtype": "int4"}, "host_dtype", "int8"),
         ({"colour": "red"}, "colour", "unknown field 'colour'"),
         ({"cpu_threads": 2}, "cpu_threads", "server setting"),
         ({"prefill_chunk": 8}, "prefill_chunk", "server setting"),
-        ({"profile": "/etc/passwd"}, "profile", "server setting"),  # a client never picks a file to read
+        (
+            {"fluxion": {"profile": "/etc/passwd"}},
+            "fluxion.profile",
+            "server setting",
+        ),  # a client never picks a file to read
         # refused by the cache itself: checked before the request is queued, not failed at its prefill
         ({"window_tokens": CONTEXT + 1}, "window_tokens", f"maximum context of {CONTEXT}"),
-        ({"policy": "fluxion", "tau": 0.07}, "tau", "not calibrated"),
+        ({"policy": "fluxion", "fluxion": {"tau": 0.07}}, "fluxion.tau", "not calibrated"),
         (
             {"policy": "fluxion"},
             "sink_tokens",

@@ -3,7 +3,7 @@ request's Tandem fields merged into the server's config."""
 
 import pytest
 
-from tandem.config import TandemConfig
+from tandem.config import TandemConfig, setting_names
 from tandem.serve.protocol import (
     MAX_STOP,
     REQUEST_FIELDS,
@@ -145,21 +145,40 @@ def test_stop_strings():
 
 def test_tandem_fields_are_merged_into_the_servers_config():
     assert _completion().cache_config(BASE) is BASE
-    config = _completion(policy="quest", budget=0.25).cache_config(BASE)
-    assert (config.policy, config.budget, config.window_tokens) == ("quest", 0.25, 64)
+    config = _completion(policy="quest", quest={"budget": 0.25}).cache_config(BASE)
+    assert (config.policy, config.quest.budget, config.window_tokens) == ("quest", 0.25, 64)
     assert BASE.policy == "hgca"  # the server's own is left alone
+    dotted = _completion(**{"policy": "quest", "quest.budget": 0.25}).cache_config(BASE)
+    assert dotted == config  # a sub-config's field dotted or nested: the same setting
+
+
+def test_an_old_flat_request_field_is_refused_naming_the_new_one():
+    err = _refusal(lambda: _completion(policy="quest", budget=0.25).cache_config(BASE))
+    assert err.param == "budget"
+    assert "'budget' moved to quest.budget" in err.message and '{"quest": {"budget": 0.25}}' in err.message
+    err = _refusal(lambda: _completion(epsilon=0.02).cache_config(BASE))
+    assert err.param == "epsilon" and "certified.epsilon" in err.message
 
 
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"budget": 2}, "budget"),
+        ({"policy": "quest", "quest": {"budget": 2}}, "quest.budget"),
+        ({"policy": "quest", "quest.budget": 2}, "quest.budget"),
+        (
+            {"quest": {"budget": 0.1}},
+            "quest.budget",
+        ),  # the server's policy is hgca: quest's settings are unread
+        ({"quest": 0.1}, "quest"),
+        ({"quest": {"bugdet": 0.1}}, "quest.bugdet"),
+        ({"budget": 0.1}, "budget"),
         ({"policy": "nope"}, "policy"),
         ({"sink_tokens": True}, "sink_tokens"),
         ({"window_tokens": "wide"}, "window_tokens"),
         ({"colour": "red"}, "colour"),
     ]
-    + [({name: 1}, name) for name in SERVER_FIELDS],
+    + [({name: 1}, name) for name in SERVER_FIELDS]
+    + [({"fluxion": {"profile": "/etc/passwd"}}, "fluxion.profile")],
 )
 def test_bad_tandem_fields_are_refused(fields, param):
     err = _refusal(lambda: _completion(**fields).cache_config(BASE))
@@ -167,9 +186,10 @@ def test_bad_tandem_fields_are_refused(fields, param):
 
 
 def test_request_fields_are_the_configs_minus_the_servers():
-    assert set(REQUEST_FIELDS) | set(SERVER_FIELDS) == set(TandemConfig.field_names())
+    assert set(REQUEST_FIELDS) | set(SERVER_FIELDS) == set(setting_names())
     assert not set(REQUEST_FIELDS) & set(SERVER_FIELDS)
-    assert "profile" in SERVER_FIELDS  # a file path on the server: never a client's choice
+    assert "fluxion.profile" in SERVER_FIELDS  # a file path on the server: never a client's choice
+    assert "quest.budget" in REQUEST_FIELDS and "certified.epsilon" in REQUEST_FIELDS
 
 
 def test_error_body_is_openai_shaped():

@@ -10,10 +10,13 @@ import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.attention import TaskPool
+from tandem.config import HgcaConfig
 from tandem.serve.scheduler import Limits, QueueFull, Request, Scheduler, TooLarge
 from tests.tiny import tiny_model
 
-CONFIG = TandemConfig(policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, observation_tokens=6)
+CONFIG = TandemConfig(
+    policy="hgca", sink_tokens=2, window_tokens=8, block_size=4, hgca=HgcaConfig(observation_tokens=6)
+)
 TIMEOUT = 30.0
 
 

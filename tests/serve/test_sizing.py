@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.config import CertifiedConfig, QuestConfig
 from tandem.models import attention_shape
 from tandem.serve.sizing import HOST_MIN_BLOCKS, CacheShape, request_bytes
 
@@ -12,10 +13,15 @@ SMOLLM = CacheShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, d
 CONFIGS = {
     "full": TandemConfig(policy="full", sink_tokens=4, window_tokens=16),
     "hgca": TandemConfig(policy="hgca", sink_tokens=4, window_tokens=16),
-    "quest": TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, budget=0.5),
-    "quest-certified": TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, epsilon=0.05),
+    "quest": TandemConfig(policy="quest", sink_tokens=4, window_tokens=16, quest=QuestConfig(budget=0.5)),
+    "quest-certified": TandemConfig(
+        policy="quest", sink_tokens=4, window_tokens=16, certified=CertifiedConfig(epsilon=0.05)
+    ),
     "quest-certified-digest": TandemConfig(
-        policy="quest", sink_tokens=4, window_tokens=16, epsilon=0.05, certify_bound="digest"
+        policy="quest",
+        sink_tokens=4,
+        window_tokens=16,
+        certified=CertifiedConfig(epsilon=0.05, bound="digest"),
     ),
     "full-int8": TandemConfig(policy="full", sink_tokens=4, window_tokens=16, host_dtype="int8"),
     "hgca-int8-fraction": TandemConfig(policy="hgca", sink_tokens=4, window_tokens=0.25, host_dtype="int8"),

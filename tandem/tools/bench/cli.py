@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ... import manifest
@@ -310,22 +311,22 @@ def _replay_fluxion(variants, model, out_dir: Path, rank=None) -> dict:
     replays = {}
     for variant in variants:
         config = variant.config
-        if config.policy != "fluxion" or config.tau == 0:
+        if config.policy != "fluxion" or config.fluxion.tau == 0:
             continue
-        source = load_profile(config.profile)
+        source = load_profile(config.fluxion.profile)
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in variant.label)
         safe += f"_rank{rank.rank}" if rank is not None else ""  # a shard's heads: its own profile
         path = out_dir / f"replayed_profile_{safe}.pt"
         replayed = replay_profile(source, *shape)
         replayed.save(path)
-        config.profile, config.fluxion_mode = str(path), "static"
-        summary = replay_summary(replayed, replayed.tau_key(config.tau))
+        config.fluxion = replace(config.fluxion, profile=str(path), mode="static")
+        summary = replay_summary(replayed, replayed.tau_key(config.fluxion.tau))
         replays[variant.label] = dict(
-            summary, source=source.meta.get("model"), tau=config.tau, profile=str(path)
+            summary, source=source.meta.get("model"), tau=config.fluxion.tau, profile=str(path)
         )
         print(
             f"{variant.label}: random weights, so the predictor is off: replaying the static per-head budgets "
-            f"calibrated on {source.meta.get('model')} (tau {config.tau:g}; {100 * summary['streaming_share']:.0f}% "
+            f"calibrated on {source.meta.get('model')} (tau {config.fluxion.tau:g}; {100 * summary['streaming_share']:.0f}% "
             f"streaming heads, mean budget {100 * summary['mean_budget16']:.1f}% at 16-token blocks)",
             flush=True,
         )

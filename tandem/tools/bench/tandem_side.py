@@ -74,7 +74,7 @@ def fill_tandem_synthetic(
         for start, stop in chunks:
             layer.append(keys[:, :, start:stop], values[:, :, start:stop], valid[:, start:stop])
         if layer.policy.needs_maw:
-            obs = (batch, num_q_heads, layer.config.observation_tokens, head_dim)
+            obs = (batch, num_q_heads, layer.config.hgca.observation_tokens, head_dim)
             _observe(layer, torch.randn(obs, generator=gen, device=device, dtype=dtype), head_dim**-0.5)
         layer.host.wait()  # bounds the GPU memory held by pending copies to one layer's KV
         del keys, values

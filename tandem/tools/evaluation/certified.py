@@ -1,5 +1,5 @@
 """Certificates against measurement: while a model decodes with a certified selection (quest's or fluxion's,
-`TandemConfig(epsilon=...)`), record each layer's certificate at every step beside the measured truth, full
+`TandemConfig.certified.epsilon`), record each layer's certificate at every step beside the measured truth, full
 attention over every row the layer holds, in float64. Used by the soundness tests and by
 `benchmarks/bench_certified.py` (tightness).
 
@@ -8,9 +8,9 @@ attention over every row the layer holds, in float64. Used by the soundness test
     records[i]: {"layer", "p_measured", "p_certified", "p_digest", "p_sketch", "p_box", "deviation", "bound",
                  "bound_digest", "bound_sketch", "bound_box", "met", "kept", "needed"}
 
-"p_certified" is the certificate of the config's `certify_bound`; "p_digest" (box + ball), "p_sketch" (the int8
+"p_certified" is the certificate of the config's `certified.bound`; "p_digest" (box + ball), "p_sketch" (the int8
 key sketch) and "p_box" (the box bound alone) are each bound's certificate over the same selection, and
-"bound_<name>" its output bound. A selection of single rows (`certify_unit="row"`) has only the sketch's: the
+"bound_<name>" its output bound. A selection of single rows (`certified.unit="row"`) has only the sketch's: the
 block bounds cannot tell a block's attended rows from its skipped ones. "kept" is the share of the live host
 units (rows or blocks) each KV head attended, "needed" the share each query head's certificate asked for before
 `max_budget` (above it the head did not meet epsilon).
@@ -54,7 +54,7 @@ def full_attention_gap(layer, q: torch.Tensor, out: torch.Tensor, union: torch.T
 
 def sketch_mass(host, q: torch.Tensor, scale: float, nb: int) -> torch.Tensor:
     """The sketch bound's block mass [B, Hq, nb] (`certified_mass`), from the host tier's own sketch, or, where it
-    keeps none (`certify_bound="digest"`), from one made here of its live keys (blocks past them: -inf)."""
+    keeps none (`certified.bound="digest"`), from one made here of its live keys (blocks past them: -inf)."""
     if host.key_codes_dev is not None:
         return certified_mass(host, q, scale, "sketch")[0]
     keys, _, valid = host.live()
@@ -92,7 +92,7 @@ def trace_certificates(on_select=None):
                 masses = {"sketch": mass}
             else:
                 key_min, key_max, _ = host_digests(host, q.device)
-                mass, _, rows = certified_mass(host, q, scale, self.config.certify_bound)
+                mass, _, rows = certified_mass(host, q, scale, self.config.certified.bound)
                 nb = rows.shape[1]
                 value_norm = host.value_norm_dev[:, :, :nb]
                 box = certify.logit_bounds(

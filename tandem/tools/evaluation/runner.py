@@ -18,21 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ...config import POLICIES, TandemConfig, parse_number, uses_engine
+from ...config import FEATURES, MOVED, POLICIES, TandemConfig, moved_message, uses_engine
+from ...config.settings import WORDS, parse_setting
 from ...integrations.hf import TandemCache, generate_cache_kwargs
 from ...models import attention_shape, end_of_sequence_ids
 from ...policies.fluxion import resolve_profile
 from .haystack import Haystack
 from .metrics import AttentionProbe, perplexity
-from .names import (
-    CERTIFIED_POLICIES,
-    CERTIFIED_SETTABLE,
-    DOCUMENT_TASKS,
-    FLUXION_SETTABLE,
-    GENERATION_TASKS,
-    SETTABLE,
-    TASKS,
-)
+from .names import CORE_SETTABLE, DOCUMENT_TASKS, GENERATION_TASKS, SETTABLE, TASKS
 from .tasks import TaskBuilder, score_answer
 
 
@@ -109,89 +102,57 @@ def parse_lengths(
     return sorted(set(lengths))
 
 
-# `--set` values that are not plain numbers: names, paths, switches and the spelled-out defaults
-# the word for None (shipped profile, Eq. 3 per group, the model's dtype)
-_WORDS = {"profile": "default", "granularity": "none", "host_dtype": "none", "certify_unit": "none"}
-_SWITCHES = ("huge_pages", "skip_streaming")
-
-
-def parse_setting(key: str, text: str):
-    """One `--set` value of TandemConfig field `key`: a path for `profile` ('default': the shipped one), a name for
-    `fluxion_mode`, `certify_bound`, `certify_unit` ('none': by the bound), `host_split` and `host_dtype` ('none':
-    the model's dtype), 0 or 1 for a switch, 'none' or a number for `granularity`, a number otherwise.
-
-    Range checks are TandemConfig's; this raises ValueError only for text that cannot be such a value.
-    """
-    if not text:
-        raise ValueError("empty value")
-    if text.lower() == _WORDS.get(key):
-        return None
-    if key in ("profile", "fluxion_mode", "host_dtype", "host_split", "certify_bound", "certify_unit"):
-        return text
-    if key in _SWITCHES:
-        if text not in ("0", "1"):
-            raise ValueError(f"{text!r} is not 0 or 1")
-        return int(text)
-    try:
-        return parse_number(text)
-    except ValueError:
-        word = f" or {_WORDS[key]!r}" if key in _WORDS else ""
-        raise ValueError(f"{text!r} is not a number{word}") from None
-
-
 def make_variants(
     policies: Sequence[str], sets: Sequence[str] = (), cpu_threads: int | None = None
 ) -> list[Variant]:
     """One variant per policy, or per combination of `--set` values where a policy is swept.
 
-    sets: items "policy.key=v1,v2" (that policy only) or "key=v1,v2" (every policy, only `fluxion` for a key in
-    FLUXION_SETTABLE, only quest and fluxion for one in CERTIFIED_SETTABLE); key in SETTABLE, values as
-    `parse_setting` reads them.
+    sets: items "key=v1,v2", key in SETTABLE: a core field applies to every policy ("window_tokens"), or to one
+    ("quest.window_tokens"); a sub-config's field ("quest.budget", "certified.epsilon") to the policies in
+    --policies that read that sub-config. Values as `config.parse_setting` reads them.
     """
     sweeps: dict[str, dict[str, list]] = {p: {} for p in policies}
     for item in sets:
         name, eq, values = item.partition("=")
-        target, dot, key = name.strip().rpartition(".")
+        name = name.strip()
+        target, dot, key = name.rpartition(".")
         if not eq or not key or not values.strip():
-            raise ValueError(f"--set {item!r}: expected policy.key=v1,v2 (e.g. quest.budget=0.02,0.05)")
-        if key not in SETTABLE:
-            raise ValueError(f"--set {item!r}: unknown key {key!r}; allowed: {', '.join(SETTABLE)}")
-        if dot and target not in POLICIES:
-            raise ValueError(f"--set {item!r}: unknown policy {target!r}; allowed: {', '.join(POLICIES)}")
-        if dot and target not in policies:
-            raise ValueError(
-                f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
-            )
-        if not dot and key in FLUXION_SETTABLE:
-            # the other policies ignore it: variants that differ by name only would rerun the same thing
-            if "fluxion" not in policies:
-                raise ValueError(
-                    f"--set {item!r}: {key!r} applies only to policy 'fluxion', which is not in --policies "
-                    f"({', '.join(policies)})"
-                )
-            target, dot = "fluxion", "."
-        targets = [target] if dot else list(policies)
-        if not dot and key in CERTIFIED_SETTABLE:
-            # only certified, quest and fluxion certify their selection; the others would refuse the key
-            targets = [p for p in policies if p in CERTIFIED_POLICIES]
+            raise ValueError(f"--set {item!r}: expected key=v1,v2 (e.g. quest.budget=0.02,0.05)")
+        if not dot and key in MOVED:
+            raise ValueError(f"--set {item!r}: {moved_message(key)}")
+        if dot and target in FEATURES and name in SETTABLE:
+            readers = FEATURES[target].POLICIES
+            targets = [p for p in policies if readers is None or p in readers]
             if not targets:
                 raise ValueError(
-                    f"--set {item!r}: {key!r} applies only to policies {', '.join(CERTIFIED_POLICIES)}, none of "
+                    f"--set {item!r}: {target} settings apply only to policies {', '.join(readers)}, none of "
                     f"which is in --policies ({', '.join(policies)})"
                 )
+            setting = name
+        elif key in CORE_SETTABLE and (not dot or target in POLICIES):
+            if dot and target not in policies:
+                raise ValueError(
+                    f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
+                )
+            targets, setting = ([target] if dot else list(policies)), key
+        elif dot and target in POLICIES and key in MOVED:
+            new = ".".join(MOVED[key])
+            raise ValueError(f"--set {item!r}: {key!r} moved to {new}: use --set {new}={values.strip()}")
+        else:
+            raise ValueError(f"--set {item!r}: unknown key {name!r}; allowed: {', '.join(SETTABLE)}")
         try:
-            parsed = [parse_setting(key, v.strip()) for v in values.split(",")]
+            parsed = [parse_setting(setting, v.strip()) for v in values.split(",")]
         except ValueError as err:
             raise ValueError(f"--set {item!r}: {err}") from None
         for policy in targets:
-            sweeps[policy][key] = parsed
+            sweeps[policy][setting] = parsed
     variants = []
     for policy in policies:
         keys = list(sweeps[policy])
         for combo in itertools.product(*(sweeps[policy][k] for k in keys)):
             overrides = dict(zip(keys, combo))
             try:
-                config = TandemConfig(policy=policy, cpu_threads=cpu_threads, **overrides)
+                config = TandemConfig(policy=policy, cpu_threads=cpu_threads).with_settings(overrides)
             except ValueError as err:
                 raise ValueError(f"--set {_label(policy, overrides)}: {err}") from None
             label = _label(policy, overrides)
@@ -199,8 +160,15 @@ def make_variants(
     return variants
 
 
+# a sub-config field's name in a variant's label: its flat name of earlier versions, so that labels (and the
+# results that name them, which the simulator's calibration reads) stay as they were: "quest[budget=0.02]"
+_LABEL_NAMES = {".".join(path): name for name, path in MOVED.items()}
+
+
 def _label(policy: str, overrides: dict) -> str:
-    shown = (f"{k}={_WORDS[k] if v is None else v}" for k, v in overrides.items())
+    shown = (
+        f"{_LABEL_NAMES.get(k, k)}={WORDS.get(k, 'none') if v is None else v}" for k, v in overrides.items()
+    )
     return policy + (f"[{','.join(shown)}]" if overrides else "")
 
 
