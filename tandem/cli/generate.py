@@ -243,7 +243,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="any cache setting by its TandemConfig name: a core field (window_tokens=512) or a sub-config's "
         "field (quest.budget=0.1, certified.epsilon=0.02, fluxion.mode=static, distributed.host_split=requests); "
-        "repeatable, applied after the flags above (--budget is quest.budget, --epsilon certified.epsilon, ...)",
+        "repeatable, applied after the flags above (--budget is quest.budget, --epsilon certified.epsilon, ...); "
+        "default: none",
     )
     for action in p._actions:  # each sub-config flag names the setting it is
         if action.dest in FLAG_SETTINGS:

@@ -10,7 +10,7 @@ import pytest
 
 import tandem.models
 from tandem.cli import build_parser, generate, main
-from tandem.config import QuestConfig, TandemConfig
+from tandem.config import CertifiedConfig, QuestConfig, TandemConfig
 
 
 def _run(args, monkeypatch, smollm, capsys):
@@ -304,7 +304,7 @@ def test_a_prompt_that_fits_the_hot_tier_says_so_instead_of_nulls(smollm, monkey
 
 
 def test_an_unread_host_tier_is_explained_not_null():
-    config = TandemConfig(policy="fluxion", epsilon=0.05)
+    config = TandemConfig(policy="fluxion", certified=CertifiedConfig(epsilon=0.05))
     read = dict(prompt_tokens=3000, tokens=3008, host_rows=2600, mean_fraction_attended=0.1, policy="fluxion")
     assert generate.explain_unread_host_tier(read, config) is read
     unread = dict(read, prompt_tokens=5, tokens=8, host_rows=0, mean_fraction_attended=None,
