@@ -122,17 +122,10 @@ class DecodeBuffers:
         hot = layer.hot
         key = (id(hot), hot.generation, hot.keys.data_ptr(), tuple(q3.shape), q3.dtype, scale)
         if key != self._hot_key:
-            batch, num_kv_heads, slots = hot.keys.shape[:3]
-            q = torch.zeros_like(q3)
-            out = torch.zeros(q3.shape, dtype=torch.float32)
-            lse = torch.full(q3.shape[:2], float("-inf"))
-            indices = torch.arange(slots).expand(batch, num_kv_heads, slots).contiguous()
-            lengths = torch.full((batch, num_kv_heads), slots, dtype=torch.long)
-            call = ops.prepared_attention_call(
-                q, hot.keys, hot.values, indices, lengths, scale, out, lse, hot.valid, None,
-                layer.config.cpu_threads,
-            )  # fmt: skip
-            self._hot_bufs = (q, out, lse)  # the call keeps its index lists alive
+            call, q, out, lse = prepared_hot_call(
+                q3, hot.keys, hot.values, hot.valid, scale, layer.config.cpu_threads
+            )
+            self._hot_bufs = (q, out, lse)
             self._hot_call, self._hot_key = call, key
         if self._hot_call is None:
             return None
@@ -168,6 +161,22 @@ class DecodeBuffers:
         if self.split is None:
             return self.out_dev, self.lse_dev
         return self.split.to_heads(self.out_dev), self.split.to_heads(self.lse_dev)
+
+
+def prepared_hot_call(q3: torch.Tensor, keys, values, valid, scale: float, threads: int | None):
+    """(call, q, out, lse): the compiled attention of fixed buffers q [B, Hq, D] into out / lse over every slot of
+    hot tiers in host memory (keys / values [B, Hkv, S, D], invalid slots masked by valid [B, S]), or call None
+    without the compiled kernels. The call keeps its index lists alive."""
+    batch, num_kv_heads, slots = keys.shape[:3]
+    q = torch.zeros_like(q3)
+    out = torch.zeros(q3.shape, dtype=torch.float32)
+    lse = torch.full(q3.shape[:2], float("-inf"))
+    indices = torch.arange(slots).expand(batch, num_kv_heads, slots).contiguous()
+    lengths = torch.full((batch, num_kv_heads), slots, dtype=torch.long)
+    call = ops.prepared_attention_call(
+        q, keys, values, indices, lengths, scale, out, lse, valid, None, threads
+    )  # fmt: skip
+    return call, q, out, lse
 
 
 def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, context=None) -> torch.Tensor:
@@ -219,17 +228,9 @@ class PooledRows:
             return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
         key = (tuple(q3.shape), q3.dtype, scale, threads)
         if key != self._hot_key:
-            batch, num_kv_heads, slots = self.keys.shape[:3]
-            q = torch.zeros_like(q3)
-            out = torch.zeros(q3.shape, dtype=torch.float32)
-            lse = torch.full(q3.shape[:2], float("-inf"))
-            indices = torch.arange(slots).expand(batch, num_kv_heads, slots).contiguous()
-            lengths = torch.full((batch, num_kv_heads), slots, dtype=torch.long)
-            call = ops.prepared_attention_call(
-                q, self.keys, self.values, indices, lengths, scale, out, lse, self.valid, None, threads
-            )  # fmt: skip
-            self._hot, self._hot_key = (call, q, out, lse, indices, lengths), key
-        call, q, out, lse = self._hot[:4]
+            self._hot = prepared_hot_call(q3, self.keys, self.values, self.valid, scale, threads)
+            self._hot_key = key
+        call, q, out, lse = self._hot
         if call is None:
             return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
         q.copy_(q3)
