@@ -8,10 +8,10 @@ share, and the step's hand-off hooks. Requests join or leave between steps; no K
 With `slots` (and Tandem's own decode forward) the requests' hot tiers live in one pool (`slots.SlotPool`): a
 request attached before its prefill takes a row, and a step lays its batch out by rows (row b is the pool's row
 b, a row without a request in the step decodes nothing), so each layer writes and attends every pooled request's
-hot tier in one call and serves their CPU parts in one hand-off (`attention.decode.decode_rows`).
+hot tier in one call and waits once for their CPU parts (`attention.decode.decode_rows`).
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
-with a hand-off per layer, or per layer and request without slots) and replayed while it stays the same. The
+with a hand-off per layer and request) and replayed while it stays the same. The
 recording depends on the requests' cache addresses, so a request that joins or leaves ends it: the batch's
 composition, not only its size, keys the graph.
 """
@@ -110,6 +110,9 @@ class RowsRunner:
         if slots and self.decoder is not None:
             self.pool = SlotPool.for_model(model, config if config is not None else TandemConfig(), slots)
         self._rows = None  # the step's layout by rows, with a pool (`_layout`)
+        self._order = self._order_key = (
+            None  # each caller's row, on the device, and as the list it was made from
+        )
 
     @torch.inference_mode()
     def step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
@@ -158,6 +161,8 @@ class RowsRunner:
             for cache in caches:
                 cache.step_context = None
         if order is not None:
+            if order != self._order_key:  # the callers' order of the same rows may change from step to step
+                self._order, self._order_key = torch.tensor(order, device=self.device), order
             return self._logits[self._order]
         return self._logits
 
@@ -249,12 +254,9 @@ class RowsRunner:
         self._steps_same = 1
         self._ids = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+        self._order = self._order_key = None
         if pooled:
-            n = pooled[-1] + 1
-            self._rows = (pooled, self.pool.layer_rows(n, len(pooled)))
-            order = [r for r, cache in enumerate(rows) if cache is not None]
-            by_cache = {id(rows[r]): r for r in order}
-            self._order = torch.tensor([by_cache[id(c)] for c in caches], device=self.device)
+            self._rows = (pooled, self.pool.layer_rows(pooled[-1] + 1, len(pooled)))
 
     def _pooled(self, cache, row: int) -> bool:
         return self.pool is not None and row < self.pool.size and self.pool.row(cache) == row

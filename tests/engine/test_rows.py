@@ -199,9 +199,12 @@ def test_a_freed_row_is_not_an_empty_row(tiny):
     cpu = torch.device("cpu")
     runner = RowsRunner(tiny, slots=2, config=_config("full"))
     a, b = (_Row(tiny, _prompt(tiny, n, seed), "full", cpu, runner) for seed, n in ((0, 40), (1, 45)))
-    expected = _alone(tiny, b.prompt, "full", 3, cpu)[0]
+    expected = _alone(tiny, b.prompt, "full", 4, cpu)[0]
     _step(runner, [a, b])
-    del a
+    swapped = runner.step([b.cache, a.cache], [b.tokens[-1], a.tokens[-1]], [b.position, a.position])
+    assert runner._steps_same == 2  # the same rows, asked for in another order: logits in the order asked
+    b.tokens.append(int(swapped[0].argmax()))
+    del a, swapped
     gc.collect()
     _step(runner, [b])
     _step(runner, [b])
