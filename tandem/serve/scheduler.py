@@ -459,7 +459,10 @@ def _return_free_heap(device: torch.device | None = None) -> None:
     reuse. Without this the server's resident size stayed well above its level before a load, every cache freed
     (benchmarks/results/2026-11-27_cpu_serve). Once per idle spell."""
     if device is not None and device.type == "cuda":
-        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # the name differs across torch versions
+        for name in (
+            "_host_emptyCache",
+            "_accelerator_emptyHostCache",
+        ):  # the name differs across torch versions
             empty_host = getattr(torch._C, name, None)
             if empty_host is not None:
                 empty_host()
