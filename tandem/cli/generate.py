@@ -28,6 +28,7 @@ from ..config import (
     parse_setting,
     uses_engine,
 )
+from ..tools.arguments import add_model_source_arguments
 
 DESCRIPTION = (
     "Generate text with the KV cache split between the compute device (sinks + recent window) and host memory "
@@ -106,18 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--model, --no-model-cache, --device, --dtype: which model is loaded, and how."""
-    p.add_argument(
-        "--model",
-        default=None,
-        help="local Hugging Face model directory or .gguf file, or a packaged model's name (gemma3-270m) "
-        "(default: SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--no-model-cache",
-        action="store_true",
-        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
-        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
-    )
+    add_model_source_arguments(p)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if available)")
     p.add_argument(
         "--dtype",

@@ -15,6 +15,8 @@ import platform
 import sys
 import time
 
+from ..arguments import add_model_source_arguments
+
 DESCRIPTION = (
     "Run a model on haystack documents with full attention and measure, for every layer and query head at sampled "
     "decode steps, the smallest budget that keeps its attention output within tau (Fluxion's Eq. 2) at block "
@@ -24,18 +26,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: "
-        "SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--no-model-cache",
-        action="store_true",
-        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
-        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
-    )
+    add_model_source_arguments(p)
     p.add_argument("--out", required=True, help="profile file to write (e.g. profile.pt)")
     p.add_argument(
         "--haystack", default="pydoc", help="'pydoc' (default) or a folder / .txt / .zip / .whl of prose"

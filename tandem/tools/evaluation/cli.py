@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ... import manifest
 from ...config import ENGINE_CHOICES, POLICIES
+from ..arguments import add_model_source_arguments
 from .haystack import PYDOC
 from .names import SETTABLE, TASKS
 
@@ -35,18 +36,7 @@ DEFAULT_TASKS = "niah,multikey,multivalue,vt,cwe,ppl,error"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="local HF model directory or .gguf file, or a packaged model's name (gemma3-270m; default: "
-        "SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--no-model-cache",
-        action="store_true",
-        help="load a .gguf model from the file itself, not from its converted copy in the model cache "
-        "($TANDEM_CACHE_DIR/models, default ~/.cache/tandem/models)",
-    )
+    add_model_source_arguments(p)
     p.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)} (default: all)"
     )
