@@ -215,10 +215,11 @@ class PooledRows:
                    writes its new token to (the rows of the batch past them attend nothing here)
     """
 
-    __slots__ = ("keys", "values", "valid", "rows", "slots", "_hot", "_hot_key")
+    __slots__ = ("keys", "values", "valid", "rows", "slots", "_written", "_hot", "_hot_key")
 
     def __init__(self, keys, values, valid, rows, slots) -> None:
         self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
+        self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
         self._hot, self._hot_key = None, None
 
     def attend(self, q3: torch.Tensor, scale: float, threads: int | None):
@@ -242,7 +243,7 @@ class PooledRows:
         rows, slots = self.rows, self.slots
         self.keys.transpose(1, 2).index_put_((rows, slots), k_new[rows, :, 0])
         self.values.transpose(1, 2).index_put_((rows, slots), v_new[rows, :, 0])
-        self.valid.index_put_((rows, slots), torch.ones_like(rows, dtype=torch.bool))
+        self.valid.index_put_((rows, slots), self._written)
 
 
 def batches(layer) -> bool:

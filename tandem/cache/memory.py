@@ -91,3 +91,13 @@ def host_zeros(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> to
             raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
         mapping._cudart, mapping._address = cudart, tensor.data_ptr()
     return tensor
+
+
+def empty_pinned_cache() -> None:
+    """Give back the pinned host blocks torch's host allocator keeps after their tensors died (CUDA builds; the
+    function's name differs across torch versions, and a build without it keeps them)."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        empty = getattr(torch._C, name, None)
+        if empty is not None:
+            empty()
+            return

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import TaskPool
+from ..cache.memory import empty_pinned_cache
 from ..config import TandemConfig
 from ..engine.prefill import chunk_end, observed_tokens
 from ..engine.rows import RowsRunner, choose_tokens
@@ -459,14 +460,7 @@ def _return_free_heap(device: torch.device | None = None) -> None:
     reuse. Without this the server's resident size stayed well above its level before a load, every cache freed
     (benchmarks/results/2026-11-27_cpu_serve). Once per idle spell."""
     if device is not None and device.type == "cuda":
-        for name in (
-            "_host_emptyCache",
-            "_accelerator_emptyHostCache",
-        ):  # the name differs across torch versions
-            empty_host = getattr(torch._C, name, None)
-            if empty_host is not None:
-                empty_host()
-                break
+        empty_pinned_cache()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -22,6 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
+from tandem.cache.memory import empty_pinned_cache
 from tandem.integrations.hf import generate_cache_kwargs, restore_attention
 from tandem.models import attention_shape
 
@@ -312,10 +313,6 @@ def release_memory(device: torch.device) -> None:
     gc.collect()  # tracebacks and caches can hold device tensors in reference cycles
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        # pinned host blocks stay cached by torch after their tensors die; a 64 GB host tier per row would
-        # pile up across rows without this (the function's name differs across torch versions)
-        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
-            empty_host = getattr(torch._C, name, None)
-            if empty_host is not None:
-                empty_host()
-                break
+        # pinned host blocks stay cached by torch after their tensors die; a large host tier per row would pile up
+        # across rows without this
+        empty_pinned_cache()
