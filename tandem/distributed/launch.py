@@ -6,7 +6,7 @@ GPU; a script run with `torchrun --nproc-per-node N` calls `init_ranks` itself. 
 - binds to the cores of its GPU's NUMA node (shared evenly with the other ranks whose GPU sits on that node;
   all the process's cores, shared evenly, where the machine reports no NUMA placement), before any CPU
   attention thread exists, so its host tier's pages and its CPU attention stay next to its GPU and the ranks'
-  threads never compete for a core; `TandemConfig.cpu_threads` then defaults to `rank_threads` of that
+  threads never compete for a core; `TandemConfig.host.threads` then defaults to `rank_threads` of that
   share ($TANDEM_CPU_THREADS);
 - joins the process group: NCCL on CUDA, gloo on the CPU (tests run the same collectives there).
 

@@ -110,9 +110,7 @@ class DecodeStep(StepContext):
         if share != context.device_blocks_value:
             context.device_blocks.fill_(share)
             context.device_blocks_value = share
-        queued = any(
-            layer.config.quest.scheduler != "share" for layer in layers
-        )  # the queue's GPU side reads host rows
+        queued = any(layer.queue_split != "share" for layer in layers)  # the queue's GPU side reads host rows
         if (share or queued) and self.device.type == "cuda":
             # the device reads host rows in place: rows evicted just now must have landed in host memory first
             stream = torch.cuda.current_stream(self.device)

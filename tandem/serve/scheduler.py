@@ -168,7 +168,7 @@ class Scheduler:
                 raise TooLarge(
                     f"this request's cache needs {need / 2**30:.2f} GiB of {where} ({len(request.prompt_ids)} prompt "
                     f"tokens + max_tokens {request.max_tokens}) and the server's budget is {budget / 2**30:.2f} GiB "
-                    f"({flag}): shorten the prompt or max_tokens, or use host_dtype='int8'"
+                    f"({flag}): shorten the prompt or max_tokens, or use host.dtype='int8'"
                 )
         return nbytes
 
