@@ -314,8 +314,9 @@ class LayerKV(Failable):
         """With the ring full, write its oldest block (the next to leave) into the host tier ahead of its eviction
         (`HostTier.stage`), at the step of the block period that this layer's index picks: each step stages about
         num_layers / block_size layers' blocks, and the eviction step only makes them live. Evicting every layer's
-        block in one step made that step 2-3x the others on the GPU (a copy, digests and mirror updates per layer,
-        launched while the GPU idles)."""
+        block in one step made that step far longer than the others on the GPU (a copy, digests and mirror updates
+        per layer, launched while the GPU idles; measured in docs/engine.md § Where a step's time goes, "Eviction
+        steps")."""
         hot, host = self.hot, self.host
         if len(hot.order) < hot.ring_blocks or host is None or host.staged or host.split is not None:
             return

@@ -22,8 +22,8 @@ from typing import ClassVar
 
 from .checks import checked_float, checked_int, checked_switch, fail, fail_type
 
-# quest's device share with the hot tier on CUDA: the share measured fastest at the 8B shape on an H100 and an H200
-# (docs/engine.md § Quest, "Why 0.4")
+# quest's device share with the hot tier on CUDA: why this value, with the runs that chose it, is in docs/engine.md
+# § Quest ("Why 0.4")
 DEFAULT_GPU_SHARE = 0.4
 # quest's recall cache with a device share on CUDA, in multiples of the budget: what it saves and costs in GPU
 # memory is in docs/engine.md § Quest ("The recall cache")
@@ -158,7 +158,7 @@ class HgcaConfig(Feature):
         maw_alpha: weight of the newest step in the moving average of attention weights, in (0, 1].
         span: each salient entry also keeps the `span - 1` entries after it (1 = the paper's rule). Decoding copies
             forward from what it attends (a number, a name), and those successors get little attention before
-            they are needed; measured on the default model in docs/architecture.md.
+            they are needed; the runs on the default model are in docs/architecture.md § `hgca`'s span.
         observation_tokens: how many final prompt tokens score the prompt's entries after a prefill or append
             (their mean attention weight starts each entry's MAW).
 

@@ -333,9 +333,9 @@ def _replay_fluxion(variants, model, out_dir: Path, rank=None) -> dict:
     return replays
 
 
-# host bytes per KV byte a system keeps in host memory: HF's offloaded cache was killed by the kernel at
-# batch 16 x 32K on a 125 GB host with 69 GB of KV (it holds more than one copy); Tandem's host tier is the KV
-# once, plus digests / MAW (at most ~1/8 more)
+# host bytes per KV byte a system keeps in host memory: HF's offloaded cache holds more than one copy (the run the
+# kernel's OOM killer ended: docs/engine.md § `tandem bench`); Tandem's host tier is the KV once, plus digests /
+# MAW (at most ~1/8 more)
 HOST_FACTOR = {"hf-offloaded": 2.0, "tandem": 1.15}
 
 
