@@ -17,7 +17,7 @@ within a store a selection disjoint from its earlier ones, so that at least twic
 other rows is read before any row is read again; the code, the call's small arguments and the thread team
 stay warm, as between the layers of a step. `--cold flush` instead reads 1 GiB through the cache before
 every call, which also evicts the interpreter and the kernel's own state (the method of the results before
-2026-11-26, about 0.2 ms per call slower on the GPU host). Stores and digests are allocated like the host
+2026-11-26, slower per call than a decode step's: docs/cpu-kernels.md § How it is measured). Stores and digests are allocated like the host
 tier's (`tandem.cache.memory`, on transparent huge pages unless `--pages 4k`).
 
     python benchmarks/bench_cpu_attention.py                                 # the full grid
@@ -251,9 +251,9 @@ def make_selections(
 
 
 class ReadProbe:
-    """The host's read bandwidth around one row: other tenants of a VM move it by up to 1.5x within minutes
-    (98.6 and 146.6 GB/s in one session on the GPU host), so each row is compared with the best of a read
-    just before and one just after it (1 GiB, the kernels' thread count, best of 3 each)."""
+    """The host's read bandwidth around one row: other tenants of a VM move it within minutes (docs/cpu-kernels.md
+    § How it is measured), so each row is compared with the best of a read just before and one just after it
+    (1 GiB, the kernels' thread count, best of 3 each)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -347,8 +347,8 @@ def attention_rows(args, threads, probe, flush, gen, row_format=None) -> list[di
 
 def prepared_calls(calls, block, threads) -> list:
     """The same calls through `cpu.PreparedAttention`, laid out once as the decode path lays out hgca's: a few us
-    of Python per call instead of the general launcher's checks, copies and allocations (20-100 us on the GPU
-    host's VMs), so the row shows the kernel's own speed too."""
+    of Python per call instead of the general launcher's checks, copies and allocations (their cost is in
+    docs/cpu-kernels.md § How it is measured), so the row shows the kernel's own speed too."""
     out = {}
     prepared = []
     for q, k, v, idx, lengths, scale, *scales in calls:

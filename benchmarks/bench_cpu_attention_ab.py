@@ -1,7 +1,7 @@
 """Same-process A/B timing of versions of the CPU kernels (two or more csrc trees): attention, or scoring + top-k.
 
-The GPU host's memory bandwidth moves with other tenants by up to 1.5x within minutes, so two versions timed
-in two processes a minute apart cannot be told apart at a few percent. This builds each tree as a separate
+The GPU host's memory bandwidth moves with other tenants within minutes (docs/cpu-kernels.md § How it is
+measured), so two versions timed in two processes a minute apart cannot be told apart at a few percent. This builds each tree as a separate
 library, loads them all, and alternates their calls (order rotated every iteration) over rotated 128K-token
 Llama-3.1-8B layer stores (each call reads rows no recent call read), at 5% and batch 1 and 8. With
 `--kernel score` it times Quest's scoring + top-5% over rotated 128K-token digests (16-token physical blocks,

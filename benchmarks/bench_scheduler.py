@@ -2,6 +2,10 @@
 on mixed-length batches in the style of Fluxion §8.3: the priority queue against no parallel work (CPU only),
 uniform by heads, length-based (volume) and quest's static `gpu_share` at several values, side by side.
 
+"share" and "queue" are the config's schedulers; "cpu", "heads" and "volume" are this benchmark's static
+baselines, not settings: it runs them with quest.scheduler="queue" and sets them on every layer of its cache
+(`LayerKV.queue_split`, with the fraction of "heads@0.3" in `LayerKV.queue_share`; `tandem.attention.queue`).
+
 One random-weight model of a real shape (bf16), one batch per workload whose request lengths are drawn uniformly
 from a range (random K/V; rows past a request's length are not valid), quest at its budget. Every variant decodes the same cache
 in alternating rounds of one decode run: between rounds the config switches and the step is recorded again, so
@@ -25,7 +29,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import queue
-from tandem.config import QuestConfig
+from tandem.config import DEFAULT_GPU_SHARE, QuestConfig
 from tandem.engine import TandemRunner
 from tandem.shapes import build_random_model, model_weight_bytes_per_step
 from tandem.tools.bench import bandwidth
@@ -48,7 +52,8 @@ def parse_workloads(text: str) -> list[tuple[int, int, int]]:
 
 
 def parse_variants(text: str) -> list[tuple[str, str, float | None, int | None]]:
-    """E.g. "cpu,heads,share@0.4,queue,queue#16": (label, scheduler, gpu_share, the queue's GPU programs) each."""
+    """E.g. "cpu,heads@0.3,share@0.4,queue,queue#16": (label, split, its share, the queue's GPU programs)
+    each: "share@x" is quest's gpu_share x, "heads@x" and "volume@x" the baseline's fraction x."""
     out = []
     for item in text.split(","):
         head, _, programs = item.partition("#")
@@ -57,15 +62,31 @@ def parse_variants(text: str) -> list[tuple[str, str, float | None, int | None]]
     return out
 
 
-def switch(runner, cache, scheduler: str, share: float | None, programs: int | None, step: int) -> None:
-    """Set every layer to `scheduler` (and `gpu_share`) after decode step `step`: the next step runs eagerly (it
-    may remake a recall cache of another width, which a recording cannot), the one after is recorded again."""
-    queue.GPU_PROGRAMS = programs
+def quest_for(quest: QuestConfig, split: str, share: float | None) -> QuestConfig:
+    """The config's side of a variant: "share" with its `gpu_share`; the queue, and the baselines, which run
+    through the queue's plan, with no device share of their own in the config."""
+    if split == "share":
+        return dataclasses.replace(quest, gpu_cache=None, gpu_share=share, scheduler="share")
+    return dataclasses.replace(quest, gpu_cache=None, gpu_share=None, scheduler="queue")
+
+
+def set_layers(cache, split: str, share: float | None) -> None:
+    """The layers' side of a variant: its split (a baseline, or the config's scheduler) and, for "heads" and
+    "volume", the device's fraction (quest's default share unless the variant names one)."""
     config = cache.config
-    config.quest = dataclasses.replace(config.quest, gpu_cache=None, gpu_share=share, scheduler=scheduler)
     for layer in cache.tandem_layers():
         layer.gpu_share = config.gpu_share_on("cuda")
         layer.gpu_cache = config.gpu_cache_on("cuda")
+        layer.queue_split = split
+        layer.queue_share = share if share is not None else DEFAULT_GPU_SHARE
+
+
+def switch(runner, cache, split: str, share: float | None, programs: int | None, step: int) -> None:
+    """Set every layer to `split` (and its share) after decode step `step`: the next step runs eagerly (it may
+    remake a recall cache of another width, which a recording cannot), the one after is recorded again."""
+    queue.GPU_PROGRAMS = programs
+    cache.config.quest = quest_for(cache.config.quest, split, share)
+    set_layers(cache, split, share)
     if cache.step_context is not None:
         cache.step_context.segments = []
     runner.warmup_steps = step + 2
@@ -76,10 +97,9 @@ def run_workload(model, batch, low, high, variants, rounds, steps, budget, seed)
     lengths = sorted((rng.randint(low // 16, high // 16) * 16 for _ in range(batch)), reverse=True)
     context = lengths[0]
     first = variants[0]
-    config = TandemConfig(
-        policy="quest", quest=QuestConfig(budget=budget, scheduler=first[1], gpu_share=first[2])
-    )
+    config = TandemConfig(policy="quest", quest=quest_for(QuestConfig(budget=budget), first[1], first[2]))
     cache = TandemCache.for_model(model, config)
+    set_layers(cache, first[1], first[2])
     runner = TandemRunner(model, cache)
     for layer in cache.tandem_layers():
         layer.capacity_hint = context + len(variants) * rounds * (steps + 4) + 16

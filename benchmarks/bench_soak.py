@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tandem import TandemCache, TandemConfig, load_model, manifest
+from tandem import HostConfig, TandemCache, TandemConfig, load_model, manifest
 from tandem.engine import TandemRunner
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -62,7 +62,9 @@ def soak(args, policy: str) -> dict:
     device = next(model.parameters()).device
     prompt = args.prompt_tokens
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, prompt + args.steps + 1)
-    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=args.window, cpu_threads=args.threads)
+    config = TandemConfig(
+        policy=policy, sink_tokens=4, window_tokens=args.window, host=HostConfig(threads=args.threads)
+    )
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache)
     vocab = model.config.get_text_config(decoder=True).vocab_size

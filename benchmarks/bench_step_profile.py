@@ -34,7 +34,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import decode
-from tandem.config import QuestConfig
+from tandem.config import HostConfig, QuestConfig
 from tandem.engine import TandemRunner
 from tandem.engine import handoff as handoff_module
 from tandem.engine import step as step_module
@@ -248,7 +248,7 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="streaming,quest:0,quest:0.5",
-        help="policy[:gpu_share[:host_dtype]], comma-separated (an empty gpu_share: the default)",
+        help="policy[:gpu_share[:host.dtype]], comma-separated (an empty gpu_share: the default)",
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--no-gpu-trace", action="store_true")
@@ -301,7 +301,7 @@ def main() -> None:
             config = TandemConfig(
                 policy=policy,
                 quest=QuestConfig(gpu_share=float(share) if share else None),
-                host_dtype=host_dtype or None,
+                host=HostConfig(dtype=host_dtype or None),
             )
             cache = TandemCache.for_model(model, config)
             runner = TandemRunner(model, cache, handoff=handoff, fused={"on": True, "off": False}[fused])

@@ -6,6 +6,7 @@ from .config import (
     DistributedConfig,
     FluxionConfig,
     HgcaConfig,
+    HostConfig,
     QuestConfig,
     TandemConfig,
 )
@@ -28,6 +29,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "CertifiedConfig", "DistributedConfig", "FluxionConfig", "HgcaConfig", "QuestConfig", "TandemCache",
-    "TandemConfig", "generate_cache_kwargs", "load_model", "__version__",
+    "CertifiedConfig", "DistributedConfig", "FluxionConfig", "HgcaConfig", "HostConfig", "QuestConfig",
+    "TandemCache", "TandemConfig", "generate_cache_kwargs", "load_model", "__version__",
 ]  # fmt: skip

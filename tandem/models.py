@@ -76,7 +76,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 # GGUF files converted once into a Hugging Face directory (safetensors + config + tokenizer), keyed by the file's
 # fingerprint: transformers parses a GGUF file three times per load (config, tokenizer, weights) and dequantizes
-# every tensor, ~17 s for the default model on a 2-core machine; the converted copy loads in a few seconds.
+# every tensor; the converted copy loads many times faster (README.md, "Install and run").
 CACHE_FORMAT = 1  # bump when the stored layout changes: older entries are then ignored
 FINGERPRINT_BYTES = 1 << 20
 
@@ -150,8 +150,8 @@ def cpu_has_bf16() -> bool:
 
 
 def auto_dtype(device: torch.device) -> torch.dtype | None:
-    """What dtype="auto" loads: bfloat16 on a CPU with native bf16 (the default model decodes 2x faster there:
-    docs/evaluation.md), else None, the checkpoint's own (GGUF weights come out dequantized to float32)."""
+    """What dtype="auto" loads: bfloat16 on a CPU with native bf16 (the default model decodes faster there:
+    docs/evaluation.md § bfloat16 on the CPU), else None, the checkpoint's own (GGUF weights come out dequantized to float32)."""
     return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else None
 
 

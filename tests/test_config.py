@@ -19,6 +19,7 @@ from tandem.config import (
     DistributedConfig,
     FluxionConfig,
     HgcaConfig,
+    HostConfig,
     QuestConfig,
     TandemConfig,
     default_cpu_threads,
@@ -32,6 +33,7 @@ POLICY_OF = {
     "fluxion": "fluxion",
     "certified": "quest",
     "distributed": "quest",
+    "host": "quest",  # every policy reads it; quest takes an 8-bit host tier, the default certified not
 }
 
 
@@ -51,10 +53,15 @@ def test_defaults():
     assert (cfg.sink_tokens, cfg.window_tokens, cfg.block_size) == (64, 256, 16)
     assert (cfg.quest.budget, cfg.hgca.beta, cfg.hgca.maw_alpha) == (0.05, 1.0, 0.1)
     assert (cfg.hgca.observation_tokens, cfg.prefill_chunk) == (32, 2048)
-    assert cfg.cpu_threads == default_cpu_threads() >= 1
+    assert cfg.host.threads == default_cpu_threads() >= 1
+    assert (cfg.host.dtype, cfg.host.huge_pages) == (None, True)
+    assert TandemConfig(device="cpu").host.threads == default_cpu_threads(
+        "cpu"
+    )  # the default follows the device
     assert cfg.device == "auto"
     assert set(cfg.to_dict()) == set(TandemConfig.field_names())
-    assert set(FEATURES) == {"hgca", "quest", "fluxion", "certified", "distributed"}
+    assert len(TandemConfig.field_names()) <= 12
+    assert set(FEATURES) == {"host", "hgca", "quest", "fluxion", "certified", "distributed"}
     assert all(isinstance(getattr(cfg, key), cls) for key, cls in FEATURES.items())
 
 
@@ -66,12 +73,12 @@ def test_every_policy_and_edge_values_accepted(policy):
         "hgca": {"hgca": HgcaConfig(beta=1e-9, maw_alpha=1, observation_tokens=1)},
     }.get(policy, {})
     cfg = TandemConfig(
-        policy=policy, sink_tokens=0, window_tokens=1, block_size=block_size, prefill_chunk=1, cpu_threads=1,
-        device="cuda:3", **own,
+        policy=policy, sink_tokens=0, window_tokens=1, block_size=block_size, prefill_chunk=1,
+        host=HostConfig(threads=1), device="cuda:3", **own,
     )  # fmt: skip
     # float fields given as ints are stored as floats
     assert isinstance(cfg.quest.budget, float) and isinstance(cfg.hgca.maw_alpha, float)
-    assert cfg.cpu_threads == 1 and cfg.device == "cuda:3"
+    assert cfg.host.threads == 1 and cfg.device == "cuda:3"
 
 
 BAD_VALUES = [
@@ -98,18 +105,21 @@ BAD_VALUES = [
     ("hgca.maw_alpha", 1.01),
     ("hgca.observation_tokens", 0),
     ("prefill_chunk", 0),
-    ("cpu_threads", 0),
-    ("cpu_threads", 1.0),
+    ("host.threads", 0),
+    ("host.threads", 1.0),
+    ("host.dtype", "int4"),
+    ("host.dtype", 8),
     ("device", "tpu"),
     ("device", "cuda:"),
     ("device", "cuda:x"),
     ("device", None),
-    ("huge_pages", 2),
-    ("huge_pages", "yes"),
-    ("huge_pages", None),
+    ("host.huge_pages", 2),
+    ("host.huge_pages", "yes"),
+    ("host.huge_pages", None),
     ("quest.gpu_share", 1.5),
     ("quest.gpu_cache", 100.0),
     ("quest.scheduler", "lanes"),
+    ("quest.scheduler", "heads"),  # a baseline of benchmarks/bench_scheduler.py, not a setting
     ("fluxion.tau", 1.0),
     ("fluxion.mode", "magic"),
     ("fluxion.granularity", 8),
@@ -144,7 +154,7 @@ INT_FIELDS = [
     "block_size",
     "hgca.observation_tokens",
     "prefill_chunk",
-    "cpu_threads",
+    "host.threads",
 ]
 
 
@@ -157,8 +167,8 @@ def test_booleans_are_not_numbers(field):
 
 @pytest.mark.parametrize(("value", "expected"), [(True, True), (False, False), (1, True), (0, False)])
 def test_huge_pages_takes_bools_and_their_command_line_digits(value, expected):
-    # `--set huge_pages=0,1` arrives as ints
-    assert TandemConfig(huge_pages=value).huge_pages is expected
+    # `--set host.huge_pages=0,1` arrives as ints
+    assert TandemConfig(host=HostConfig(huge_pages=value)).host.huge_pages is expected
 
 
 @pytest.mark.parametrize(
@@ -187,7 +197,9 @@ def test_every_old_flat_spelling_is_refused_naming_the_new_one(name):
     assert f"'{name}' moved to {key}.{field}" in message
     assert f"TandemConfig({key}={new}({field}=0.1))" in message  # the Python API
     assert f"--set {key}.{field}=0.1" in message  # the command line
-    assert f'{{"{key}": {{"{field}": 0.1}}}}' in message  # a server request
+    # a server request, unless only the server sets it (its threads, its memory)
+    server_only = field in FEATURES[key].SERVER_ONLY
+    assert (f'{{"{key}": {{"{field}": 0.1}}}}' in message) is not server_only
     with pytest.raises(ValueError, match=f"moved to {key}.{field}"):
         TandemConfig().with_settings({name: 0.1})  # `--set budget=0.1`, a request's "budget"
     with pytest.raises(ValueError, match=f"moved to {key}.{field}"):
@@ -203,7 +215,7 @@ def test_every_flat_field_of_earlier_versions_is_mapped():
     flat = {
         "budget", "beta", "maw_alpha", "span", "observation_tokens", "gpu_share", "gpu_cache", "scheduler",
         "host_split", "tau", "profile", "fluxion_mode", "granularity", "skip_streaming", "epsilon", "max_budget",
-        "certify_bound", "certify_unit",
+        "certify_bound", "certify_unit", "host_dtype", "cpu_threads", "huge_pages",
     }  # fmt: skip
     assert set(MOVED) == flat
     assert not flat & set(TandemConfig.field_names())
@@ -256,11 +268,11 @@ def test_sub_configs_are_frozen_and_replaced_whole_with_the_whole_checked():
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"policy": "quest", "certified.epsilon": 0.05, "host_dtype": "int8"}, "certified.epsilon"),
-        ({"policy": "certified", "host_dtype": "int8"}, "host_dtype"),
+        ({"policy": "quest", "certified.epsilon": 0.05, "host.dtype": "int8"}, "certified.epsilon"),
+        ({"policy": "certified", "host.dtype": "int8"}, "host.dtype"),
         ({"policy": "quest", "certified.epsilon": 0.05, "quest.gpu_share": 0.4}, "quest.gpu_share"),
         ({"policy": "quest", "certified.epsilon": 0.05, "quest.scheduler": "queue"}, "quest.scheduler"),
-        ({"policy": "quest", "quest.scheduler": "heads", "host_dtype": "int8"}, "host_dtype"),
+        ({"policy": "quest", "quest.scheduler": "queue", "host.dtype": "int8"}, "host.dtype"),
         ({"policy": "fluxion", "block_size": 32}, "block_size"),
         ({"policy": "quest", "certified.bound": "digest", "certified.unit": "row"}, "certified.unit"),
         ({"policy": "quest", "quest.gpu_share": 0, "quest.gpu_cache": 2.0}, "quest.gpu_cache"),
@@ -295,7 +307,7 @@ def test_certified_selection_takes_no_device_share_by_default():
         ({"policy": "fluxion"}, r"host_split='requests' .*\"heads\" with policy='fluxion'"),
         ({"quest.gpu_share": 0.4}, r"gpu_share=0.4 .*None or 0 with distributed.host_split='requests'"),
         ({"quest.gpu_cache": 2.0, "quest.gpu_share": 0.0}, r"gpu_cache=2.0"),
-        ({"host_dtype": "int8"}, r"host_dtype='int8' .*None with distributed.host_split='requests'"),
+        ({"host.dtype": "int8"}, r"host.dtype='int8' .*None with distributed.host_split='requests'"),
         ({"certified.epsilon": 0.05}, r"epsilon=0.05 .*None with distributed.host_split='requests'"),
         (
             {"quest.scheduler": "queue"},
@@ -327,7 +339,7 @@ CONFIGS = [
         fluxion=FluxionConfig(tau=0.05, mode="static", granularity=32),
         certified=CertifiedConfig(epsilon=0.02, bound="digest"),
     ),  # fmt: skip
-    TandemConfig(policy="hgca", hgca=HgcaConfig(beta=2.0, span=1), host_dtype="int8"),
+    TandemConfig(policy="hgca", hgca=HgcaConfig(beta=2.0, span=1), host=HostConfig(dtype="int8", threads=3)),
     TandemConfig(policy="streaming", distributed=DistributedConfig(host_split="requests")),
 ]
 
@@ -370,4 +382,13 @@ def test_setting_names_list_every_core_field_and_every_sub_config_field():
     names = setting_names()
     assert "window_tokens" in names and "quest.budget" in names and "certified.epsilon" in names
     assert "fluxion.mode" in names and "distributed.host_split" in names
+    assert {"host.dtype", "host.threads", "host.huge_pages"} <= set(names)
     assert not set(names) & set(MOVED) and not set(names) & set(FEATURES)
+
+
+def test_host_threads_resolve_from_the_device_whenever_left_unset():
+    config = TandemConfig(device="cpu", host=HostConfig(dtype=None))
+    assert config.host.threads == default_cpu_threads("cpu")
+    config.host = {"huge_pages": False}  # a new host sub-config: its threads resolved again
+    assert config.host.threads == default_cpu_threads("cpu") and config.host.huge_pages is False
+    assert TandemConfig().with_settings({"host.threads": 3}).host.threads == 3

@@ -35,12 +35,12 @@ ANY_VALUE = st.one_of(
 )
 FIELDS = [
     "policy", "sink_tokens", "window_tokens", "block_size", "quest.budget", "hgca.beta", "hgca.maw_alpha",
-    "hgca.span", "hgca.observation_tokens", "prefill_chunk", "cpu_threads", "quest.gpu_share", "quest.gpu_cache",
-    "device", "huge_pages", "fluxion.tau", "fluxion.mode", "fluxion.granularity", "fluxion.skip_streaming",
-    "host_dtype", "certified.epsilon", "certified.max_budget",
+    "hgca.span", "hgca.observation_tokens", "prefill_chunk", "host.threads", "quest.gpu_share", "quest.gpu_cache",
+    "device", "host.huge_pages", "fluxion.tau", "fluxion.mode", "fluxion.granularity", "fluxion.skip_streaming",
+    "host.dtype", "certified.epsilon", "certified.max_budget",
 ]  # fmt: skip
 # the policy that reads each sub-config (a sub-config of another policy must keep its defaults)
-POLICY_OF = {"quest": "quest", "hgca": "hgca", "fluxion": "fluxion", "certified": "quest"}
+POLICY_OF = {"quest": "quest", "hgca": "hgca", "fluxion": "fluxion", "certified": "quest", "host": "quest"}
 
 
 def _get(config: TandemConfig, name: str):
@@ -57,7 +57,7 @@ def _valid(config: TandemConfig) -> None:
         "hgca.span",
         "hgca.observation_tokens",
         "prefill_chunk",
-        "cpu_threads",
+        "host.threads",
     ):
         assert type(_get(config, name)) is int and _get(config, name) >= (0 if name == "sink_tokens" else 1)
     window = config.window_tokens
@@ -76,13 +76,13 @@ def _valid(config: TandemConfig) -> None:
     assert config.quest.gpu_share is None or (
         type(config.quest.gpu_share) is float and 0 <= config.quest.gpu_share <= 1
     )
-    assert config.huge_pages in (True, False) and config.fluxion.skip_streaming in (True, False)
+    assert config.host.huge_pages in (True, False) and config.fluxion.skip_streaming in (True, False)
     assert config.fluxion.granularity in (None, 16, 32, 64, 128)
-    assert config.host_dtype in (None, "int8", "fp8")
+    assert config.host.dtype in (None, "int8", "fp8")
     assert type(config.certified.max_budget) is float and 0 < config.certified.max_budget <= 1
     if config.certified.epsilon is not None:
         assert type(config.certified.epsilon) is float and 0 < config.certified.epsilon < 1
-        assert config.policy in ("certified", "quest", "fluxion") and config.host_dtype is None
+        assert config.policy in ("certified", "quest", "fluxion") and config.host.dtype is None
         assert not config.quest.gpu_share
 
 

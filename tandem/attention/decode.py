@@ -57,7 +57,7 @@ class DecodeBuffers:
         self.split = None  # the layer's request split, or None
         self.recall_planned = False  # this step's from_device is a recall plan's CPU list
         self.queue = (
-            None  # this step's task queue (`queue.QueueBuffers`) with scheduler != "share", else None
+            None  # this step's task queue (`queue.QueueBuffers`) with queue_split != "share", else None
         )
         self._ranked_call, self._ranked_key = None, None
         self._prepared_call, self._prepared_key = None, None
@@ -93,7 +93,7 @@ class DecodeBuffers:
         if key != self._ranked_key:
             self._ranked_call = ops.ranked_attention_call(
                 self.q_host, host.keys, host.values, self.from_device, scale, host.block_size,
-                self.out_host, self.lse_host, host.valid, layer.config.cpu_threads, **host.scales(),
+                self.out_host, self.lse_host, host.valid, layer.config.host.threads, **host.scales(),
             )  # fmt: skip
             self._ranked_key = key
         return self._ranked_call
@@ -110,7 +110,7 @@ class DecodeBuffers:
         if key != self._prepared_key:
             self._prepared_call = ops.prepared_attention_call(
                 self.q_host, host.keys, host.values, indices, lengths, scale, self.out_host, self.lse_host,
-                host.valid, selection.block_size, layer.config.cpu_threads, **host.scales(),
+                host.valid, selection.block_size, layer.config.host.threads, **host.scales(),
             )  # fmt: skip
             self._prepared_key = key
         return self._prepared_call
@@ -123,7 +123,7 @@ class DecodeBuffers:
         key = (id(hot), hot.generation, hot.keys.data_ptr(), tuple(q3.shape), q3.dtype, scale)
         if key != self._hot_key:
             call, q, out, lse = prepared_hot_call(
-                q3, hot.keys, hot.values, hot.valid, scale, layer.config.cpu_threads
+                q3, hot.keys, hot.values, hot.valid, scale, layer.config.host.threads
             )
             self._hot_bufs = (q, out, lse)
             self._hot_call, self._hot_key = call, key
@@ -249,7 +249,7 @@ class PooledRows:
 def batches(layer) -> bool:
     """Whether `decode_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
     that keeps no moving average of the hot tier (a pool holds none), and no task queue or request split."""
-    return not layer.policy.needs_maw and layer.config.quest.scheduler == "share" and layer.split is None
+    return not layer.policy.needs_maw and layer.queue_split == "share" and layer.split is None
 
 
 def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
@@ -305,7 +305,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if deferred and cpu_parts and not each:
         events = [parts[b][0].q_copied for b in host]
         context.q_ready(lambda: [event.record() for event in events])
-    threads = layers[together[0]].config.cpu_threads if together else None
+    threads = layers[together[0]].config.host.threads if together else None
     out, lse = pooled.attend(q3[:n], scale, threads)
     for b in together:
         bufs, ranked, plan = parts[b]
@@ -409,14 +409,20 @@ def prepare(layer, q3: torch.Tensor, scale: float):
 
 
 def _queue_plan(layer, q3: torch.Tensor, ranked):
-    """With scheduler != "share", this step's task queue with its plan made on ranked's device
+    """With the layer's `queue_split` not "share", this step's task queue with its plan made on ranked's device
     (`queue.QueueBuffers`); else None."""
-    scheduler = layer.config.quest.scheduler
-    if scheduler == "share" or ranked is None:
+    split = layer.queue_split
+    if split == "share" or ranked is None:
         return None
+    if layer.config.quest.scheduler != "queue":
+        raise ValueError(
+            f"LayerKV.queue_split={split!r} needs TandemConfig.quest.scheduler='queue' (a baseline replaces the "
+            "queue's split, and the config's checks of the queue cover it), got "
+            f"{layer.config.quest.scheduler!r}"
+        )
     if not ops.native_cpu_available():
         raise RuntimeError(
-            f"TandemConfig.quest.scheduler={scheduler!r} needs the compiled CPU kernels (see `tandem.kernels.cpu`); "
+            "TandemConfig.quest.scheduler='queue' needs the compiled CPU kernels (see `tandem.kernels.cpu`); "
             "use scheduler='share'"
         )
     batch, num_q_heads, head_dim = q3.shape
@@ -428,7 +434,7 @@ def _queue_plan(layer, q3: torch.Tensor, ranked):
             batch, layer.num_kv_heads, group, head_dim, width, ranked.device
         )
     k = layer.policy.step_blocks(layer, ranked.device)
-    qb.make_plan(ranked, k, ranked_limit(layer.host), scheduler, layer.config.quest.queue_share())
+    qb.make_plan(ranked, k, ranked_limit(layer.host), split, layer.queue_share)
     return qb
 
 
@@ -539,7 +545,7 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, c
     host = layer.host
     if bufs.queue is not None:
         # on CPU tensors `overlapped` runs a thread instead
-        if q.is_cuda and layer.config.quest.scheduler != "cpu":
+        if q.is_cuda and layer.queue_split != "cpu":
             if count is None and host.last_event is not None:
                 torch.cuda.current_stream(q.device).wait_event(host.last_event)
             ops.merge_lse_(out, lse, *bufs.queue.gpu_part(layer, q, ranked, scale))

@@ -19,7 +19,7 @@ def host_attention(layer, q_host: torch.Tensor, selection: Selection, scale: flo
         return torch.zeros(batch, num_q_heads, q_len, head_dim), torch.full(
             (batch, num_q_heads, q_len), float("-inf")
         )
-    threads = layer.config.cpu_threads
+    threads = layer.config.host.threads
     if selection.kind == "all" and q_len == 1 and ops.native_cpu_available():
         selection = all_blocks(host, host.num_kv_heads)  # the compiled kernel over every live block
     if selection.kind != "all" and ops.native_cpu_available():

@@ -10,15 +10,23 @@ this host's H100 has no native atomics on host memory), so every piece is attend
 pieces are merged on the GPU, the CPU's on the CPU, and the two results merge with the hot tier's by LSE as
 before.
 
-`scheduler` (`TandemConfig`) picks how the pieces are assigned:
-- "queue": dynamically, as above;
-- "cpu": all to the CPU (no parallel work);
-- "heads": statically, the GPU takes the first round(gpu_share * segments) segments in the list (uniform by
-  heads, whatever their volume);
-- "volume": statically, the GPU takes whole segments from the front until it holds gpu_share of the blocks
-  (length-based: the largest segments go to the GPU);
+`TandemConfig.quest.scheduler` picks how the blocks are split:
+- "queue": through the queue, the pieces assigned dynamically, as above;
 - "share" (the default): not through the queue; the device attends gpu_share of every segment
   (`decode.device_part`).
+
+The static baselines that `benchmarks/bench_scheduler.py` compares the queue with are not settings of the config
+but a hook on the cache's layers: with `quest.scheduler="queue"`, a layer's `LayerKV.queue_split` (which starts as
+the config's scheduler) set to one of `SCHEDULER_BASELINES` assigns that layer's pieces statically through the
+same plan, `LayerKV.queue_share` giving the device's fraction:
+- "cpu": all to the CPU (no parallel work);
+- "heads": the GPU takes the first round(queue_share * segments) segments in the list (uniform by heads, whatever
+  their volume);
+- "volume": the GPU takes whole segments from the front until it holds queue_share of the blocks (length-based:
+  the largest segments go to the GPU).
+
+    for layer in cache.tandem_layers():  # the cache's config has quest.scheduler="queue"
+        layer.queue_split, layer.queue_share = "heads", 0.3
 
 Every assignment gives the same result within tolerance: only where a piece is attended changes.
 
@@ -34,11 +42,11 @@ import threading
 
 import torch
 
-from ..config import SCHEDULERS
+from ..config import SCHEDULER_BASELINES
 from ..kernels import ops
 from ..kernels.cpu import ops as cpu_ops
 
-QUEUE_SCHEDULERS = SCHEDULERS[1:]  # the ones that run through the queue's plan
+QUEUE_SCHEDULERS = ("queue", *SCHEDULER_BASELINES)  # the splits that run through the queue's plan
 # blocks per piece: 16 blocks of 16 rows are 256 rows, 128 KiB of bf16 K and V at head_dim 128: small enough that
 # what the GPU's programs hold at once is a small part of a layer's reads, large enough that a piece's handshake
 # (a PCIe round trip) is a small part of its time
@@ -149,7 +157,7 @@ class QueueBuffers:
         if key != self._call_key:
             self._call = ops.queue_attention_call(
                 q_host, host.keys, host.values, ids_host, scale, host.block_size, out, lse, host.valid,
-                self.control, self.capacity, self.pieces_max, PIECE_BLOCKS, layer.config.cpu_threads,
+                self.control, self.capacity, self.pieces_max, PIECE_BLOCKS, layer.config.host.threads,
                 **host.scales(),
             )  # fmt: skip
             self._call_key = key

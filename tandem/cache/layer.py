@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..config import DEFAULT_GPU_SHARE
 from ..policies import make_policy
 from .failure import Failable
 from .host import HostTier
@@ -60,7 +61,13 @@ class LayerKV(Failable):
         self.rows_available = 0
         self.decode_steps = 0
         self.decode_buffers = None  # fixed per-step buffers of the decode path (attention.decode)
-        self.queue_buffers = None  # the step's task queue (attention.queue), with scheduler != "share"
+        self.queue_buffers = None  # the step's task queue (attention.queue), with queue_split != "share"
+        # how the step's task queue splits quest's selected host blocks (`attention.queue`): the config's
+        # scheduler ("share": no queue; "queue"), or one of the static baselines (`SCHEDULER_BASELINES`) that
+        # benchmarks/bench_scheduler.py sets on every layer of a cache whose scheduler is "queue", the ones
+        # "heads" and "volume" giving the device the fraction `queue_share`: the benchmark's hook, not a setting
+        self.queue_split = config.quest.scheduler
+        self.queue_share = DEFAULT_GPU_SHARE
         self.attention_scale: float | None = (
             None  # the softmax scale of the decode steps (set by the decode path)
         )
@@ -145,10 +152,10 @@ class LayerKV(Failable):
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
             # (and with a request split: the device's ranking is what crosses to the ranks, on CPU as on CUDA)
             mirror_device=keys.device
-            if keys.is_cuda or self.gpu_share > 0 or cfg.quest.scheduler != "share" or self.split is not None
+            if keys.is_cuda or self.gpu_share > 0 or self.queue_split != "share" or self.split is not None
             else None,
-            huge_pages=cfg.huge_pages,
-            quant=cfg.host_dtype,
+            huge_pages=cfg.host.huge_pages,
+            quant=cfg.host.dtype,
             bounds_device=keys.device if self.policy.needs_bounds_on(keys.device) else None,
             keep_sketch=cfg.certified.bound == "sketch",
             split=self.split,
@@ -307,8 +314,9 @@ class LayerKV(Failable):
         """With the ring full, write its oldest block (the next to leave) into the host tier ahead of its eviction
         (`HostTier.stage`), at the step of the block period that this layer's index picks: each step stages about
         num_layers / block_size layers' blocks, and the eviction step only makes them live. Evicting every layer's
-        block in one step made that step 2-3x the others on the GPU (a copy, digests and mirror updates per layer,
-        launched while the GPU idles)."""
+        block in one step made that step far longer than the others on the GPU (a copy, digests and mirror updates
+        per layer, launched while the GPU idles; measured in docs/engine.md § Where a step's time goes, "Eviction
+        steps")."""
         hot, host = self.hot, self.host
         if len(hot.order) < hot.ring_blocks or host is None or host.staged or host.split is not None:
             return

@@ -2,11 +2,10 @@
 
 Each decode step reads a few percent of every layer's host store, scattered in 4 KiB-sized pieces (one
 16-token block of one KV head is 4 KiB in bf16 at head_dim 128), so with 4 KiB pages almost every block read
-misses the TLB, and the page-table entries it then needs are cold too. Measured on the GPU host's Xeon (lent
-H200 VM, 2026-11-26; docs/cpu-kernels.md): the CPU kernel over 5% of a 128K-token 8B layer, each call on another
-of 32 layers' stores, took 0.43 ms from `pin_memory=True` storage and 0.37 ms from 2 MiB pages, the GPU's
-zero-copy reads of the same blocks ran at the same speed either way, and allocating + filling the stores took
-1.8 s instead of 6.5 s. Whole decode steps gained 0-5%, within their noise.
+misses the TLB, and the page-table entries it then needs are cold too. On 2 MiB pages the CPU kernel's calls got
+faster in isolation, the GPU's zero-copy reads kept their speed, the stores allocated and filled faster, and whole
+decode steps gained within their noise: the numbers and their results folder are in docs/cpu-kernels.md § Huge
+pages.
 
 `host_zeros` maps large stores anonymously and asks for huge pages with `madvise(MADV_HUGEPAGE)` before the
 first touch (Linux THP in "always" or "madvise" mode; elsewhere it is the plain allocation), then, when pinned,

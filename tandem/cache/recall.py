@@ -1,8 +1,8 @@
 """Quest's recall cache: recently selected host blocks kept on the compute device (PNM-KV's steady blocks).
 
-Consecutive decode steps select mostly the same blocks. On the default model (8K tokens of prose, quest 5%), 70%
-of a step's blocks were also selected the step before, and this cache at 4x the budget served 78% of the attended
-rows (`benchmarks/bench_selection_overlap.py`). Each step, the selected blocks found in the cache are attended
+Consecutive decode steps select mostly the same blocks (how often, on the default model and on random weights, and
+how much of the attended rows this cache serves: docs/engine.md § Quest, "The recall cache";
+`benchmarks/bench_selection_overlap.py`). Each step, the selected blocks found in the cache are attended
 from device memory; of the others the device takes its share (`gpu_share`), copying them from pinned host memory
 into slots a clock hand frees, and the CPU attends the rest. The selection is quest's own, so the result is the
 same as without the cache; only where each block is read from changes.

@@ -325,7 +325,8 @@ def _start_rank(args):
     return rank
 
 
-# the flags that set one field of a sub-config (`tandem generate --budget 0.1` is `--set quest.budget=0.1`)
+# the flags that set one field of a sub-config (`tandem generate --budget 0.1` is `--set quest.budget=0.1`,
+# `--cpu-threads 4` is `--set host.threads=4`)
 FLAG_SETTINGS = {
     "budget": "quest.budget",
     "gpu_share": "quest.gpu_share",
@@ -339,6 +340,8 @@ FLAG_SETTINGS = {
     "granularity": "fluxion.granularity",
     "skip_streaming": "fluxion.skip_streaming",
     "host_split": "distributed.host_split",
+    "host_dtype": "host.dtype",
+    "cpu_threads": "host.threads",
 }
 
 
@@ -357,8 +360,6 @@ def build_config(args: argparse.Namespace) -> TandemConfig:
         sink_tokens=args.sink_tokens,
         window_tokens=args.window_tokens,
         block_size=args.block_size,
-        host_dtype=args.host_dtype,
-        cpu_threads=args.cpu_threads,
     )
     settings = {
         path: getattr(args, dest)

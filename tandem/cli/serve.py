@@ -202,7 +202,7 @@ def build_server(args):
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
     limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
-    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.cpu_threads), runner=runner)
+    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.host.threads), runner=runner)
     name = args.served_model_name or (args.random_weights or model_name(args.model))
     server = Server(model, tokenizer, name, config, scheduler)
     if not args.no_warmup:

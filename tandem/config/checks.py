@@ -37,6 +37,6 @@ def checked_float(name: str, value, low: float, high: float, text: str, low_open
 
 
 def checked_switch(name: str, value) -> bool:
-    if value not in (True, False):  # 1 / 0 too: `--set huge_pages=0,1`
+    if value not in (True, False):  # 1 / 0 too: `--set host.huge_pages=0,1`
         fail(name, value, "True or False (1 or 0)")
     return bool(value)

@@ -1,5 +1,5 @@
-"""`TandemConfig`: the cache's core settings (tiers, window, sinks, block size, dtypes, threads, device) flat, and
-one sub-config per policy or feature (`features.py`), validated together."""
+"""`TandemConfig`: the cache's core settings (policy, sinks, window, block size, prefill chunk, device) flat, and
+one sub-config per policy or feature (`features.py`; the host tier's is `host`), validated together."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .checks import checked_int, checked_switch, fail, fail_type
+from .checks import checked_int, fail, fail_type
 from .features import (
     DEFAULT_EPSILON,
     DEFAULT_GPU_CACHE,
@@ -23,12 +23,12 @@ from .features import (
     Feature,
     FluxionConfig,
     HgcaConfig,
+    HostConfig,
     QuestConfig,
     moved_message,
 )
 
 POLICIES = ("certified", "full", "streaming", "hgca", "quest", "fluxion")
-HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
 MAX_WINDOW_TOKENS = 1 << 22  # far past any model context: a window past the model's own is refused per model
 CPU_THREADS_ENV = "TANDEM_CPU_THREADS"  # set by a tensor-parallel rank for its share of the cores
 ENGINE_CHOICES = ("auto", "on", "off")  # `--engine` of generate and eval: Tandem's engine, or model.generate
@@ -93,18 +93,10 @@ class TandemConfig:
             is a fraction of the first prompt's length (at least one block).
         block_size: tokens per block: the unit of eviction and of the `quest` key digests.
         prefill_chunk: query tokens per chunk of a prefill/append, so no full attention matrix is built.
-        cpu_threads: threads for CPU attention (default: all cores but one with the hot tier on a GPU, all cores with
-            it on the CPU; `default_cpu_threads`).
         device: where the hot tier lives: "auto" (the model's device), "cpu", "cuda" or "cuda:N".
-        huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
-            "madvise"): the decode step's scattered block reads then miss the TLB less (the CPU kernel measured
-            13% faster in isolation, whole steps 0-5%) and pinned stores allocate ~3x faster
-            (`tandem.cache.memory`). False: plain (pinned) allocations.
-        host_dtype: how the host tier stores K/V: None (default) in the model's dtype; "int8" or "fp8" (e4m3) as
-            8-bit codes with one float32 scale per block of `block_size` rows and KV head, half the host memory
-            and half the bytes each step reads from it (the CPU kernels and the GPU's reads decode in registers;
-            quest's digests are taken before quantizing and stay exact). With it, `full` no longer equals dense
-            attention: the rows it reads are the quantized ones. Its quality cost is measured in docs/evaluation.md.
+        host: `HostConfig`: the host tier's storage dtype (`dtype`), its CPU attention threads (`threads`; None
+            resolves to `default_cpu_threads(device)` here) and its huge pages (`huge_pages`), read with every
+            policy.
         hgca: `HgcaConfig`, read with policy `hgca`.
         quest: `QuestConfig` (budget and device share), read with policy `quest`.
         fluxion: `FluxionConfig`, read with policy `fluxion`.
@@ -113,7 +105,8 @@ class TandemConfig:
 
     A sub-config of a policy other than `policy` must keep its defaults (`Feature.POLICIES`). A sub-config may be
     given as a mapping of its fields (`quest={"budget": 0.1}`), as `to_dict` writes it. The flat fields of
-    earlier versions (`budget=`, `epsilon=`, ...) are refused with a ValueError naming the new spelling.
+    earlier versions (`budget=`, `epsilon=`, `host_dtype=`, ...) are refused with a ValueError naming the new
+    spelling.
 
     Example:
         >>> cfg = TandemConfig(policy="quest", quest=QuestConfig(budget=0.1), window_tokens=512)
@@ -128,10 +121,8 @@ class TandemConfig:
     window_tokens: int | float = 256
     block_size: int = 16
     prefill_chunk: int = 2048
-    cpu_threads: int | None = None
     device: str = "auto"
-    huge_pages: bool = True
-    host_dtype: str | None = None
+    host: HostConfig = field(default_factory=HostConfig)
     hgca: HgcaConfig = field(default_factory=HgcaConfig)
     quest: QuestConfig = field(default_factory=QuestConfig)
     fluxion: FluxionConfig = field(default_factory=FluxionConfig)
@@ -184,29 +175,15 @@ class TandemConfig:
         self._check_window()
         self.block_size = checked_int("block_size", self.block_size, 1, 4096)
         self.prefill_chunk = checked_int("prefill_chunk", self.prefill_chunk, 1, 1 << 24)
-        if self.cpu_threads is None:
-            self.cpu_threads = default_cpu_threads(self.device)
-        self.cpu_threads = checked_int("cpu_threads", self.cpu_threads, 1, 4096)
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):
             fail("device", self.device, '"auto", "cpu", "cuda" or "cuda:N"')
-        self.huge_pages = checked_switch("huge_pages", self.huge_pages)
-        if self.host_dtype is not None and not isinstance(self.host_dtype, str):
-            fail_type(
-                "host_dtype",
-                self.host_dtype,
-                "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES)),
-            )
-        if self.host_dtype is not None and self.host_dtype not in HOST_DTYPES:
-            fail(
-                "host_dtype",
-                self.host_dtype,
-                "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES)),
-            )
         for key, cls in FEATURES.items():
             self._check_feature(key, cls)
+        if self.host.threads is None:  # its default depends on the device, a core field
+            self.host = replace(self.host, threads=default_cpu_threads(self.device))
         self._check_across()
 
     def _check_window(self) -> None:
@@ -258,18 +235,19 @@ class TandemConfig:
                 self.block_size,
                 "16 with policy='fluxion' (its logical blocks are 16-128 tokens)",
             )
-        if epsilon is not None and self.host_dtype is not None:
+        host_dtype = self.host.dtype
+        if epsilon is not None and host_dtype is not None:
             if self.policy == "certified":
                 fail(
-                    "host_dtype",
-                    self.host_dtype,
+                    "host.dtype",
+                    host_dtype,
                     "None with policy='certified' (the default: its certificate bounds the exact keys, and 8-bit "
                     "ones differ); an 8-bit host tier needs another policy, e.g. policy='quest'",
                 )
             fail(
                 "certified.epsilon",
                 epsilon,
-                "None with host_dtype set: the certificate bounds the stored keys, and 8-bit ones differ",
+                "None with host.dtype set: the certificate bounds the stored keys, and 8-bit ones differ",
             )
         if epsilon is not None and quest.gpu_share:
             fail(
@@ -284,10 +262,10 @@ class TandemConfig:
                 quest.scheduler,
                 '"share" with certified.epsilon (the queue splits quest\'s top-k)',
             )
-        if quest.scheduler != "share" and self.host_dtype is not None:
+        if quest.scheduler != "share" and host_dtype is not None:
             fail(
-                "host_dtype",
-                self.host_dtype,
+                "host.dtype",
+                host_dtype,
                 f"None with quest.scheduler={quest.scheduler!r} (the queue's GPU side reads the model's dtype only)",
             )
         if self.distributed.host_split == "requests":
@@ -306,7 +284,7 @@ class TandemConfig:
         for name, value, allowed, why in (
             ("quest.gpu_share", self.quest.gpu_share, "None or 0", unread),
             ("quest.gpu_cache", self.quest.gpu_cache, "None or 0", unread),
-            ("host_dtype", self.host_dtype, "None", unsupported),
+            ("host.dtype", self.host.dtype, "None", unsupported),
             ("certified.epsilon", self.certified.epsilon, "None", unsupported),
         ):
             if value is not None and value != 0:

@@ -20,17 +20,19 @@ import os
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
-from .checks import checked_float, checked_int, checked_switch, fail
+from .checks import checked_float, checked_int, checked_switch, fail, fail_type
 
-# quest's device share with the hot tier on CUDA: the share measured fastest at the 8B shape on an H100 and an H200
-# (docs/engine.md § Quest, "Why 0.4")
+# quest's device share with the hot tier on CUDA: why this value, with the runs that chose it, is in docs/engine.md
+# § Quest ("Why 0.4")
 DEFAULT_GPU_SHARE = 0.4
 # quest's recall cache with a device share on CUDA, in multiples of the budget: what it saves and costs in GPU
 # memory is in docs/engine.md § Quest ("The recall cache")
 DEFAULT_GPU_CACHE = 4.0
-# how quest's selected host blocks are split between the compute device and the CPU (`QuestConfig.scheduler`);
-# all but "share" and "queue" are the static baselines of benchmarks/bench_scheduler.py
-SCHEDULERS = ("share", "queue", "cpu", "heads", "volume")
+# how quest's selected host blocks are split between the compute device and the CPU (`QuestConfig.scheduler`)
+SCHEDULERS = ("share", "queue")
+# the static splits benchmarks/bench_scheduler.py compares the queue with: the benchmark's, not the product's, so
+# it sets them on the cache's layers (`LayerKV.queue_split`, `tandem.attention.queue`), never in the config
+SCHEDULER_BASELINES = ("cpu", "heads", "volume")
 FLUXION_MODES = ("predictor", "static", "oracle")
 FLUXION_GRANULARITIES = (16, 32, 64, 128)
 # policy="certified" without an epsilon: the bound that kept full attention's answers on held-out retrieval tasks
@@ -42,6 +44,7 @@ CERTIFYING_POLICIES = ("certified", "quest", "fluxion")  # those that take an ep
 # how tensor-parallel ranks divide the host tier and its CPU attention (`DistributedConfig.host_split`)
 HOST_SPLITS = ("heads", "requests")
 HOST_SPLIT_POLICIES = ("full", "streaming", "quest")  # those host_split="requests" supports
+HOST_DTYPES = ("int8", "fp8")  # the compressed host tier's formats (None: the model's dtype)
 
 FEATURES: dict[str, type[Feature]] = {}
 
@@ -59,6 +62,8 @@ class Feature:
     KEY: ClassVar[str]  # its field in TandemConfig, and the prefix of its `--set` keys and request fields
     POLICIES: ClassVar[tuple[str, ...] | None] = None  # the policies that read it (None: every policy)
     READER: ClassVar[str]  # the module that reads it
+    # its fields a server request may not set (the server's own: a `tandem serve` flag, a path on the server)
+    SERVER_ONLY: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self.check()
@@ -100,6 +105,51 @@ def _default(f):
 
 @register
 @dataclass(frozen=True)
+class HostConfig(Feature):
+    """The host tier: how it stores K/V, the threads that attend it, and the memory it lives in; read with every
+    policy.
+
+    Attributes:
+        dtype: how the host tier stores K/V: None (default) in the model's dtype; "int8" or "fp8" (e4m3) as 8-bit
+            codes with one float32 scale per block of `block_size` rows and KV head, half the host memory and half
+            the bytes each step reads from it (the CPU kernels and the GPU's reads decode in registers; quest's
+            digests are taken before quantizing and stay exact). With it, `full` no longer equals dense attention:
+            the rows it reads are the quantized ones. Its quality cost is in docs/evaluation.md § The compressed
+            host tier, its speed in docs/engine.md § The compressed host tier.
+        threads: threads for CPU attention, in [1, 4096]. None (default): `default_cpu_threads` of
+            `TandemConfig.device` (all cores but one with the hot tier on a GPU, all cores with it on the CPU;
+            $TANDEM_CPU_THREADS where set), resolved when the `TandemConfig` is checked.
+        huge_pages: back the host tier with transparent huge pages where Linux allows it (THP "always" or
+            "madvise"): the decode step's scattered block reads then miss the TLB less, and pinned stores allocate
+            faster (`tandem.cache.memory`; measured in docs/cpu-kernels.md § Huge pages). False: plain (pinned)
+            allocations.
+
+    Example:
+        >>> TandemConfig(policy="quest", host=HostConfig(dtype="int8", threads=4)).host.dtype
+        'int8'
+    """
+
+    KEY: ClassVar[str] = "host"
+    READER: ClassVar[str] = "tandem.cache.layer"
+    SERVER_ONLY: ClassVar[tuple[str, ...]] = ("threads", "huge_pages")
+
+    dtype: str | None = None
+    threads: int | None = None
+    huge_pages: bool = True
+
+    def check(self) -> None:
+        allowed = "None (the model's dtype), " + " or ".join(map(repr, HOST_DTYPES))
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            fail_type(self.path("dtype"), self.dtype, allowed)
+        if self.dtype is not None and self.dtype not in HOST_DTYPES:
+            fail(self.path("dtype"), self.dtype, allowed)
+        if self.threads is not None:
+            self._set("threads", checked_int(self.path("threads"), self.threads, 1, 4096))
+        self._set("huge_pages", checked_switch(self.path("huge_pages"), self.huge_pages))
+
+
+@register
+@dataclass(frozen=True)
 class HgcaConfig(Feature):
     """policy="hgca": attend the host entries whose moving-average attention weight (MAW) is above `beta / n`.
 
@@ -108,7 +158,7 @@ class HgcaConfig(Feature):
         maw_alpha: weight of the newest step in the moving average of attention weights, in (0, 1].
         span: each salient entry also keeps the `span - 1` entries after it (1 = the paper's rule). Decoding copies
             forward from what it attends (a number, a name), and those successors get little attention before
-            they are needed; measured on the default model in docs/architecture.md.
+            they are needed; the runs on the default model are in docs/architecture.md § `hgca`'s span.
         observation_tokens: how many final prompt tokens score the prompt's entries after a prefill or append
             (their mean attention weight starts each entry's MAW).
 
@@ -171,10 +221,9 @@ class QuestConfig(Feature):
             (`tandem.attention.queue`): "share" (default): the device attends `gpu_share` of every (request, KV
             head) segment's blocks, with the recall cache; "queue": Fluxion's priority queue: the segments, cut
             into pieces and listed largest first, are taken by the device from the front and the CPU from the back
-            until none is left, so the split follows each side's speed with no tuning (no recall cache); "cpu":
-            the CPU attends everything; "heads": the device takes `gpu_share` of the segments whole (uniform by
-            heads); "volume": the device takes whole segments, largest first, up to `gpu_share` of the blocks
-            (length-based). The last three are the static baselines of `benchmarks/bench_scheduler.py`.
+            until none is left, so the split follows each side's speed with no tuning (no recall cache). The
+            static splits `benchmarks/bench_scheduler.py` compares them with (`SCHEDULER_BASELINES`) are not
+            settings: the benchmark sets them on the cache's layers (`LayerKV.queue_split`).
 
     Example:
         >>> TandemConfig(policy="quest", quest=QuestConfig(budget=0.1, gpu_share=0.5)).quest.budget
@@ -208,24 +257,29 @@ class QuestConfig(Feature):
                 self.gpu_cache,
                 "0 unless there is a device share (gpu_share None or > 0): the cache is filled by it",
             )
+        allowed = " or ".join(f'"{name}"' for name in SCHEDULERS)
+        if self.scheduler in SCHEDULER_BASELINES:
+            fail(
+                self.path("scheduler"),
+                self.scheduler,
+                f"{allowed} ({', '.join(map(repr, SCHEDULER_BASELINES))} are static baselines of "
+                "benchmarks/bench_scheduler.py, which sets them on the cache's layers (LayerKV.queue_split), not "
+                "in the config)",
+            )
         if self.scheduler not in SCHEDULERS:
-            fail(self.path("scheduler"), self.scheduler, ", ".join(f'"{name}"' for name in SCHEDULERS))
+            fail(self.path("scheduler"), self.scheduler, allowed)
         if self.scheduler != "share" and self.gpu_cache:
             fail(
                 self.path("gpu_cache"),
                 self.gpu_cache,
                 f"None or 0 with scheduler={self.scheduler!r} (the recall cache is filled by the device share)",
             )
-        if self.gpu_share is not None and self.scheduler in ("queue", "cpu"):
+        if self.gpu_share is not None and self.scheduler == "queue":
             fail(
                 self.path("gpu_share"),
                 self.gpu_share,
                 f"None with scheduler={self.scheduler!r} (it sets no fraction)",
             )
-
-    def queue_share(self) -> float:
-        """The device's fraction under the static schedulers "heads" and "volume"."""
-        return self.gpu_share if self.gpu_share is not None else DEFAULT_GPU_SHARE
 
 
 @register
@@ -257,6 +311,7 @@ class FluxionConfig(Feature):
     KEY: ClassVar[str] = "fluxion"
     POLICIES: ClassVar[tuple[str, ...]] = ("fluxion",)
     READER: ClassVar[str] = "tandem.policies.fluxion"
+    SERVER_ONLY: ClassVar[tuple[str, ...]] = ("profile",)  # a file on the server: never a client's choice
 
     tau: float = 0.1
     profile: str | None = None
@@ -299,7 +354,7 @@ class CertifiedConfig(Feature):
     query head keeps the fewest of its best host rows or blocks (`unit`; ranked by a sound upper bound of their
     attention mass) for which the mass it skips provably stays at most `epsilon` of its attention
     (`policies.certify`). With fluxion its own selection comes first and the certificate adds rows only to the
-    heads it leaves above `epsilon`. It needs the host tier in the model's dtype (no `host_dtype`) and no device
+    heads it leaves above `epsilon`. It needs the host tier in the model's dtype (`host.dtype` None) and no device
     share (quest's gpu_share None or 0). `cache.stats()` reports the certificate of every step.
 
     Attributes:
@@ -366,7 +421,7 @@ class DistributedConfig(Feature):
             the model, each rank its heads of every request; "requests": PnG-KV's DP mapping, each rank every head
             of its own requests, with an all-to-all of the queries and of the partial outputs per layer
             (`cache.split`). "requests" supports the policies full, streaming and quest, with no device share
-            (quest's gpu_share None or 0), no `host_dtype` and no epsilon.
+            (quest's gpu_share None or 0), no `host.dtype` and no epsilon.
 
     Example:
         >>> TandemConfig(policy="quest", distributed=DistributedConfig(host_split="requests")).distributed
@@ -394,6 +449,9 @@ MOVED = {
     "certify_bound": ("certified", "bound"),
     "certify_unit": ("certified", "unit"),
     "host_split": ("distributed", "host_split"),
+    "host_dtype": ("host", "dtype"),
+    "cpu_threads": ("host", "threads"),
+    "huge_pages": ("host", "huge_pages"),
 }
 
 
@@ -402,13 +460,18 @@ def moved_message(name: str, value=None) -> str:
     key, field = MOVED[name]
     cls = FEATURES[key].__name__
     shown = "..." if value is None else repr(value)
-    text = "..." if value is None else str(value)
+    # as --set reads it: a switch as 0 or 1
+    text = "..." if value is None else str(int(value) if isinstance(value, bool) else value)
     try:
         body = "..." if value is None else json.dumps(value)
     except TypeError:
         body = "..."
+    where = f"TandemConfig({key}={cls}({field}={shown}))"
+    if field in FEATURES[key].SERVER_ONLY:  # not a request's: only the server sets it
+        return (
+            f"TandemConfig field {name!r} moved to {key}.{field}: use {where} or --set {key}.{field}={text}"
+        )
     return (
-        f"TandemConfig field {name!r} moved to {key}.{field}: use TandemConfig({key}={cls}({field}={shown})), "
-        f"--set {key}.{field}={text}, or the request field {key}.{field} "
-        f'(a JSON body {{"{key}": {{"{field}": {body}}}}})'
+        f"TandemConfig field {name!r} moved to {key}.{field}: use {where}, --set {key}.{field}={text}, or the "
+        f'request field {key}.{field} (a JSON body {{"{key}": {{"{field}": {body}}}}})'
     )

@@ -8,24 +8,24 @@ from .core import parse_number
 WORDS = {
     "fluxion.profile": "default",
     "fluxion.granularity": "none",
-    "host_dtype": "none",
+    "host.dtype": "none",
     "certified.unit": "none",
 }
 NAMES = (
     "fluxion.profile",
     "fluxion.mode",
-    "host_dtype",
+    "host.dtype",
     "distributed.host_split",
     "certified.bound",
     "certified.unit",
 )
-SWITCHES = ("huge_pages", "fluxion.skip_streaming")
+SWITCHES = ("host.huge_pages", "fluxion.skip_streaming")
 
 
 def parse_setting(key: str, text: str):
     """One `--set` value of setting `key` (a core field or a dotted sub-config field): a path for
     `fluxion.profile` ('default': the shipped one), a name for `fluxion.mode`, `certified.bound`, `certified.unit`
-    ('none': by the bound), `distributed.host_split` and `host_dtype` ('none': the model's dtype), 0 or 1 for a
+    ('none': by the bound), `distributed.host_split` and `host.dtype` ('none': the model's dtype), 0 or 1 for a
     switch, 'none' or a number for `fluxion.granularity`, a number otherwise.
 
     Range checks are TandemConfig's; this raises ValueError only for text that cannot be such a value.

@@ -6,7 +6,7 @@ GPU; a script run with `torchrun --nproc-per-node N` calls `init_ranks` itself. 
 - binds to the cores of its GPU's NUMA node (shared evenly with the other ranks whose GPU sits on that node;
   all the process's cores, shared evenly, where the machine reports no NUMA placement), before any CPU
   attention thread exists, so its host tier's pages and its CPU attention stay next to its GPU and the ranks'
-  threads never compete for a core; `TandemConfig.cpu_threads` then defaults to `rank_threads` of that
+  threads never compete for a core; `TandemConfig.host.threads` then defaults to `rank_threads` of that
   share ($TANDEM_CPU_THREADS);
 - joins the process group: NCCL on CUDA, gloo on the CPU (tests run the same collectives there).
 
@@ -205,8 +205,8 @@ def _node_cpus(node: int) -> set[int]:
 def rank_threads(cores: int, world: int) -> int:
     """CPU attention threads of a rank with `cores` cores: all but one on one GPU; with several ranks three
     quarters of them less one, leaving the rest to the rank's other threads (its graph launcher, NCCL's proxy,
-    Python). 70B at 1 x 128K on 4 H100s, 16 cores a rank: 15 threads gave 50-66 ms a step with a p90 of 90-168 ms
-    (every collective waits for the slowest rank), 11 gave 41 ms with a p90 of 46."""
+    Python): every collective waits for the slowest rank, so all but one core per rank made the steps slower and
+    their tails longer (docs/distributed.md § The rank's cores)."""
     if world <= 1:
         return max(1, cores - 1)
     return max(1, 3 * cores // 4 - 1)

@@ -31,7 +31,7 @@ queue then blocks its launch call until the GPU drains it, which it never does i
 one that would set the flag: a 96-layer model's step (~3800 nodes) deadlocked that way on an H200 host, while 64
 layers (~2500 nodes) ran (`benchmarks/results/2026-11-26_h200_launch_deadlock/`). `Launcher` therefore runs the launch on a
 second thread (the replay releases the GIL) and the calling thread serves the hand-offs meanwhile, whatever the
-graph's size. (For the ~1300 nodes of an 8B step the launch takes 0.4-1.4 ms and the thread changed no step time.)
+graph's size. (At the 8B shape the thread moved no step time: docs/engine.md § Hand-offs between GPU and host.)
 """
 
 from __future__ import annotations

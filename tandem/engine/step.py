@@ -14,8 +14,8 @@ is a device tensor (`slot`), so one recording serves every step, and the host me
 A layer whose policy never attends the host tier, or whose device attends the whole selection, has no hand-off:
 its statistics are recorded on the host after the replay.
 
-(A single graph with each CPU part as a CUDA host node was tried first: every host node cost ~0.3 ms of
-driver-thread round trip, 10 ms per step on an 8B model, against tens of microseconds for the launches.)
+(A single graph with each CPU part as a CUDA host node was tried first: every host node costs a driver-thread
+round trip, far more per step than the launches; docs/engine.md § Measured and not kept.)
 """
 
 from __future__ import annotations
@@ -110,9 +110,7 @@ class DecodeStep(StepContext):
         if share != context.device_blocks_value:
             context.device_blocks.fill_(share)
             context.device_blocks_value = share
-        queued = any(
-            layer.config.quest.scheduler != "share" for layer in layers
-        )  # the queue's GPU side reads host rows
+        queued = any(layer.queue_split != "share" for layer in layers)  # the queue's GPU side reads host rows
         if (share or queued) and self.device.type == "cuda":
             # the device reads host rows in place: rows evicted just now must have landed in host memory first
             stream = torch.cuda.current_stream(self.device)

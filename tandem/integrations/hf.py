@@ -191,7 +191,7 @@ class TandemCache(Cache):
             )
         self.config = config
         # CPU attention threads; caches that take turns (a server's requests) may share one pool
-        self.pool = pool if pool is not None else TaskPool(config.cpu_threads)
+        self.pool = pool if pool is not None else TaskPool(config.host.threads)
         streams: dict = {}
         budget = RecallBudget(num_layers)  # sizes quest's default recall caches to the device's free memory
         # each layer's kind: None for a global layer (the tiers), else its sliding window (`layer_windows`)
@@ -218,7 +218,7 @@ class TandemCache(Cache):
         cls, model: PreTrainedModel, config: TandemConfig | None = None, pool: TaskPool | None = None
     ) -> TandemCache:
         """Build a cache for `model` and switch the model's attention to Tandem's (public API only). `pool`: CPU
-        attention threads to share with other caches (default: the cache's own, `config.cpu_threads` wide)."""
+        attention threads to share with other caches (default: the cache's own, `config.host.threads` wide)."""
         config = config if config is not None else TandemConfig()
         if not isinstance(model, PreTrainedModel):
             raise ValueError(

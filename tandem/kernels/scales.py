@@ -1,4 +1,4 @@
-"""The scales of a compressed host KV store (`TandemConfig.host_dtype`), checked once for every launcher.
+"""The scales of a compressed host KV store (`TandemConfig.host.dtype`), checked once for every launcher.
 
 A store of 8-bit codes (int8 / float8_e4m3fn) [B, Hkv, T, D] comes with float32 scales [B, Hkv, T // G] for K and
 for V: row r decodes as codes * scale[..., r // G]. The CPU, GPU and reference launchers all take them as

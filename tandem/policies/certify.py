@@ -14,8 +14,8 @@ with ||o_tail|| at most the largest skipped value norm.
 With `certified.bound="sketch"` (`TandemConfig`) the bound is per row instead: every host key k_i is kept as an
 int8 sketch k~_i = s_i c_i (a symmetric scale s_i per row, codes c_i in [-127, 127]) with its error radius
 e_i = ||k_i - k~_i|| (`key_sketch`), so that q.k_i <= q.k~_i + ||q|| e_i (Cauchy-Schwarz); a block's mass bound is
-the sum of its rows' exp(scaled bound) (`sketch_mass_bounds`), not n_b times its largest. On the default model
-it over-states the skipped probability ~1.3x at the median, the block digests 24-215x (docs/certified.md).
+the sum of its rows' exp(scaled bound) (`sketch_mass_bounds`), not n_b times its largest: a far tighter bound than
+the block digests' on the default model (docs/certified.md § Tightness on the default model).
 
 `certified_blocks` picks, per query head, the fewest best blocks or rows (ranked by their mass bound, to within a
 histogram bucket) whose tail certifies p <= epsilon against a lower bound of W known before the host part runs

@@ -62,7 +62,7 @@ class HGCAPolicy(Policy):
         threshold = threshold[:, None].expand(-1, layer.num_q_heads)
         masked = self._widen(host_weights.masked_fill(~host.valid[:, None, : host.rows], 0.0))
         self.indices, self.lengths = ops.threshold_select(
-            masked, threshold, layer.num_kv_heads, host.rows, num_threads=self.config.cpu_threads
+            masked, threshold, layer.num_kv_heads, host.rows, num_threads=self.config.host.threads
         )
 
     def _widen(self, maw: torch.Tensor) -> torch.Tensor:

@@ -116,8 +116,8 @@ class QuestPolicy(Policy):
         if skip:
             raise ValueError("quest: a device share needs the device-ranked block ids (from_device)")
         key_min, key_max = host.digest()
-        scores = ops.block_scores(q, key_min, key_max, num_threads=self.config.cpu_threads)
-        blocks, lengths = ops.topk_blocks(scores, k, num_threads=self.config.cpu_threads)
+        scores = ops.block_scores(q, key_min, key_max, num_threads=self.config.host.threads)
+        blocks, lengths = ops.topk_blocks(scores, k, num_threads=self.config.host.threads)
         return Selection("blocks", blocks, lengths, host.block_size)
 
     # ---- certified selection (`epsilon`) ------------------------------------------------------------------

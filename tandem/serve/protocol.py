@@ -9,9 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..config import FEATURES, MOVED, TandemConfig, moved_message, setting_names
 
 # TandemConfig settings a request may set, by their `--set` names: core fields, and sub-config fields either dotted
-# ("quest.budget": 0.1) or nested ("quest": {"budget": 0.1}); the rest are the server's (threads, device, memory
-# layout, and the fluxion profile: a file path on the server, which a client must not choose)
-SERVER_FIELDS = ("cpu_threads", "device", "huge_pages", "prefill_chunk", "fluxion.profile")
+# ("quest.budget": 0.1) or nested ("quest": {"budget": 0.1}); the rest are the server's: the device and prefill
+# chunk, and each sub-config's `SERVER_ONLY` fields (threads, memory layout, and the fluxion profile: a file path
+# on the server, which a client must not choose)
+SERVER_FIELDS = (
+    "device",
+    "prefill_chunk",
+    *(f"{key}.{name}" for key, cls in FEATURES.items() for name in cls.SERVER_ONLY),
+)
 REQUEST_FIELDS = tuple(name for name in setting_names() if name not in SERVER_FIELDS)
 MAX_STOP = 16
 
@@ -103,6 +108,13 @@ def request_settings(extras: dict) -> dict:
         if name in SERVER_FIELDS:
             raise APIError(
                 400, f"'{name}' is a server setting (a `tandem serve` flag), not a request field", name
+            )
+        if name in MOVED and ".".join(MOVED[name]) in SERVER_FIELDS:
+            raise APIError(
+                400,
+                f"'{name}' is a server setting (a `tandem serve` flag; now {'.'.join(MOVED[name])}), not a "
+                "request field",
+                name,
             )
         if name in MOVED:
             raise APIError(400, moved_message(name, settings[name]), name)

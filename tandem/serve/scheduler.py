@@ -168,7 +168,7 @@ class Scheduler:
                 raise TooLarge(
                     f"this request's cache needs {need / 2**30:.2f} GiB of {where} ({len(request.prompt_ids)} prompt "
                     f"tokens + max_tokens {request.max_tokens}) and the server's budget is {budget / 2**30:.2f} GiB "
-                    f"({flag}): shorten the prompt or max_tokens, or use host_dtype='int8'"
+                    f"({flag}): shorten the prompt or max_tokens, or use host.dtype='int8'"
                 )
         return nbytes
 
@@ -213,10 +213,9 @@ class Scheduler:
         """Before the first request (not while the thread runs): one decode step at every batch size up to
         `max_batch` over throwaway caches of `config` with `prompt_tokens`-token prompts, then their memory given
         back. The one-time costs of each batch shape fall here instead of in the first load: the CPU's matmul
-        primitives and their scratch, the allocator's growth, kernel builds on a GPU. Without it, the default
-        model's server on 2 cores stayed 19% above its idle memory after its first load of 32 x 512-token
-        prompts, against 1% with it (`benchmarks/results/2026-11-28_cpu_serve_decode_heavy/`). Returns the
-        seconds it took."""
+        primitives and their scratch, the allocator's growth, kernel builds on a GPU. Without it, the server's
+        memory stays well above its idle level after its first load (measured with and without it in
+        docs/serve.md § Measured, "Memory"). Returns the seconds it took."""
         if self._thread is not None:
             raise RuntimeError(
                 "warm_up runs before start(): the scheduler's thread owns the model afterwards"

@@ -80,9 +80,9 @@ def request_bytes(
 
     rows = max(-(-max(0, total - config.sink_tokens) // bs), HOST_MIN_BLOCKS) * bs
     blocks = rows // bs
-    stored = 1 if config.host_dtype is not None else e
+    stored = 1 if config.host.dtype is not None else e
     host = rows * (kv_row * stored + 1)
-    if config.host_dtype is not None:
+    if config.host.dtype is not None:
         host += blocks * 2 * shape.num_kv_heads * 4  # K and V scales per block and KV head
     digest = blocks * 2 * shape.num_kv_heads * shape.head_dim * e if needs_digest else 0
     host += digest

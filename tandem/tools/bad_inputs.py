@@ -244,12 +244,13 @@ def config_cases() -> list[Case]:
         "hgca.span": [0, 1 << 13, 1.5],
         "hgca.observation_tokens": [0, -1],
         "prefill_chunk": [0, 1 << 25],
-        "cpu_threads": [0, -1, 5000, 1.5],
+        "host.threads": [0, -1, 5000, 1.5],
         "quest.gpu_share": [-0.1, 1.5, math.nan],
         "quest.gpu_cache": [-1.0, 100.0, math.nan],
+        "quest.scheduler": ["lanes", "heads"],  # "heads": a baseline of benchmarks/bench_scheduler.py
         "device": ["tpu", "cuda:x", 0],
-        "huge_pages": [2, "yes"],
-        "host_dtype": ["int4", "bf16", 8],
+        "host.huge_pages": [2, "yes"],
+        "host.dtype": ["int4", "bf16", 8],
         "distributed.host_split": ["tensor", None],
         "fluxion.tau": [-0.1, 1.0, math.inf],
         "fluxion.profile": [3],
@@ -300,7 +301,7 @@ def config_cases() -> list[Case]:
     )
     for fields in ({"policy": "hgca", "certified.epsilon": 0.05},
                    {"policy": "quest", "certified.epsilon": 0.05, "quest.gpu_share": 0.4},
-                   {"policy": "quest", "certified.epsilon": 0.05, "host_dtype": "int8"},
+                   {"policy": "quest", "certified.epsilon": 0.05, "host.dtype": "int8"},
                    {"policy": "quest", "certified.epsilon": 0.05, "certified.bound": "digest", "certified.unit": "row"},
                    {"policy": "hgca", "distributed.host_split": "requests"},
                    {"policy": "quest", "distributed.host_split": "requests", "quest.gpu_share": 0.4}):  # fmt: skip

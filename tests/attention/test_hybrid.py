@@ -219,7 +219,7 @@ def test_the_compiled_hot_tier_call_matches_the_reference(dtype):
             maw=None,
         ),
         policy=SimpleNamespace(needs_maw=False),
-        config=SimpleNamespace(cpu_threads=1),
+        config=SimpleNamespace(host=SimpleNamespace(threads=1)),
     )
     layer.hot.valid[:, 0] = True
     bufs = DecodeBuffers(batch, hq, dim, dtype, torch.device("cpu"))

@@ -11,9 +11,10 @@ import types
 import pytest
 import torch
 
-from tandem import TandemConfig
+from tandem import TandemCache, TandemConfig
 from tandem.attention import queue
-from tandem.config import CertifiedConfig, QuestConfig
+from tandem.config import SCHEDULER_BASELINES, CertifiedConfig, HostConfig, QuestConfig
+from tandem.engine import TandemRunner
 from tandem.kernels import cpu, ops
 from tests.cache.test_recall_cache import _config, _padded_prompts
 from tests.engine.test_engine import _hf_greedy, _run, _tiny
@@ -42,7 +43,9 @@ def _layer(batch, num_kv_heads, rows, head_dim, block_size, seed, pad=0, device=
     host = types.SimpleNamespace(
         keys=keys, values=values, valid=valid, block_size=block_size, capacity=rows, generation=0, scales=dict
     )
-    return types.SimpleNamespace(host=host, config=types.SimpleNamespace(cpu_threads=2))
+    return types.SimpleNamespace(
+        host=host, config=types.SimpleNamespace(host=types.SimpleNamespace(threads=2))
+    )
 
 
 def _ids(batch, num_kv_heads, width, num_blocks, lengths, seed):
@@ -173,9 +176,21 @@ def test_a_gpu_that_never_decides_is_a_clear_error_not_a_hang():
         call(timeout=0.2)
 
 
+def _run_split(model, ids, mask, budget: float, split: str):
+    """`_run` with quest.scheduler="queue" and every layer's split set to `split`: the queue itself, or one of
+    benchmarks/bench_scheduler.py's static baselines through its hook (`LayerKV.queue_split`)."""
+    cache = TandemCache.for_model(model, _config(quest=QuestConfig(budget=budget, scheduler="queue")))
+    for layer in cache.tandem_layers():
+        layer.queue_split = split
+    runner = TandemRunner(model, cache)
+    first = runner.prefill(ids, mask, chunk_tokens=32, max_new_tokens=24).argmax(-1)
+    tokens, _ = runner.decode(first, 23)
+    return torch.cat([first.cpu()[:, None], tokens], dim=1), runner
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scheduler", ["queue", "cpu", "heads", "volume"])
-def test_decode_with_each_scheduler_equals_the_static_share(device, scheduler):
+@pytest.mark.parametrize("split", ["queue", *SCHEDULER_BASELINES])
+def test_decode_with_each_split_equals_the_static_share(device, split):
     """A sparse budget and a left-padded batch: the same greedy tokens and rows attended as quest's static split
     (engine on CUDA: CUDA graphs), and at a full budget DynamicCache's tokens."""
     model = _tiny(device=device)
@@ -188,23 +203,36 @@ def test_decode_with_each_scheduler_equals_the_static_share(device, scheduler):
         24,
         chunk_tokens=32,
     )
-    ours, runner = _run(
-        model, ids, mask, _config(quest=QuestConfig(budget=0.3, scheduler=scheduler)), 24, chunk_tokens=32
-    )
+    ours, runner = _run_split(model, ids, mask, 0.3, split)
     assert torch.equal(base, ours)
     layers, base_layers = runner.cache.tandem_layers(), base_runner.cache.tandem_layers()
     assert sum(x.rows_attended for x in layers) == sum(x.rows_attended for x in base_layers) > 0
     device_rows = sum(x.rows_attended_device for x in layers)
-    assert (device_rows == 0) == (scheduler == "cpu")
-    full, _ = _run(
-        model, ids, mask, _config(quest=QuestConfig(budget=1.0, scheduler=scheduler)), 24, chunk_tokens=32
-    )
+    assert (device_rows == 0) == (split == "cpu")
+    full, _ = _run_split(model, ids, mask, 1.0, split)
     assert torch.equal(full, _hf_greedy(model, ids, mask, 24))
 
 
+def test_a_baseline_split_needs_the_queue_scheduler():
+    """The hook replaces the queue's split; on a cache whose scheduler is "share" it is refused, not ignored."""
+    model = _tiny()
+    ids, mask = _padded_prompts("cpu")
+    cache = TandemCache.for_model(model, _config(quest=QuestConfig(budget=0.3, gpu_share=0.5, gpu_cache=0)))
+    for layer in cache.tandem_layers():
+        assert layer.queue_split == "share"  # the config's scheduler until the benchmark sets one
+        layer.queue_split = "heads"
+    runner = TandemRunner(model, cache)
+    first = runner.prefill(ids, mask, chunk_tokens=32, max_new_tokens=4).argmax(-1)
+    with pytest.raises(ValueError, match=r"queue_split='heads' needs TandemConfig\.quest\.scheduler='queue'"):
+        runner.decode(first, 3)
+
+
 def test_config_names_the_scheduler_and_what_it_needs():
-    with pytest.raises(ValueError, match=r"scheduler='lanes' .*\"share\", \"queue\""):
+    with pytest.raises(ValueError, match=r"scheduler='lanes' .*\"share\" or \"queue\""):
         TandemConfig(policy="quest", quest=QuestConfig(scheduler="lanes"))
+    for baseline in SCHEDULER_BASELINES:  # the benchmark's, set on the layers (LayerKV.queue_split)
+        with pytest.raises(ValueError, match=rf"scheduler='{baseline}' .*bench_scheduler.py.*queue_split"):
+            TandemConfig(policy="quest", quest=QuestConfig(scheduler=baseline))
     with pytest.raises(ValueError, match=r"scheduler='queue' .*policy='quest'"):
         TandemConfig(policy="hgca", quest=QuestConfig(scheduler="queue"))
     with pytest.raises(ValueError, match=r"scheduler='queue' .*epsilon"):
@@ -213,16 +241,12 @@ def test_config_names_the_scheduler_and_what_it_needs():
         )
     with pytest.raises(ValueError, match=r"gpu_cache=4\.0 .*scheduler='queue'"):
         TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue", gpu_cache=4))
-    with pytest.raises(ValueError, match=r"host_dtype='int8' .*scheduler='heads'"):
-        TandemConfig(policy="quest", quest=QuestConfig(scheduler="heads"), host_dtype="int8")
+    with pytest.raises(ValueError, match=r"host.dtype='int8' .*scheduler='queue'"):
+        TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue"), host=HostConfig(dtype="int8"))
     with pytest.raises(ValueError, match=r"gpu_share=0\.4 .*scheduler='queue'"):
         TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue", gpu_share=0.4))
-    config = TandemConfig(policy="quest", quest=QuestConfig(scheduler="volume", gpu_share=0.3))
-    assert (
-        config.quest.queue_share() == 0.3
-        and config.gpu_share_on("cuda") == 0.0
-        and config.gpu_cache_on("cuda") == 0
-    )
+    config = TandemConfig(policy="quest", quest=QuestConfig(scheduler="queue"))
+    assert config.gpu_share_on("cuda") == 0.0 and config.gpu_cache_on("cuda") == 0
 
 
 @pytest.mark.cuda

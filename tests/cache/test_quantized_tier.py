@@ -1,4 +1,4 @@
-"""The compressed host tier (`TandemConfig.host_dtype`): 8-bit codes with per-block scales in host memory.
+"""The compressed host tier (`TandemConfig.host.dtype`): 8-bit codes with per-block scales in host memory.
 
 The kernels' own tests (against `reference.dequantize`d stores) are in tests/kernels/test_quantized_cpu.py and
 tests/kernels/test_quantized_gpu.py; these check the tier, the layer and the engine built on them:
@@ -17,7 +17,7 @@ from tandem import QuestConfig, TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.attention import TaskPool, attend
 from tandem.cache.host import HostTier
 from tandem.cache.layer import LayerKV
-from tandem.config import parse_setting
+from tandem.config import HostConfig, parse_setting
 from tandem.engine import TandemRunner
 from tandem.kernels import reference
 from tandem.tools.evaluation.metrics import layer_full_attention
@@ -91,7 +91,7 @@ def test_the_tier_keeps_its_scales_when_it_grows():
 def _layer(policy, kind, **extra):
     cfg = TandemConfig(
         policy=policy, sink_tokens=5, window_tokens=13, block_size=4, prefill_chunk=16, device="cpu",
-        host_dtype=kind, **extra,
+        host=HostConfig(dtype=kind), **extra,
     )  # fmt: skip
     return LayerKV(cfg, 0, 8, 2, 32)
 
@@ -175,7 +175,7 @@ def test_engine_decodes_a_quantized_tier_as_generate_does(policy, extra):
     model = _tiny()
     ids = torch.randint(0, 128, (2, 75), generator=torch.Generator().manual_seed(4))
     config = TandemConfig(
-        policy=policy, sink_tokens=4, window_tokens=12, block_size=4, host_dtype="int8", **extra
+        policy=policy, sink_tokens=4, window_tokens=12, block_size=4, host=HostConfig(dtype="int8"), **extra
     )
     generated = model.generate(  # the mask given: generate() would take the prompt's 0 tokens for padding
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0,
@@ -189,16 +189,18 @@ def test_engine_decodes_a_quantized_tier_as_generate_does(policy, extra):
 
 
 def test_host_dtype_is_validated_and_settable_from_the_command_line():
-    assert TandemConfig(policy="quest", host_dtype="fp8").host_dtype == "fp8"
-    with pytest.raises(ValueError, match=r"host_dtype='int4'.*None \(the model's dtype\), 'int8' or 'fp8'"):
-        TandemConfig(host_dtype="int4")
+    assert TandemConfig(policy="quest", host=HostConfig(dtype="fp8")).host.dtype == "fp8"
+    with pytest.raises(ValueError, match=r"host.dtype='int4'.*None \(the model's dtype\), 'int8' or 'fp8'"):
+        TandemConfig(host=HostConfig(dtype="int4"))
     # the default policy certifies the exact keys: an 8-bit tier is refused with the policy that takes one
-    with pytest.raises(ValueError, match=r"host_dtype='int8'.*policy='certified'.*policy='quest'"):
-        TandemConfig(host_dtype="int8")
+    with pytest.raises(ValueError, match=r"host.dtype='int8'.*policy='certified'.*policy='quest'"):
+        TandemConfig(host=HostConfig(dtype="int8"))
     cfg = TandemConfig(policy="quest")
-    with pytest.raises(ValueError, match="host_dtype"):
-        cfg.host_dtype = torch.int8
-    assert cfg.host_dtype is None
-    assert parse_setting("host_dtype", "none") is None and parse_setting("host_dtype", "int8") == "int8"
+    with pytest.raises(ValueError, match=r"host\.dtype"):
+        cfg.host = {"dtype": torch.int8}
+    assert cfg.host.dtype is None
+    assert parse_setting("host.dtype", "none") is None and parse_setting("host.dtype", "int8") == "int8"
+    with pytest.raises(ValueError, match=r"'host_dtype' moved to host\.dtype"):  # the flat spelling of before
+        TandemConfig(policy="quest", host_dtype="int8")
     with pytest.raises(ValueError, match="quant"):
         HostTier(1, 1, 1, 8, torch.float32, 16, pin=False, keep_digest=False, keep_maw=False, quant="int4")

@@ -17,7 +17,7 @@ from tandem.cache import memory
 from tandem.cache.host import HostMemoryError, HostTier
 from tandem.cache.hot import HotTier
 from tandem.cache.layer import LayerKV
-from tandem.config import CertifiedConfig, TandemConfig
+from tandem.config import CertifiedConfig, HostConfig, TandemConfig
 from tandem.policies.certify import block_digest, key_sketch
 
 BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 8, 4
@@ -325,7 +325,12 @@ def test_host_tier_failed_registration_becomes_host_memory_error(monkeypatch):
 @pytest.mark.parametrize("huge_pages", [False, True])
 def test_layer_passes_huge_pages_to_its_host_tier(huge_pages):
     cfg = TandemConfig(
-        policy="quest", device="cpu", sink_tokens=4, window_tokens=8, block_size=BLOCK, huge_pages=huge_pages
+        policy="quest",
+        device="cpu",
+        sink_tokens=4,
+        window_tokens=8,
+        block_size=BLOCK,
+        host=HostConfig(huge_pages=huge_pages),
     )
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     keys = torch.randn(1, NUM_KV_HEADS, 40, HEAD_DIM)
@@ -477,7 +482,7 @@ def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
         sink_tokens=4,
         window_tokens=window_tokens,
         block_size=BLOCK,
-        cpu_threads=1,
+        host=HostConfig(threads=1),
     )
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     sizes = SCHEDULES[schedule]
@@ -508,7 +513,12 @@ def test_layer_keeps_every_token_exactly_once(policy, schedule, window_tokens):
 def _short_prompt_under_a_wide_window():
     """(config, layer, feeder): 8 tokens of 2 requests in a layer whose window holds 64."""
     cfg = TandemConfig(
-        policy="full", device="cpu", sink_tokens=4, window_tokens=64, block_size=BLOCK, cpu_threads=1
+        policy="full",
+        device="cpu",
+        sink_tokens=4,
+        window_tokens=64,
+        block_size=BLOCK,
+        host=HostConfig(threads=1),
     )
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     feeder = Feeder([0, 0])
@@ -566,7 +576,7 @@ def test_a_ring_that_cannot_grow_raises_memory_error_and_stays_as_it_was(monkeyp
 
 @pytest.mark.parametrize("bound", ["sketch", "digest"])
 def test_the_key_sketch_is_kept_only_for_the_sketch_bound(bound):
-    cfg = TandemConfig(policy="quest", certified=CertifiedConfig(epsilon=0.05, bound=bound), device="cpu", sink_tokens=4, window_tokens=8, block_size=BLOCK, cpu_threads=1)  # fmt: skip
+    cfg = TandemConfig(policy="quest", certified=CertifiedConfig(epsilon=0.05, bound=bound), device="cpu", sink_tokens=4, window_tokens=8, block_size=BLOCK, host=HostConfig(threads=1))  # fmt: skip
     layer = LayerKV(cfg, 0, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
     layer.append(*Feeder([0, 3]).next(61))
     host = layer.host

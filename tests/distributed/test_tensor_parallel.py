@@ -289,9 +289,9 @@ def test_a_rank_attends_with_three_quarters_of_its_cores_less_one(monkeypatch):
         and launch.rank_threads(1, 2) == 1
     )
     monkeypatch.setenv(CPU_THREADS_ENV, "11")
-    assert TandemConfig().cpu_threads == 11
+    assert TandemConfig().host.threads == 11
     monkeypatch.setenv(CPU_THREADS_ENV, "many")  # not a count: the cores decide
-    assert TandemConfig().cpu_threads >= 1
+    assert TandemConfig().host.threads >= 1
 
 
 def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(tmp_path, capsys):

@@ -47,7 +47,7 @@ class Build:
     device: str
 
     def config(self) -> TandemConfig:
-        fields = dict(POLICIES[self.policy], **HOT, host_dtype=self.host_dtype)
+        fields = dict(POLICIES[self.policy], **HOT, host={"dtype": self.host_dtype})
         if self.certified:
             fields.update(certified={"epsilon": 0.05})
         return TandemConfig(**fields)

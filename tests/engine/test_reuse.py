@@ -25,7 +25,7 @@ POLICIES = {
     "fluxion-tau0": {"policy": "fluxion", "fluxion": {"tau": 0.0}},
     "quest-epsilon": {"policy": "quest", "certified": {"epsilon": 0.05}, "quest": {"gpu_share": 0.0}},
     "fluxion-tau0-epsilon": {"policy": "fluxion", "fluxion": {"tau": 0.0}, "certified": {"epsilon": 0.05}},
-    "quest-int8": {"policy": "quest", "quest": {"budget": 0.3}, "host_dtype": "int8"},
+    "quest-int8": {"policy": "quest", "quest": {"budget": 0.3}, "host": {"dtype": "int8"}},
 }
 
 

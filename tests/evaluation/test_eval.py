@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import tandem.models
 from tandem import manifest
 from tandem.cli import main
-from tandem.config import TandemConfig
+from tandem.config import HostConfig, TandemConfig
 from tandem.tools.evaluation import TaskBuilder, evaluate, load_haystack, make_plan
 from tandem.tools.evaluation.metrics import head_errors, reference_attention
 from tandem.tools.evaluation.names import GENERATION_TASKS
@@ -102,6 +102,23 @@ def test_cli_prints_bad_arguments_without_a_traceback(capsys):
     assert "tandem: error: --tasks: unknown 'bogus'" in capsys.readouterr().err
 
 
+def test_the_host_tier_sweeps_on_every_policy_or_one_under_its_old_labels():
+    """host.dtype and host.huge_pages apply to every policy, or to one (quest.host.dtype); the labels keep the flat
+    names of before (quest[host_dtype=int8]), so new results compare with the committed ones."""
+    variants = make_variants(["full", "quest"], ["host.dtype=none,int8"])
+    assert [v.label for v in variants] == [
+        "full[host_dtype=none]", "full[host_dtype=int8]", "quest[host_dtype=none]", "quest[host_dtype=int8]",
+    ]  # fmt: skip
+    assert variants[-1].config.host.dtype == "int8"
+    one = make_variants(["full", "quest"], ["quest.host.dtype=int8", "host.huge_pages=0"])
+    assert [v.label for v in one] == ["full[huge_pages=0]", "quest[host_dtype=int8,huge_pages=0]"]
+    assert [v.config.host.dtype for v in one] == [None, "int8"] and not one[0].config.host.huge_pages
+    with pytest.raises(ValueError, match=r"'host_dtype' moved to quest\.host\.dtype"):
+        make_variants(["quest"], ["quest.host_dtype=int8"])
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        make_variants(["quest"], ["host.threads=2"])
+
+
 def test_lengths_sweeps_and_model_maximum():
     assert parse_lengths("2k,1k,1000,1k") == [1000, 1024, 2048]
     variants = make_variants(["full", "quest"], ["quest.budget=0.02,0.05", "quest.block_size=16,32"])
@@ -153,7 +170,7 @@ def test_fluxion_sweeps_parse_into_labelled_variants():
     ]
     assert [v.config.fluxion.tau for v in variants[1:]] == [0.02, 0.05, 0.1, 0.2]
     assert variants[1].overrides == {"fluxion.tau": 0.02} and variants[0].config == TandemConfig(
-        policy="full", cpu_threads=variants[0].config.cpu_threads
+        policy="full", host=HostConfig(threads=variants[0].config.host.threads)
     )
     ablation = make_variants(
         ["fluxion"],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.config import CertifiedConfig, FluxionConfig
+from tandem.config import CertifiedConfig, FluxionConfig, HostConfig
 from tandem.policies.certified import Certifier
 from tandem.tools.evaluation.certified import trace_certificates
 from tests.tiny import tiny_model
@@ -104,7 +104,7 @@ def _fluxion_config(tmp_path, name: str, epsilon, max_budget=0.5, **profile):
     from tests.policies.test_fluxion_policy import SINKS, WINDOW, make_profile
 
     path = make_profile(tmp_path / name, predictor=False, **profile)
-    return TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path, mode="static"), sink_tokens=SINKS, window_tokens=WINDOW, cpu_threads=1, certified=CertifiedConfig(epsilon=epsilon, max_budget=max_budget))  # fmt: skip
+    return TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.1, profile=path, mode="static"), sink_tokens=SINKS, window_tokens=WINDOW, host=HostConfig(threads=1), certified=CertifiedConfig(epsilon=epsilon, max_budget=max_budget))  # fmt: skip
 
 
 def _fluxion_decode(model, config, ids, steps=6):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.config import FluxionConfig
+from tandem.config import FluxionConfig, HostConfig
 from tandem.policies.fluxion_features import NUM_FEATURES
 from tandem.policies.fluxion_predictor import predictor_state, train_predictor
 from tandem.policies.fluxion_profile import Profile, default_profile_path, load_profile
@@ -75,7 +75,7 @@ def prompt():
 
 def _run(model, prompt, **fields):
     ids, mask = prompt
-    config = TandemConfig(sink_tokens=SINKS, window_tokens=WINDOW, cpu_threads=1, **fields)
+    config = TandemConfig(sink_tokens=SINKS, window_tokens=WINDOW, host=HostConfig(threads=1), **fields)
     cache = TandemCache.for_model(model, config)
     out = model.generate(
         ids,
@@ -301,7 +301,7 @@ def test_config_refuses_bad_fluxion_fields(field, value):
 
 def test_tau_zero_after_cache_reset_still_needs_no_profile(model, prompt, tmp_path):
     ids, mask = prompt
-    config = TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.0, profile=str(tmp_path / "never-read.pt")), sink_tokens=SINKS, window_tokens=WINDOW, cpu_threads=1)  # fmt: skip
+    config = TandemConfig(policy="fluxion", fluxion=FluxionConfig(tau=0.0, profile=str(tmp_path / "never-read.pt")), sink_tokens=SINKS, window_tokens=WINDOW, host=HostConfig(threads=1))  # fmt: skip
     cache = TandemCache.for_model(model, config)
     kwargs = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     model.generate(ids, **kwargs, **generate_cache_kwargs(model, cache))

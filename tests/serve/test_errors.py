@@ -126,9 +126,11 @@ def test_bad_chat_fields_are_400_naming_the_field(api, fields, param):
         ({"budget": 0.1}, "budget", "'budget' moved to quest.budget"),
         ({"policy": "nope"}, "policy", "TandemConfig.policy='nope'"),
         ({"window_tokens": "wide"}, "window_tokens", "wrong type"),
-        ({"host_dtype": "int4"}, "host_dtype", "int8"),
+        ({"host": {"dtype": "int4"}}, "host.dtype", "int8"),
+        ({"host_dtype": "int8"}, "host_dtype", "'host_dtype' moved to host.dtype"),
         ({"colour": "red"}, "colour", "unknown field 'colour'"),
         ({"cpu_threads": 2}, "cpu_threads", "server setting"),
+        ({"host": {"threads": 2}}, "host.threads", "server setting"),
         ({"prefill_chunk": 8}, "prefill_chunk", "server setting"),
         (
             {"fluxion": {"profile": "/etc/passwd"}},

@@ -172,6 +172,9 @@ def test_an_old_flat_request_field_is_refused_naming_the_new_one():
         ({"quest": 0.1}, "quest"),
         ({"quest": {"bugdet": 0.1}}, "quest.bugdet"),
         ({"budget": 0.1}, "budget"),
+        ({"host_dtype": "int8"}, "host_dtype"),  # moved to host.dtype
+        ({"cpu_threads": 2}, "cpu_threads"),  # moved to host.threads, a server setting
+        ({"host": {"dtype": "int4"}}, "host.dtype"),
         ({"policy": "nope"}, "policy"),
         ({"sink_tokens": True}, "sink_tokens"),
         ({"window_tokens": "wide"}, "window_tokens"),
@@ -189,6 +192,7 @@ def test_request_fields_are_the_configs_minus_the_servers():
     assert set(REQUEST_FIELDS) | set(SERVER_FIELDS) == set(setting_names())
     assert not set(REQUEST_FIELDS) & set(SERVER_FIELDS)
     assert "fluxion.profile" in SERVER_FIELDS  # a file path on the server: never a client's choice
+    assert {"host.threads", "host.huge_pages"} <= set(SERVER_FIELDS) and "host.dtype" in REQUEST_FIELDS
     assert "quest.budget" in REQUEST_FIELDS and "certified.epsilon" in REQUEST_FIELDS
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.config import CertifiedConfig, QuestConfig
+from tandem.config import CertifiedConfig, HostConfig, QuestConfig
 from tandem.models import attention_shape
 from tandem.serve.sizing import HOST_MIN_BLOCKS, CacheShape, request_bytes
 
@@ -23,8 +23,10 @@ CONFIGS = {
         window_tokens=16,
         certified=CertifiedConfig(epsilon=0.05, bound="digest"),
     ),
-    "full-int8": TandemConfig(policy="full", sink_tokens=4, window_tokens=16, host_dtype="int8"),
-    "hgca-int8-fraction": TandemConfig(policy="hgca", sink_tokens=4, window_tokens=0.25, host_dtype="int8"),
+    "full-int8": TandemConfig(policy="full", sink_tokens=4, window_tokens=16, host=HostConfig(dtype="int8")),
+    "hgca-int8-fraction": TandemConfig(
+        policy="hgca", sink_tokens=4, window_tokens=0.25, host=HostConfig(dtype="int8")
+    ),
 }
 
 

@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
         agree = functools.partial(launch.all_ok, rank)
         if rank.rank != 0:  # one voice: rank 0 prints and writes
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-    threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().cpu_threads
+    threads = args.cpu_threads if args.cpu_threads is not None else TandemConfig().host.threads
     variants = make_variants(policies, args.set, threads)
 
     machine = bandwidth.machine_info(threads)
@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
                 label = label if len(forwards) == 1 else f"{label}/{forward}"
                 label = label if len(fills) == 1 else f"{label}:{fill}"
                 token_bytes = kv_token_bytes
-                if variant.config.host_dtype:  # one byte per element (the block scales are ~0.2% more)
+                if variant.config.host.dtype:  # one byte per element (the block scales are ~0.2% more)
                     token_bytes = kv_token_bytes // _dtype_size(dtype)
                 row = _agreed_check(f"tandem-{label}", batch, context, args, token_bytes, baselines, agree)
                 if row is not None:
@@ -333,9 +333,9 @@ def _replay_fluxion(variants, model, out_dir: Path, rank=None) -> dict:
     return replays
 
 
-# host bytes per KV byte a system keeps in host memory: HF's offloaded cache was killed by the kernel at
-# batch 16 x 32K on a 125 GB host with 69 GB of KV (it holds more than one copy); Tandem's host tier is the KV
-# once, plus digests / MAW (at most ~1/8 more)
+# host bytes per KV byte a system keeps in host memory: HF's offloaded cache holds more than one copy (the run the
+# kernel's OOM killer ended: docs/engine.md § `tandem bench`); Tandem's host tier is the KV once, plus digests /
+# MAW (at most ~1/8 more)
 HOST_FACTOR = {"hf-offloaded": 2.0, "tandem": 1.15}
 
 

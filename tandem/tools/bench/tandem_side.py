@@ -125,7 +125,7 @@ def _decoded_row_bytes(layer) -> int:
 
 def _row_bytes(layer) -> float:
     """Host-tier bytes of one K row + one V row as stored: the codes plus their share of the block scales with
-    `host_dtype`, else the model's dtype."""
+    `host.dtype`, else the model's dtype."""
     host = layer.host
     scales = 2 * 4 / host.block_size if host.quant else 0.0
     return 2 * layer.head_dim * host.keys.element_size() + scales

@@ -62,13 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=V1,V2",
-        help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; a core field "
-        "applies to every policy (or to one: quest.window_tokens), a sub-config's field to the policies that read "
-        "it (quest.* to quest, fluxion.* to fluxion, hgca.* to hgca, certified.* to certified, quest and "
-        "fluxion); values are numbers, except fluxion.profile (a path, or 'default'), fluxion.mode (predictor, "
-        "static or oracle), host_dtype (none, int8 or fp8), certified.bound (sketch or digest), certified.unit "
-        "(row, block or none), fluxion.granularity (16, 32, 64, 128 or 'none': Eq. 3 per group), "
-        "distributed.host_split (heads or requests) and the switches huge_pages, fluxion.skip_streaming (0 or 1)",
+        help=f"sweep a setting (repeatable; product of values); keys: {', '.join(SETTABLE)}; a core field and "
+        "host.* apply to every policy (or to one: quest.window_tokens, quest.host.dtype), a sub-config's field to "
+        "the policies that read it (quest.* to quest, fluxion.* to fluxion, hgca.* to hgca, certified.* to "
+        "certified, quest and fluxion); values are numbers, except fluxion.profile (a path, or 'default'), "
+        "fluxion.mode (predictor, static or oracle), host.dtype (none, int8 or fp8), certified.bound (sketch or "
+        "digest), certified.unit (row, block or none), fluxion.granularity (16, 32, 64, 128 or 'none': Eq. 3 per "
+        "group), distributed.host_split (heads or requests) and the switches host.huge_pages, "
+        "fluxion.skip_streaming (0 or 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
     p.add_argument(

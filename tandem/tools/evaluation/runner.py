@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ...config import FEATURES, MOVED, POLICIES, TandemConfig, moved_message, uses_engine
+from ...config import FEATURES, MOVED, POLICIES, HostConfig, TandemConfig, moved_message, uses_engine
 from ...config.settings import WORDS, parse_setting
 from ...integrations.hf import TandemCache, generate_cache_kwargs
 from ...models import attention_shape, end_of_sequence_ids
@@ -107,8 +107,9 @@ def make_variants(
 ) -> list[Variant]:
     """One variant per policy, or per combination of `--set` values where a policy is swept.
 
-    sets: items "key=v1,v2", key in SETTABLE: a core field applies to every policy ("window_tokens"), or to one
-    ("quest.window_tokens"); a sub-config's field ("quest.budget", "certified.epsilon") to the policies in
+    sets: items "key=v1,v2", key in SETTABLE: a core field, or a field of a sub-config every policy reads
+    ("host.dtype"), applies to every policy ("window_tokens"), or to one ("quest.window_tokens",
+    "quest.host.dtype"); a policy's sub-config field ("quest.budget", "certified.epsilon") to the policies in
     --policies that read that sub-config. Values as `config.parse_setting` reads them.
     """
     sweeps: dict[str, dict[str, list]] = {p: {} for p in policies}
@@ -116,6 +117,7 @@ def make_variants(
         name, eq, values = item.partition("=")
         name = name.strip()
         target, dot, key = name.rpartition(".")
+        head, _, rest = name.partition(".")
         if not eq or not key or not values.strip():
             raise ValueError(f"--set {item!r}: expected key=v1,v2 (e.g. quest.budget=0.02,0.05)")
         if not dot and key in MOVED:
@@ -129,15 +131,17 @@ def make_variants(
                     f"which is in --policies ({', '.join(policies)})"
                 )
             setting = name
+        elif head in POLICIES and _every_policy_reads(rest):
+            targets, setting = [_listed(head, policies, item)], rest
         elif key in CORE_SETTABLE and (not dot or target in POLICIES):
-            if dot and target not in policies:
-                raise ValueError(
-                    f"--set {item!r}: policy {target!r} is not in --policies ({', '.join(policies)})"
-                )
-            targets, setting = ([target] if dot else list(policies)), key
+            targets, setting = ([_listed(target, policies, item)] if dot else list(policies)), key
         elif dot and target in POLICIES and key in MOVED:
             new = ".".join(MOVED[key])
+            if FEATURES[MOVED[key][0]].POLICIES is None:
+                new = f"{target}.{new}"  # still on that one policy
             raise ValueError(f"--set {item!r}: {key!r} moved to {new}: use --set {new}={values.strip()}")
+        elif name == "host.threads":
+            raise ValueError(f"--set {item!r}: the CPU attention threads are --cpu-threads, not a sweep")
         else:
             raise ValueError(f"--set {item!r}: unknown key {name!r}; allowed: {', '.join(SETTABLE)}")
         try:
@@ -152,12 +156,26 @@ def make_variants(
         for combo in itertools.product(*(sweeps[policy][k] for k in keys)):
             overrides = dict(zip(keys, combo))
             try:
-                config = TandemConfig(policy=policy, cpu_threads=cpu_threads).with_settings(overrides)
+                config = TandemConfig(policy=policy, host=HostConfig(threads=cpu_threads)).with_settings(
+                    overrides
+                )
             except ValueError as err:
                 raise ValueError(f"--set {_label(policy, overrides)}: {err}") from None
             label = _label(policy, overrides)
             variants.append(Variant(label, config, overrides))
     return variants
+
+
+def _every_policy_reads(name: str) -> bool:
+    """Whether `name` is a settable field of a sub-config every policy reads ("host.dtype")."""
+    key, dot, _ = name.partition(".")
+    return bool(dot) and name in SETTABLE and key in FEATURES and FEATURES[key].POLICIES is None
+
+
+def _listed(policy: str, policies: Sequence[str], item: str) -> str:
+    if policy not in policies:
+        raise ValueError(f"--set {item!r}: policy {policy!r} is not in --policies ({', '.join(policies)})")
+    return policy
 
 
 # a sub-config field's name in a variant's label: its flat name of earlier versions, so that labels (and the

@@ -34,14 +34,11 @@ class HostMeasurements:
     """Measured facts of a GPU host (units in the names; GB = 1e9 bytes). For a tensor-parallel host, the host read
     is the ranks' sum and `cpu_threads` each rank's.
 
-    The per-layer costs default to the lent H100's, measured apart from the bench runs the model is checked on:
-    - layer_sync_us: a layer's hand-off to the host and back with nothing to attend, 51 us: a streaming step took
-      8.77 ms with hand-offs and 7.13 ms without (`2026-11-27_h100_decode_forward/`);
-    - forward_layer_us: the forward's time past its weights, per layer: a streaming step of the 8B shape took 7.35
-      ms against 4.95 ms of weights at 128K (`2026-11-27_h100_decode_forward/`), (7.35 - 4.95) / 32 layers;
-    - selection_layer_us: quest's selection past reading the digests, per layer: ~1.9 ms a step at 1 x 128K (bounds
-      0.65, top-k 0.81, recall plan 0.47, traced in `2026-11-27_h100_host_dtype/profile_quest_128k.json`), less
-      the digests' 0.35 ms at HBM speed, over 32 layers.
+    The per-layer costs default to the lent H100's, measured apart from the bench runs the model is checked on
+    (each default's runs and results folder: docs/simulator.md § Tandem on a real host, the calibration column):
+    - layer_sync_us: a layer's hand-off to the host and back with nothing to attend;
+    - forward_layer_us: the forward's time past its weights, per layer;
+    - selection_layer_us: quest's selection past reading the digests, per layer.
 
     Example:
         >>> HostMeasurements(host_read_gbs=108, pcie_gbs=55, hbm_gbs=3030).cpu_threads

@@ -172,7 +172,7 @@ class StepSetup:
     """What one row runs: the policy and the engine's layout (defaults: TandemConfig's quest on CUDA).
 
     policy: "quest" (page selection, host attention) or "streaming" (hot set only, no host reads).
-    row_format: the host tier's rows: the model dtype ("bfloat16") or "int8" / "fp8" (`TandemConfig.host_dtype`).
+    row_format: the host tier's rows: the model dtype ("bfloat16") or "int8" / "fp8" (`TandemConfig.host.dtype`).
     host_split: how tensor-parallel ranks divide the host tier: "heads" (each rank its heads of every request) or
     "requests" (each rank whole requests with all heads; the busiest holds ceil(batch / gpus); no device share).
     """

@@ -2,8 +2,8 @@
 // compiled where bf16 instructions are allowed.
 //
 // On the GPU host's Xeon a vdpbf16ps q.k (q split into hi + lo bf16 halves, which fp32-grade logits need)
-// ran 17-29% slower per row than the shift-and-FMA widening of the AVX-512F path (K/V in cache, 15 and 1
-// threads), so this level runs that path. A version with plain bf16 q and bf16 softmax weights (one
+// ran slower per row than the shift-and-FMA widening of the AVX-512F path (docs/cpu-kernels.md § Build and
+// dispatch), so this level runs that path. A version with plain bf16 q and bf16 softmax weights (one
 // vdpbf16ps per 32 products in q.k and p.V) measured no faster there either: vdpbf16ps costs about the
 // two FMAs it replaces. An AMX tile kernel was no faster either (docs/cpu-kernels.md).
 #include <cmath>

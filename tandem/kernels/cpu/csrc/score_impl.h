@@ -13,9 +13,9 @@ namespace {
 // which equals the bound for min <= max and takes two FMAs instead of two products and a max.
 // The min/max of `nphys` physical blocks are combined on the fly (a logical block = factor physical ones).
 // Each query keeps two accumulators (the max and the min terms): one chain of 2 * D / W dependent FMAs per
-// query was latency-bound. Forced inline: GCC called it out of line, 6-8% slower on the dev VM.
-// Tried and dropped: two blocks per load of q (GCC folded the loads back into the FMAs and spilled, 1.8x
-// slower) and software prefetch of the digests (no gain: they stream in order).
+// query was latency-bound. Forced inline: GCC called it out of line, which was slower.
+// Tried and dropped: two blocks per load of q (GCC folded the loads back into the FMAs and spilled) and software
+// prefetch of the digests (they stream in order). Both measured in docs/cpu-kernels.md § Measured and not kept.
 template <class V, class T, int QB>
 [[gnu::always_inline]] inline void score_queries(const float* q_pos, const float* q_neg, int64_t D, const T* kmin,
                                                  const T* kmax, int64_t nphys, int64_t min_stride,
