@@ -215,12 +215,42 @@ class PooledRows:
                    writes its new token to (the rows of the batch past them attend nothing here)
     """
 
-    __slots__ = ("keys", "values", "valid", "rows", "slots", "_written", "_hot", "_hot_key")
+    __slots__ = (
+        "keys",
+        "values",
+        "valid",
+        "rows",
+        "slots",
+        "_written",
+        "_hot",
+        "_hot_key",
+        "_all",
+        "_all_key",
+    )
 
     def __init__(self, keys, values, valid, rows, slots) -> None:
         self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
         self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
         self._hot, self._hot_key = None, None
+        self._all, self._all_key = None, None
+
+    def attend_every_row(self, layers, gathered, q3: torch.Tensor, scale: float, threads: int | None):
+        """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over every live host row of the requests at
+        rows `gathered` (their `LayerKV`s in `layers`), each over its own host tier, in one prepared compiled
+        call (`ops.stores_attention_call`, made again when a host tier moves); the other rows attend nothing
+        (out 0, lse -inf). On CPU tensors, with the compiled kernels."""
+        n = q3.shape[0]
+        hosts = [layers[b].host if b in gathered else None for b in range(n)]
+        key = (tuple((id(h), h.generation) if h is not None else None for h in hosts), tuple(q3.shape), q3.dtype,
+               scale, threads)  # fmt: skip
+        if key != self._all_key:
+            self._all, self._all_key = _every_row_call(layers, hosts, q3, scale, threads), key
+        call, q, out, lse, lengths = self._all
+        for b, host in enumerate(hosts):
+            lengths[b] = live_blocks(host) if host is not None else 0
+        q.copy_(q3)
+        call()
+        return out, lse
 
     def attend(self, q3: torch.Tensor, scale: float, threads: int | None):
         """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over the rows' hot tiers: on CPU tensors one
@@ -244,6 +274,27 @@ class PooledRows:
         self.keys.transpose(1, 2).index_put_((rows, slots), k_new[rows, :, 0])
         self.values.transpose(1, 2).index_put_((rows, slots), v_new[rows, :, 0])
         self.valid.index_put_((rows, slots), self._written)
+
+
+def _every_row_call(layers, hosts, q3: torch.Tensor, scale: float, threads: int | None):
+    """(call, q, out, lse, lengths): `PooledRows.attend_every_row`'s prepared call over `hosts` (None: a row that
+    attends nothing, given the first host tier's store to point at) with its own buffers; lengths [n, Hkv] is
+    read at each call."""
+    first = next(h for h in hosts if h is not None)
+    num_kv_heads, block_size = first.num_kv_heads, first.block_size
+    stores = []
+    for host in hosts:
+        host = host if host is not None else first
+        scales = host.scales()
+        stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+    width = max(host.capacity // block_size for host in hosts if host is not None)
+    indices = torch.arange(width, dtype=torch.long).expand(q3.shape[0], num_kv_heads, width).contiguous()
+    lengths = torch.zeros(q3.shape[0], num_kv_heads, dtype=torch.long)
+    q = torch.zeros_like(q3)
+    out = torch.zeros(q3.shape, dtype=torch.float32)
+    lse = torch.full(q3.shape[:2], float("-inf"))
+    call = ops.stores_attention_call(q, stores, indices, lengths, scale, out, lse, block_size, threads)
+    return call, q, out, lse, lengths
 
 
 def batches(layer) -> bool:
@@ -316,10 +367,23 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if cpu_parts:
         # the device waits for the last part (the host runs them in order), or, cut at the hand-off, for all
         context.host_work(cpu_parts[-1] if each else partial(_run_all, cpu_parts))
-    elif not deferred:
+    gathered = set()
+    if not deferred:
+        # on CPU tensors, the requests whose policy attends every host row are attended in one call after
+        # their selections (each over its own host tier), not one call each
+        gather = not q.is_cuda and ops.native_cpu_available()
         for b in host:
-            cpu_part(layers[b], parts[b][0], scale, pools[b], on_seconds=contexts[b].add_host_seconds)
+            bufs, seconds = parts[b][0], contexts[b].add_host_seconds
+            if cpu_part(layers[b], bufs, scale, pools[b], on_seconds=seconds, gather=gather):
+                gathered.add(b)
+    if gathered:
+        start = time.perf_counter()
+        every = pooled.attend_every_row(layers, gathered, q3[:n], scale, threads)
+        ops.merge_lse_(out, lse, *every)
+        contexts[min(gathered)].add_host_seconds(time.perf_counter() - start)
     for b in host:
+        if b in gathered:
+            continue
         bufs, row = parts[b][0], slice(b, b + 1)
         if q.is_cuda:
             bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
@@ -653,15 +717,25 @@ class CpuPart:
             self.on_seconds(task.nanoseconds * 1e-9)
 
 
-def cpu_part(layer, bufs: DecodeBuffers, scale: float, pool, wait_copy: bool = True, on_seconds=None) -> None:
+def cpu_part(
+    layer,
+    bufs: DecodeBuffers,
+    scale: float,
+    pool,
+    wait_copy: bool = True,
+    on_seconds=None,
+    gather: bool = False,
+) -> bool:
     """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors, or when the
-    caller already has: `wait_copy` False), then run the CPU half; `on_seconds` receives its time."""
+    caller already has: `wait_copy` False), then run the CPU half; `on_seconds` receives its time. Returns
+    whether the part was left to the caller (`host_part`'s `gather`)."""
     if wait_copy and bufs.q_copied is not None:
         bufs.q_copied.synchronize()
     start = time.perf_counter()
-    host_part(layer, bufs, scale, pool, wait=True)
+    gathered = host_part(layer, bufs, scale, pool, wait=True, gather=gather)
     if on_seconds is not None:
         on_seconds(time.perf_counter() - start)
+    return gathered
 
 
 def record_no_host_part(layer) -> None:
@@ -710,21 +784,23 @@ def _record_queue(layer, rows: int, cpu_rows: int) -> None:
     _record_counts(layer, rows, rows - cpu_rows, host.valid_total() * host.num_kv_heads)
 
 
-def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
+def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather: bool = False) -> bool:
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
-    `wait`: first wait for the host tier's pending copies into host memory.
+    `wait`: first wait for the host tier's pending copies into host memory. `gather`: where the policy attends
+    every host row, leave the attention to the caller, which attends several requests' host tiers in one call
+    (`PooledRows.attend_every_row`), and return True (out/lse_host are then not written); else False.
     """
     host = layer.host
     if nothing_offloaded(layer):
         bufs.out_host.zero_()
         bufs.lse_host.fill_(float("-inf"))
-        return
+        return False
     if wait:
         host.wait()
     if bufs.queue is not None:
         _record_queue(layer, *_queue_call(layer, bufs, scale)())
-        return
+        return False
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
     skip, call, ranks = _ranked_call(layer, bufs, scale)
@@ -732,10 +808,16 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
         # the policy keeps ranks [skip, count) of the device's ranking: one compiled call sorts them, attends
         # them into out/lse_host and counts the rows (the same as select + host_attention below, less Python)
         _record_counts(layer, *call(*ranks, host.valid_rows()))
-        return
+        return False
     selection = layer.policy.select(layer, q_host, ranked, skip)
     keeps = layer.policy.keeps_selection
     every_row = selection.kind == "all" and not skip and ops.native_cpu_available()
+    if every_row and gather:
+        rows = (
+            host.valid_total() * host.num_kv_heads
+        )  # what _record_selection counts, where every row is read
+        _record_counts(layer, rows, 0, rows)
+        return True
     if every_row:
         # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
         selection, keeps = bufs.all_blocks(host, host.num_kv_heads), True
@@ -747,7 +829,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
             _record_counts(layer, rows, 0, rows)
         else:
             _record_selection(layer, selection)
-        return
+        return False
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])
     bufs.lse_host.copy_(lse[:, :, 0])
@@ -755,3 +837,4 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     if skip:
         device_rows = (ranked[..., :skip] < ranked_limit(host)).sum(dim=-1) * host.block_size
     _record_selection(layer, selection, device_rows)
+    return False

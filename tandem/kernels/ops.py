@@ -264,6 +264,53 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
         return None
 
 
+def stores_attention_call(
+    q, stores, indices, lengths, scale: float, out, lse, block_size=None, num_threads=None
+):
+    """Attention of B requests that each keep their own host store, prepared for fixed buffers as one call
+    (`cpu.StoresAttention`), or None where the compiled kernels are unavailable. q: [B, Hq, D]; stores: B tuples
+    (k_store, v_store, key_mask, k_scale, v_scale), request b's store [1, Hkv, cap_b, D] with its mask [1, cap_b]
+    or None and an 8-bit store's scales; indices [B, Hkv, W] int64 / lengths [B, Hkv] int64: request b's lists name
+    its own store's blocks (or rows); out / lse float32 of q's shape (lse without head_dim). See
+    `reference.stores_attention_lse`."""
+    _check(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
+    _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
+    _check(
+        isinstance(stores, (list, tuple)) and len(stores) == q.shape[0],
+        f"stores must hold one store per request of q ({q.shape[0]}), got {type(stores).__name__}"
+        + (f" of {len(stores)}" if isinstance(stores, (list, tuple)) else ""),
+    )
+    first = stores[0][0]
+    for b, store in enumerate(stores):
+        _check(len(store) == 5, f"stores[{b}] must be (k_store, v_store, key_mask, k_scale, v_scale)")
+        k_store, v_store, key_mask, k_scale, v_scale = store
+        _check(
+            isinstance(k_store, torch.Tensor) and k_store.dim() == 4 and k_store.shape[0] == 1,
+            f"stores[{b}]'s k_store must be one request's store [1, Hkv, cap, D]",
+        )
+        _check(
+            k_store.dtype == first.dtype
+            and k_store.shape[1] == first.shape[1]
+            and k_store.shape[3] == first.shape[3],
+            f"stores[{b}] must match stores[0]'s dtype, Hkv and D ({first.dtype}, {first.shape[1]}, "
+            f"{first.shape[3]}), got {k_store.dtype}, {k_store.shape[1]}, {k_store.shape[3]}",
+        )
+        ids = (("indices", indices[b : b + 1], "S"), ("lengths", lengths[b : b + 1], None))
+        _check_store_call(
+            q[b : b + 1, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids
+        )
+    _check(
+        len({scale_rows(store[0], store[3], store[4]) for store in stores if store[3] is not None}) <= 1,
+        "stores' 8-bit scales must cover the same rows per scale",
+    )
+    _check_block_size(block_size, optional=True)
+    _check_outputs(q, out, lse)
+    if not native_cpu_available():
+        return None
+    _check_in_host_memory(first)
+    return _native.StoresAttention(q, stores, indices, lengths, scale, out, lse, block_size, num_threads)
+
+
 def _check_in_host_memory(k_store: torch.Tensor) -> None:
     # the prepared calls run only the compiled CPU kernels; every other tensor is on the store's device (checked)
     _check(

@@ -214,6 +214,21 @@ def sparse_attention_lse(
     return out, lse.reshape(batch, num_kv_heads * group, q_len)
 
 
+def stores_attention_lse(q, stores, indices, lengths, scale: float, block_size=None):
+    """Attention of B requests that each keep their own store: request b's query q[b] [Hq, D] over the blocks (or
+    rows) `indices[b]` names of its store (k_store, v_store, key_mask, k_scale, v_scale), as `sparse_attention_lse`
+    of that store alone. Returns out [B, Hq, D] float32 and lse [B, Hq] float32."""
+    outs, lses = [], []
+    for b, (k_store, v_store, key_mask, k_scale, v_scale) in enumerate(stores):
+        out, lse = sparse_attention_lse(
+            q[b : b + 1, :, None], k_store, v_store, indices[b : b + 1], lengths[b : b + 1], scale, key_mask,
+            block_size, k_scale, v_scale,
+        )  # fmt: skip
+        outs.append(out[:, :, 0])
+        lses.append(lse[:, :, 0])
+    return torch.cat(outs), torch.cat(lses)
+
+
 def top_blocks(scores: torch.Tensor, k: int, width: int) -> torch.Tensor:
     """The `k` best-scoring blocks of each row as a set: [..., NB] float32 -> [..., width] int64 holding the kept
     ids ascending, then NB (an invalid pick). Blocks scoring -inf are never kept; ties at the k-th score go to

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
+from tandem.attention import decode
 from tandem.config import QuestConfig
 from tandem.engine.rows import RowsRunner, choose_tokens
 from tandem.engine.sampling import sample, seed_key
@@ -129,12 +130,22 @@ def test_rows_decode_with_transformers_layer_code(tiny):
 
 @pytest.mark.parametrize("slots", [5, 3])
 @torch.inference_mode()
-def test_pooled_rows_decode_as_alone(tiny, slots):
+def test_pooled_rows_decode_as_alone(tiny, slots, monkeypatch):
     """With a pool of hot tiers the requests decode what they decode alone: pooled ones (full, quest, certified,
     streaming) as one batch, hgca (a moving average the pool does not hold) and, with 3 rows, the request that
     found every row taken, alone within the step; the first request stays attached after it leaves, so later
-    steps hold a row without a request."""
+    steps hold a row without a request. The pooled requests whose policy attends every host row (full, and
+    certified on the CPU) are attended in one call per layer."""
+    gathered = []
+    every_row_call = decode._every_row_call
+
+    def counted(layers, hosts, *args):
+        gathered.append(sum(host is not None for host in hosts))
+        return every_row_call(layers, hosts, *args)
+
+    monkeypatch.setattr(decode, "_every_row_call", counted)
     runner = _check_joined_and_left(tiny, torch.device("cpu"), slots=slots)
+    assert max(gathered) == (2 if slots == 5 else 1)  # full and certified together; with 3 rows full alone
     own = _check_joined_and_left(tiny, torch.device("cpu"))
     # the statistics the policies record (rows attended and available per layer) as each request's own
     assert _counts(runner.test_rows) == _counts(own.test_rows)

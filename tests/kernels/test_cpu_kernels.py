@@ -496,3 +496,75 @@ def test_prepared_merge_merges_its_buffers_at_every_call():
         cpu.PreparedMerge(out_a.double(), lse_a, out_b, lse_b)
     with pytest.raises(ValueError, match="must match"):
         cpu.PreparedMerge(out_a, lse_a, out_b[:1], lse_b[:1])
+
+
+def _own_stores(caps, num_kv_heads, head_dim, dtype, block_size, gen, kind=None):
+    """One store per request, of the given capacities: (k, v, key_mask, k_scale, v_scale) each, with a few padding
+    rows masked in each, and 8-bit codes with per-block scales where `kind` names a format."""
+    stores = []
+    for cap in caps:
+        k = torch.randn(1, num_kv_heads, cap, head_dim, generator=gen)
+        v = torch.randn(1, num_kv_heads, cap, head_dim, generator=gen)
+        mask = torch.rand(1, cap, generator=gen) > 0.1
+        if kind is None:
+            stores.append((k.to(dtype), v.to(dtype), mask, None, None))
+            continue
+        k, k_scale = reference.quantize_blocks(k, mask, block_size, kind)
+        v, v_scale = reference.quantize_blocks(v, mask, block_size, kind)
+        stores.append((k, v, mask, k_scale, v_scale))
+    return stores
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "dtype, kind",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, "int8")],
+)
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_stores_attention_matches_each_request_over_its_own_store(isa, dtype, kind, block_size):
+    """One call over requests that each keep their own store (capacities differ; one request attends nothing)
+    gives, per request, the reference over that store alone, and reads lengths changed in place."""
+    gen = torch.Generator().manual_seed(5)
+    caps, num_kv_heads, head_dim, bs = (16 * 10, 16 * 25, 16 * 7, 16 * 3), 2, 64, block_size or 1
+    stores = _own_stores(caps, num_kv_heads, head_dim, dtype, bs, gen, kind)
+    width = max(caps) // bs
+    indices = torch.zeros(len(caps), num_kv_heads, width, dtype=torch.int64)
+    lengths = torch.zeros(len(caps), num_kv_heads, dtype=torch.int64)
+    for b, cap in enumerate(caps):
+        for h in range(num_kv_heads):
+            units = cap // bs
+            picks = torch.randperm(units, generator=gen)[: units // 2 + h].sort().values
+            indices[b, h, : len(picks)] = picks
+            lengths[b, h] = len(picks)
+    lengths[2] = 0  # a request with nothing to attend: out 0, lse -inf
+    q = torch.randn(len(caps), 8, head_dim, generator=gen).to(dtype if kind is None else torch.float32)
+    out, lse = torch.empty(len(caps), 8, head_dim), torch.empty(len(caps), 8)
+    call = ops.stores_attention_call(q, stores, indices, lengths, 0.125, out, lse, block_size, 2)
+    for _ in range(2):
+        call()
+        ref_out, ref_lse = reference.stores_attention_lse(q, stores, indices, lengths, 0.125, block_size)
+        assert_close(out, ref_out, torch.bfloat16 if kind else dtype, "out")
+        assert_close(lse, ref_lse, torch.bfloat16 if kind else dtype, "lse")
+        assert torch.all(lse[2] == float("-inf")) and torch.all(out[2] == 0)
+        lengths[0] = 1  # read at every call
+    bad = indices.clone()
+    bad[3, 0, 0] = caps[3] // bs  # a block of a larger request's store, past this one's
+    lengths[3] = 1
+    with pytest.raises(ValueError, match="fall outside"):
+        ops.stores_attention_call(q, stores, bad, lengths, 0.125, out, lse, block_size, 2)()
+
+
+@needs_native
+def test_stores_attention_call_names_the_bad_argument():
+    gen = torch.Generator().manual_seed(6)
+    stores = _own_stores((32, 48), 2, 64, torch.float32, 16, gen)
+    q = torch.randn(2, 4, 64)
+    indices, lengths = torch.zeros(2, 2, 3, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64)
+    out, lse = torch.empty(2, 4, 64), torch.empty(2, 4)
+    with pytest.raises(ValueError, match="one store per request"):
+        ops.stores_attention_call(q, stores[:1], indices, lengths, 0.125, out, lse, 16)
+    odd = (stores[1][0][:, :1].contiguous(), stores[1][1][:, :1].contiguous(), None, None, None)
+    with pytest.raises(ValueError, match=r"stores\[1\] must match stores\[0\]'s dtype, Hkv and D"):
+        ops.stores_attention_call(q, [stores[0], odd], indices, lengths, 0.125, out, lse, 16)
+    with pytest.raises(ValueError, match="lengths"):
+        ops.stores_attention_call(q, stores, indices, lengths[:, :1], 0.125, out, lse, 16)

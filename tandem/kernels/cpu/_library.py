@@ -30,7 +30,9 @@ import torch
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
 # the C++ `Dtype` enum; int8 / float8_e4m3fn: K/V stores of 8-bit codes only (with scales), never q or digests
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
-ABI_VERSION = 3  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs
+ABI_VERSION = (
+    4  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs, 4 stores
+)
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
 # the 16-core Xeon GPU host, 192 rows ahead into L2 (docs/cpu-kernels.md, "Prefetch sweeps")
 DEFAULT_PREFETCH = (192, 1, 64)
@@ -85,6 +87,27 @@ class AttendArgs(ctypes.Structure):
         ("vs_stride_b", ctypes.c_int64),
         ("vs_stride_h", ctypes.c_int64),
         ("scale_rows", ctypes.c_int64),
+        ("stores", ctypes.c_void_p),  # [B] RowStore, one per request, or None: every request in k / v above
+    ]
+
+
+class RowStore(ctypes.Structure):
+    """Mirror of `tandem::RowStore` in csrc/tandem_cpu.h: one request's host store in a call over requests that
+    each keep their own (`AttendArgs.stores`)."""
+
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_stride_h", ctypes.c_int64),
+        ("k_stride_row", ctypes.c_int64),
+        ("v_stride_h", ctypes.c_int64),
+        ("v_stride_row", ctypes.c_int64),
+        ("key_mask", ctypes.c_void_p),
+        ("cap", ctypes.c_int64),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+        ("ks_stride_h", ctypes.c_int64),
+        ("vs_stride_h", ctypes.c_int64),
     ]
 
 

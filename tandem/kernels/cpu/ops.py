@@ -17,7 +17,7 @@ import torch
 from tandem.kernels import reference
 from tandem.kernels.cpu import _library
 from tandem.kernels.cpu._checks import LOG2E, _as, _native, _ptr, _rows_contiguous, _scale_fields, _threads
-from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs
+from tandem.kernels.cpu._library import DTYPE_CODES, AttendArgs, RowStore
 
 
 def sparse_attention_lse(
@@ -307,6 +307,76 @@ class PreparedAttention:
             raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
         if bad:
             raise _out_of_range(bad, self.cap, self.block_size)
+
+
+class StoresAttention:
+    """`PreparedAttention` for requests that each keep their own store, in one call: request b's index lists name
+    blocks (or rows) of its own store, so the threads split every request's rows together (one call per layer for a
+    batch of requests, instead of one each).
+
+    q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
+    stores:   B tuples (k_store, v_store, key_mask, k_scale, v_scale): request b's store [1, Hkv, cap_b, D] (any
+              capacity; one dtype, Hkv and D for all; last dim contiguous), its mask [1, cap_b] bool or None, and
+              for 8-bit stores its scales [1, Hkv, G_b] float32 with cap_b / G_b rows per scale, the same for all
+    indices:  [B, Hkv, W] int64 contiguous, read in place; request b's ids name its own store's blocks
+    lengths:  [B, Hkv] int64 contiguous, read at every call (capped at W); a request with length 0 attends nothing
+              (out 0, lse -inf)
+    out:      [B, Hq, D] float32, lse [B, Hq] float32, both contiguous, written in place
+    Built by `ops.stores_attention_call`, which validates the arguments; this class checks the layout it reads
+    and writes in place.
+    """
+
+    def __init__(
+        self, q, stores, indices, lengths, scale, out, lse, block_size=None, num_threads=None
+    ) -> None:  # fmt: skip
+        batch, num_q_heads, head_dim = q.shape
+        k0 = stores[0][0]
+        num_kv_heads = k0.shape[1]
+        in_place = (("q", q), ("indices", indices), ("lengths", lengths), ("out", out), ("lse", lse))
+        self.threads, self.lib = _prepare_in_place(in_place, num_threads)
+        table = (RowStore * batch)()
+        scale_rows = 1
+        for b, (k_store, v_store, key_mask, k_scale, v_scale) in enumerate(stores):
+            _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+            if key_mask is not None and not key_mask.is_contiguous():
+                raise ValueError(
+                    f"stores[{b}]'s key_mask must be contiguous, got strides {key_mask.stride()}"
+                )
+            fields = _scale_fields(k_store, k_scale, v_scale)
+            scale_rows = fields[-1]
+            table[b] = RowStore(
+                _ptr(k_store), _ptr(v_store), *k_store.stride()[1:3], *v_store.stride()[1:3], _ptr(key_mask),
+                k_store.shape[2], fields[0], fields[1], fields[3], fields[5],
+            )  # fmt: skip
+        self.q = q
+        self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
+        self.table = table
+        # keeps the addresses alive
+        self.tensors = (stores, indices, lengths, out, lse)
+        self.lengths = lengths
+        self.args = AttendArgs(
+            _ptr(self.q32), scale * LOG2E, _ptr(k0), _ptr(stores[0][1]),  # the kernel works in base 2
+            0, 0, 0, 0, 0, 0,
+            _ptr(indices), _ptr(lengths), None,
+            batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+            indices.shape[2], k0.shape[2], block_size or 1, *_library.prefetch_config(),
+            None, None, 0, 0, 0, 0, scale_rows, ctypes.addressof(table),
+        )  # fmt: skip
+        self.call_args = (
+            _library.isa_code(), DTYPE_CODES[k0.dtype], ctypes.byref(self.args), _ptr(out), _ptr(lse),
+            self.threads,
+        )  # fmt: skip
+
+    def __call__(self) -> None:
+        if self.q32 is not self.q:
+            self.q32.copy_(self.q)
+        bad = self.lib.tandem_sparse_attention(*self.call_args)
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
+        if bad:
+            raise ValueError(
+                f"indices must name blocks of each request's own store: {bad} selected rows fall outside it"
+            )
 
 
 def ranked_block_attention(

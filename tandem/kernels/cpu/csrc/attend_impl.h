@@ -284,11 +284,14 @@ inline void span_queries(const float* q, int64_t D, const T* const* krows, const
 template <class V, class T>
 void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, float* state, int64_t* bad_rows) {
   const int64_t b = seg / a.num_kv_heads, h = seg % a.num_kv_heads;
-  const T* k_base = static_cast<const T*>(a.k) + b * a.k_stride_b + h * a.k_stride_h;
-  const T* v_base = static_cast<const T*>(a.v) + b * a.v_stride_b + h * a.v_stride_h;
+  const RowStore st = store_of(a, b);
+  const int64_t shared_b = a.stores != nullptr ? 0 : b;  // a shared store's request offset
+  const T* k_base = static_cast<const T*>(st.k) + shared_b * a.k_stride_b + h * st.k_stride_h;
+  const T* v_base = static_cast<const T*>(st.v) + shared_b * a.v_stride_b + h * st.v_stride_h;
+  const int64_t k_stride_row = st.k_stride_row, v_stride_row = st.v_stride_row;
   const int64_t* idx = a.indices + seg * a.width;
-  const uint8_t* mask = a.key_mask ? a.key_mask + b * a.cap : nullptr;
-  const int64_t nq = a.nq, D = a.head_dim, bs = a.block_size, cap = a.cap;
+  const uint8_t* mask = st.key_mask;
+  const int64_t nq = a.nq, D = a.head_dim, bs = a.block_size, cap = st.cap;
   const float* q = a.q + seg * nq * D;
   float* m = state;
   float* l = state + nq;
@@ -307,8 +310,8 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
   const float* ks_base = nullptr;
   const float* vs_base = nullptr;
   if constexpr (is_quantized<T>::value) {
-    ks_base = a.k_scale + b * a.ks_stride_b + h * a.ks_stride_h;
-    vs_base = a.v_scale + b * a.vs_stride_b + h * a.vs_stride_h;
+    ks_base = st.k_scale + h * st.ks_stride_h;
+    vs_base = st.v_scale + h * st.vs_stride_h;
   }
   int64_t pos = lo;
   while (pos < hi) {
@@ -323,8 +326,8 @@ void attend_piece(const AttendArgs& a, int64_t seg, int64_t lo, int64_t hi, floa
         continue;
       }
       if (mask && !mask[row]) continue;
-      krows[n] = k_base + row * a.k_stride_row;
-      vrows[n] = v_base + row * a.v_stride_row;
+      krows[n] = k_base + row * k_stride_row;
+      vrows[n] = v_base + row * v_stride_row;
       if constexpr (is_quantized<T>::value) {
         k_scales[n] = ks_base[row / a.scale_rows];
         v_scales[n] = vs_base[row / a.scale_rows];

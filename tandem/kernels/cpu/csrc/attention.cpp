@@ -178,9 +178,9 @@ int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* ar
   if (skip < 0 || skip > count || count > ranked_width) return -2;
   AttendArgs a = *args;
   const int64_t nseg = a.batch * a.num_kv_heads, width = count - skip;
-  const int64_t limit = a.cap / a.block_size;
   int64_t attended = 0, device = 0, avail_total = 0;
   for (int64_t seg = 0; seg < nseg; ++seg) {
+    const int64_t limit = (a.stores != nullptr ? a.stores[seg / a.num_kv_heads].cap : a.cap) / a.block_size;
     const int64_t* r = ranked + seg * ranked_width;
     int64_t* ids = indices + seg * width;
     int64_t n = 0, before = 0;

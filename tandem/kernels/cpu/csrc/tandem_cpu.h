@@ -26,6 +26,20 @@ struct f8_t {  // float8_e4m3fn (int8 codes are plain int8_t)
   uint8_t bits;
 };
 
+// One request's host store, for a call over requests that each keep their own (`AttendArgs::stores`): its K / V
+// (element strides of a head and a row; rows contiguous), mask, capacity and 8-bit scales, as AttendArgs has them
+// for one store. Mirrored in _library.py.
+struct RowStore {
+  const void* k;
+  const void* v;
+  int64_t k_stride_h, k_stride_row, v_stride_h, v_stride_row;
+  const uint8_t* key_mask;  // [cap] 0 = never attend, or null
+  int64_t cap;
+  const float* k_scale;     // 8-bit stores only: [Hkv, G] at the strides below
+  const float* v_scale;
+  int64_t ks_stride_h, vs_stride_h;
+};
+
 // Arguments of sparse attention, shared by the driver and the workers. Mirrored by a ctypes Structure
 // in tandem/kernels/cpu/_library.py: keep the field order in sync.
 struct AttendArgs {
@@ -49,7 +63,29 @@ struct AttendArgs {
   const float* v_scale;
   int64_t ks_stride_b, ks_stride_h, vs_stride_b, vs_stride_h;
   int64_t scale_rows;       // rows per scale (G)
+  // [B] one store per request (requests that each keep their own host tier), or null: every request's rows are in
+  // k / v / key_mask / k_scale / v_scale above at their batch strides, with capacity `cap`
+  const RowStore* stores;
 };
+
+// Request b's store of a call: stores[b], or the shared store's slice of request b.
+inline RowStore store_of(const AttendArgs& a, int64_t b) {
+  if (a.stores != nullptr) return a.stores[b];
+  RowStore s;
+  s.k = static_cast<const char*>(a.k);  // offset by the worker, which knows the element size
+  s.v = static_cast<const char*>(a.v);
+  s.k_stride_h = a.k_stride_h;
+  s.k_stride_row = a.k_stride_row;
+  s.v_stride_h = a.v_stride_h;
+  s.v_stride_row = a.v_stride_row;
+  s.key_mask = a.key_mask ? a.key_mask + b * a.cap : nullptr;
+  s.cap = a.cap;
+  s.k_scale = a.k_scale ? a.k_scale + b * a.ks_stride_b : nullptr;
+  s.v_scale = a.v_scale ? a.v_scale + b * a.vs_stride_b : nullptr;
+  s.ks_stride_h = a.ks_stride_h;
+  s.vs_stride_h = a.vs_stride_h;
+  return s;
+}
 
 // Arguments of block scoring. Mirrored in _library.py.
 struct ScoreArgs {
