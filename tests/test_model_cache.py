@@ -25,6 +25,7 @@ def _entries():
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
+@pytest.mark.slow
 def test_a_gguf_file_is_converted_once_and_its_copy_loads_the_same_model(cache_root, smollm):
     """The first load converts (an entry appears, nothing partial is left); the second reads the entry and gives
     the model the GGUF file gives: every tensor, the config, the tokenizer with its chat template."""

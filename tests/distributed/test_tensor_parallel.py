@@ -94,7 +94,9 @@ def test_two_ranks_on_the_cpu_reproduce_one_device():
     assert all(r["decode_logits_rel_diff"] is not None for r in reports)
 
 
-@pytest.mark.parametrize("batch", [3, 1], ids=["uneven", "a-rank-without-requests"])
+@pytest.mark.parametrize(
+    "batch", [pytest.param(3, marks=pytest.mark.slow), 1], ids=["uneven", "a-rank-without-requests"]
+)
 def test_host_attention_split_by_requests_reproduces_one_device(batch):
     """PnG-KV's DP mapping on gloo ranks: rank 0's host tier holds every head of its requests (2 of 3, or the
     only one), and tokens and logits match one device as with the split by heads."""
@@ -144,6 +146,7 @@ def test_the_request_split_exchanges_heads_and_requests_on_three_ranks(tmp_path)
     assert all((tmp_path / f"ok{r}").exists() for r in range(3))
 
 
+@pytest.mark.slow
 def test_bench_gpus_runs_every_row_on_the_ranks(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
@@ -240,6 +243,7 @@ def _checkpoint(path, tied: bool):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "biases"])
+@pytest.mark.slow
 def test_a_checkpoint_read_slice_by_slice_reproduces_the_whole_model(tmp_path, tied):
     path = _checkpoint(tmp_path / "model", tied)
     result = _torchrun(
@@ -250,6 +254,7 @@ def test_a_checkpoint_read_slice_by_slice_reproduces_the_whole_model(tmp_path, t
     assert len(reports) == 2 and all(r["tokens_equal"] and r["logits_close"] for r in reports)
 
 
+@pytest.mark.slow
 def test_generate_on_two_ranks_writes_the_one_rank_text(tmp_path):
     """quest on 1 rank, on 2 ranks, and on 2 ranks with the host attention split by requests."""
     path = _checkpoint(tmp_path / "model", tied=False)
@@ -306,6 +311,7 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(tmp_path
     )
 
 
+@pytest.mark.slow
 def test_a_rank_error_is_one_line_per_rank_without_the_launchers_traceback(tmp_path):
     path = _checkpoint(tmp_path / "model", tied=True)
     result = subprocess.run(

@@ -443,6 +443,7 @@ def test_task_prompts_fit_their_length_and_hold_their_answers(smollm):
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_eval_full_matches_hf_and_streaming_loses_the_needle(smollm, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(tandem.models, "load_model", lambda *a, **k: smollm)
     args = ["eval", "--policies", "full,streaming,quest", "--tasks", "niah", "--lengths", "1k"]
@@ -513,6 +514,7 @@ def test_an_interrupted_eval_keeps_every_finished_sample(smollm, monkeypatch, tm
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_attention_output_error_is_zero_for_full_only(smollm, prose):
     model, tok = smollm
     plan = make_plan("full,streaming,quest", "ppl,error", "1k", samples=1, ppl_tokens=12, error_steps=3)

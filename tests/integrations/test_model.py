@@ -86,7 +86,9 @@ def _needle_prompt(tok, prose, n_tokens, depth, number):
     "config",
     [
         TandemConfig(policy="quest", quest=QuestConfig(budget=0.1), window_tokens=256),
-        TandemConfig(policy="hgca", hgca=HgcaConfig(beta=4.0), window_tokens=256),
+        pytest.param(
+            TandemConfig(policy="hgca", hgca=HgcaConfig(beta=4.0), window_tokens=256), marks=pytest.mark.slow
+        ),
     ],
     ids=["quest", "hgca"],
 )

@@ -298,7 +298,7 @@ TOP_BLOCKS_KERNELS = ["registers", "tiles", "split"]
         (1, 37, 10, 0),
         (2, 50, 50, 50),
         (4, 300, 40, 17),
-        (3, 4100, 300, 211),
+        pytest.param(3, 4100, 300, 211, marks=pytest.mark.slow),  # minutes in Triton's interpreter
     ],
 )
 @pytest.mark.parametrize("kernel", TOP_BLOCKS_KERNELS)
