@@ -311,6 +311,25 @@ def stores_attention_call(
     return _native.StoresAttention(q, stores, indices, lengths, scale, out, lse, block_size, num_threads)
 
 
+def ranked_rows_call(q, stores, ranked, scale: float, block_size: int, out, lse, num_threads=None):
+    """Quest's ranked attention for B requests that each keep their own host store and ranking, prepared for fixed
+    buffers as one call (`cpu.RankedRowsAttention`: fill its `skips` / `counts`, then call), or None where the
+    compiled kernels are unavailable. q: [B, Hq, D]; stores as `stores_attention_call`; ranked [B, Hkv, W] int64,
+    request b's ids naming blocks of its own store (invalid ids, < 0 or past the store, skipped). See
+    `reference.ranked_rows_attention_lse`."""
+    _check(isinstance(ranked, torch.Tensor) and ranked.dim() == 3, "ranked must be [B, Hkv, W]")
+    _check(ranked.dtype == torch.int64, f"ranked must be int64, got {ranked.dtype}")
+    _check(
+        ranked.shape[0] == q.shape[0] and ranked.shape[1] == stores[0][0].shape[1],
+        f"ranked must be [B, Hkv, W] = [{q.shape[0]}, {stores[0][0].shape[1]}, W], got {tuple(ranked.shape)}",
+    )
+    _check_block_size(block_size, optional=False)
+    lengths = torch.zeros(ranked.shape[:2], dtype=torch.int64)
+    if stores_attention_call(q, stores, ranked, lengths, scale, out, lse, block_size, num_threads) is None:
+        return None
+    return _native.RankedRowsAttention(q, stores, ranked, scale, block_size, out, lse, num_threads)
+
+
 def _check_in_host_memory(k_store: torch.Tensor) -> None:
     # the prepared calls run only the compiled CPU kernels; every other tensor is on the store's device (checked)
     _check(

@@ -229,6 +229,24 @@ def stores_attention_lse(q, stores, indices, lengths, scale: float, block_size=N
     return torch.cat(outs), torch.cat(lses)
 
 
+def ranked_rows_attention_lse(q, stores, ranked, skips, counts, scale: float, block_size: int):
+    """Request b's query q[b] over the blocks of ranks [skips[b], counts[b]) of its ranking ranked[b] [Hkv, W] that
+    name blocks of its own store (ids < 0 or past the store skipped), as `stores_attention_lse` over those blocks
+    sorted. Returns out [B, Hq, D] float32 and lse [B, Hq] float32."""
+    batch, num_kv_heads, _ = ranked.shape
+    width = max([int(c) - int(s) for s, c in zip(skips, counts, strict=True)] + [0])
+    indices = torch.zeros(batch, num_kv_heads, max(width, 1), dtype=torch.long)
+    lengths = torch.zeros(batch, num_kv_heads, dtype=torch.long)
+    for b, store in enumerate(stores):
+        limit = store[0].shape[2] // block_size
+        for h in range(num_kv_heads):
+            ids = ranked[b, h, int(skips[b]) : int(counts[b])]
+            ids = ids[(ids >= 0) & (ids < limit)].sort().values
+            indices[b, h, : len(ids)] = ids
+            lengths[b, h] = len(ids)
+    return stores_attention_lse(q, stores, indices, lengths, scale, block_size)
+
+
 def top_blocks(scores: torch.Tensor, k: int, width: int) -> torch.Tensor:
     """The `k` best-scoring blocks of each row as a set: [..., NB] float32 -> [..., width] int64 holding the kept
     ids ascending, then NB (an invalid pick). Blocks scoring -inf are never kept; ties at the k-th score go to

@@ -568,3 +568,42 @@ def test_stores_attention_call_names_the_bad_argument():
         ops.stores_attention_call(q, [stores[0], odd], indices, lengths, 0.125, out, lse, 16)
     with pytest.raises(ValueError, match="lengths"):
         ops.stores_attention_call(q, stores, indices, lengths[:, :1], 0.125, out, lse, 16)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "dtype, kind", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8")]
+)
+def test_ranked_rows_attention_matches_each_request_over_its_own_ranks(isa, dtype, kind):
+    """One call over requests with their own stores and rankings, each keeping its own ranks [skip, count), gives
+    the reference per request, and each request's counters as `RankedAttention` gives them alone."""
+    gen = torch.Generator().manual_seed(8)
+    caps, num_kv_heads, head_dim, bs = (16 * 12, 16 * 30, 16 * 5), 2, 64, 16
+    stores = _own_stores(caps, num_kv_heads, head_dim, dtype, bs, gen, kind)
+    width = max(caps) // bs
+    ranked = torch.full((len(caps), num_kv_heads, width), -1, dtype=torch.int64)
+    for b, cap in enumerate(caps):
+        for h in range(num_kv_heads):
+            ranked[b, h, : cap // bs] = torch.randperm(cap // bs, generator=gen)
+    ranked[1, 0, 3] = caps[1] // bs + 7  # an invalid pick past the store: skipped
+    q = torch.randn(len(caps), 8, head_dim, generator=gen).to(dtype if kind is None else torch.float32)
+    out, lse = torch.empty(len(caps), 8, head_dim), torch.empty(len(caps), 8)
+    call = ops.ranked_rows_call(q, stores, ranked, 0.125, bs, out, lse, 2)
+    available = torch.tensor([cap - 5 for cap in caps], dtype=torch.int64)
+    for skips, counts in (([0, 2, 1], [6, 14, 3]), ([1, 0, 0], [1, 30, 5])):
+        call.skips.copy_(torch.tensor(skips))
+        call.counts.copy_(torch.tensor(counts))
+        stats = call(available).clone()
+        ref_out, ref_lse = reference.ranked_rows_attention_lse(q, stores, ranked, skips, counts, 0.125, bs)
+        tol = torch.bfloat16 if kind else dtype
+        assert_close(out, ref_out, tol, "out")
+        assert_close(lse, ref_lse, tol, "lse")
+        for b, (k, v, mask, k_scale, v_scale) in enumerate(stores):  # each request's counters, as alone
+            alone = cpu.RankedAttention(
+                q[b : b + 1].contiguous(), k, v, ranked[b : b + 1].contiguous(), 0.125, bs,
+                torch.empty(1, 8, head_dim), torch.empty(1, 8), mask, 2, k_scale, v_scale,
+            )  # fmt: skip
+            assert tuple(stats[b].tolist()) == alone(skips[b], counts[b], available[b : b + 1])
+    call.counts[0] = width + 1
+    with pytest.raises(ValueError, match="skips / counts must satisfy"):
+        call(available)

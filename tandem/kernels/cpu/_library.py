@@ -30,9 +30,8 @@ import torch
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
 # the C++ `Dtype` enum; int8 / float8_e4m3fn: K/V stores of 8-bit codes only (with scales), never q or digests
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
-ABI_VERSION = (
-    4  # csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs, 4 stores
-)
+# csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs, 4 stores, 5 ranked rows
+ABI_VERSION = 5
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
 # the 16-core Xeon GPU host, 192 rows ahead into L2 (docs/cpu-kernels.md, "Prefetch sweeps")
 DEFAULT_PREFETCH = (192, 1, 64)
@@ -217,6 +216,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "tandem_isa_supported": (ctypes.c_int, [i32]),
         "tandem_sparse_attention": (i64, [i32, i32, p, p, p, i32]),
         "tandem_ranked_attention": (i64, [i32, i32, p, i32, p, i64, i64, i64, p, p, p, p, p, p, i32]),
+        "tandem_ranked_rows_attention": (
+            i64,
+            [i32, i32, p, i32, p, i64, p, p, i64, p, p, p, p, i64, p, p, i32],
+        ),
         "tandem_score_topk": (i64, [i32, i32, p, p, i64, p, p, i32]),
         "tandem_topk": (None, [p, i64, i64, i64, p, p, i32]),
         "tandem_threshold_select": (i64, [p, i64, i64, i64, i64, i64, i64, p, p, p, i32]),

@@ -379,6 +379,68 @@ class StoresAttention:
             )
 
 
+class RankedRowsAttention:
+    """`RankedAttention` for requests that each keep their own store and ranking, in one call: request b keeps ranks
+    [skips[b], counts[b]) of its ranked ids, which name blocks of its own store (sorted in C++), so a batch of
+    requests pays one call per layer instead of one each.
+
+    q:        [B, Hq, D] float32 / bfloat16 / float16, contiguous
+    stores:   B tuples (k_store, v_store, key_mask, k_scale, v_scale), as `StoresAttention`
+    ranked:   [B, Hkv, W] int64 contiguous, read in place, best first; a request's row past its own ranking holds
+              invalid ids (< 0), which are skipped, as are ids past its store
+    skips / counts: [B] int64 (this object's, filled by the caller before each call)
+    out:      [B, Hq, D] float32, lse [B, Hq] float32, both contiguous, written in place
+    Calling returns row_stats [B, 3] int64 (this object's): per request, `RankedAttention`'s (attended, device,
+    available). Built by `ops.ranked_rows_call`, which validates the arguments.
+    """
+
+    def __init__(self, q, stores, ranked, scale, block_size, out, lse, num_threads=None) -> None:
+        batch, num_q_heads, head_dim = q.shape
+        self.inner = StoresAttention(
+            q, stores, torch.zeros(batch, ranked.shape[1], 0, dtype=torch.int64),
+            torch.zeros(batch, ranked.shape[1], dtype=torch.int64), scale, out, lse, block_size, num_threads,
+        )  # fmt: skip
+        if not ranked.is_contiguous():
+            raise ValueError(f"ranked must be contiguous (read in place), got strides {ranked.stride()}")
+        num_kv_heads, self.width = ranked.shape[1], ranked.shape[2]
+        self.batch = batch
+        self.ranked = ranked
+        self.indices = torch.empty(batch, num_kv_heads, max(self.width, 1), dtype=torch.int64)
+        self.lengths = torch.zeros(batch, num_kv_heads, dtype=torch.int64)
+        self.skips = torch.zeros(batch, dtype=torch.int64)
+        self.counts = torch.zeros(batch, dtype=torch.int64)
+        self.row_stats = torch.zeros(batch, 3, dtype=torch.int64)
+        inner = self.inner
+        self.call_args = (
+            _library.isa_code(), inner.call_args[1], inner.call_args[2], DTYPE_CODES[q.dtype], _ptr(ranked),
+            self.width, _ptr(self.skips), _ptr(self.counts), 1, _ptr(self.indices), _ptr(self.lengths),
+        )  # fmt: skip
+        self.outputs = (_ptr(self.row_stats), 1, inner.call_args[3], inner.call_args[4], inner.threads)
+        inner.args.q = _ptr(q)  # the call converts q itself
+
+    def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""
+        if available is not None and (
+            available.dtype != torch.int64
+            or available.shape != (self.batch,)
+            or not available.is_contiguous()
+        ):
+            raise ValueError(f"available must be [B] = [{self.batch}] int64, contiguous")
+        bad = self.inner.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
+        if bad == -2:
+            raise ValueError(
+                f"skips / counts must satisfy 0 <= skip <= count <= {self.width} (ranked's width) for every request, "
+                f"got {self.skips.tolist()} / {self.counts.tolist()}"
+            )
+        if bad < 0:
+            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
+        if bad:
+            raise ValueError(
+                f"ranked must name blocks of each request's own store: {bad} selected rows fall outside it"
+            )
+        return self.row_stats
+
+
 def ranked_block_attention(
     q: torch.Tensor,
     k_store: torch.Tensor,

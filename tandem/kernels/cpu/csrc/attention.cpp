@@ -145,6 +145,12 @@ const float* prepare_query(const KernelTable* table, int dtype, const AttendArgs
 
 extern "C" {
 
+int64_t tandem_ranked_rows_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
+                                     const int64_t* ranked, int64_t ranked_width, const int64_t* skips,
+                                     const int64_t* counts, int64_t rank_stride, int64_t* indices, int64_t* lengths,
+                                     const int64_t* available, int64_t* row_stats, int64_t stats_stride, float* out,
+                                     float* lse, int num_threads);
+
 // out: [B, Hkv, NQ, D] fp32, lse: [B, Hkv, NQ] fp32. Returns the number of out-of-range row ids met
 // (those rows are skipped), or -1 if `isa` / `dtype` is not available.
 int64_t tandem_sparse_attention(int isa, int dtype, const tandem::AttendArgs* args, float* out, float* lse,
@@ -172,15 +178,37 @@ int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* ar
                                 const int64_t* ranked, int64_t ranked_width, int64_t skip, int64_t count,
                                 int64_t* indices, int64_t* lengths, const int64_t* available, int64_t* stats,
                                 float* out, float* lse, int num_threads) {
+  return tandem_ranked_rows_attention(isa, dtype, args, q_dtype, ranked, ranked_width, &skip, &count, 0, indices,
+                                      lengths, available, stats, 0, out, lse, num_threads);
+}
+
+// tandem_ranked_attention with each request's own ranks: request b keeps ranks [skips[b * rank_stride],
+// counts[b * rank_stride]) of its ranked ids (rank_stride 0: one pair for all), and its ids name its own store
+// (`args->stores`, or the shared one). `indices` is [B, Hkv, width] scratch with width = max(count - skip) (the
+// caller's buffer, as wide as the largest), ranked [B, Hkv, ranked_width] padded with invalid ids past a request's
+// own. row_stats (nullable) gets the three counters of tandem_ranked_attention per request at row_stats[b * 3 *
+// stats_stride ...] (stats_stride 0: summed over the batch into row_stats[0..2]). Returns as tandem_ranked_attention.
+int64_t tandem_ranked_rows_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
+                                     const int64_t* ranked, int64_t ranked_width, const int64_t* skips,
+                                     const int64_t* counts, int64_t rank_stride, int64_t* indices, int64_t* lengths,
+                                     const int64_t* available, int64_t* row_stats, int64_t stats_stride, float* out,
+                                     float* lse, int num_threads) {
   using namespace tandem;
   const KernelTable* table = table_for(isa);
   if (table == nullptr || dtype < 0 || dtype >= kNumDtypes || q_dtype < 0 || q_dtype > kF16) return -1;  // q: float
-  if (skip < 0 || skip > count || count > ranked_width) return -2;
   AttendArgs a = *args;
-  const int64_t nseg = a.batch * a.num_kv_heads, width = count - skip;
-  int64_t attended = 0, device = 0, avail_total = 0;
+  const int64_t nseg = a.batch * a.num_kv_heads;
+  int64_t width = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t skip = skips[b * rank_stride], count = counts[b * rank_stride];
+    if (skip < 0 || skip > count || count > ranked_width) return -2;
+    width = std::max(width, count - skip);
+  }
+  if (row_stats != nullptr && stats_stride == 0) row_stats[0] = row_stats[1] = row_stats[2] = 0;
   for (int64_t seg = 0; seg < nseg; ++seg) {
-    const int64_t limit = (a.stores != nullptr ? a.stores[seg / a.num_kv_heads].cap : a.cap) / a.block_size;
+    const int64_t b = seg / a.num_kv_heads;
+    const int64_t skip = skips[b * rank_stride], count = counts[b * rank_stride];
+    const int64_t limit = (a.stores != nullptr ? a.stores[b].cap : a.cap) / a.block_size;
     const int64_t* r = ranked + seg * ranked_width;
     int64_t* ids = indices + seg * width;
     int64_t n = 0, before = 0;
@@ -190,15 +218,14 @@ int64_t tandem_ranked_attention(int isa, int dtype, const tandem::AttendArgs* ar
     }
     std::sort(ids, ids + n);
     lengths[seg] = n;
-    const int64_t avail = available ? available[seg / a.num_kv_heads] : INT64_MAX;
-    attended += std::min((n + before) * a.block_size, avail);
-    device += before * a.block_size;
-    avail_total += available ? avail : 0;
-  }
-  if (stats != nullptr) {
-    stats[0] = attended;
-    stats[1] = device;
-    stats[2] = avail_total;
+    const int64_t avail = available ? available[b] : INT64_MAX;
+    if (row_stats != nullptr) {
+      int64_t* st = row_stats + b * 3 * stats_stride;
+      if (stats_stride != 0 && seg % a.num_kv_heads == 0) st[0] = st[1] = st[2] = 0;
+      st[0] += std::min((n + before) * a.block_size, avail);
+      st[1] += before * a.block_size;
+      st[2] += available ? avail : 0;
+    }
   }
   a.indices = indices;
   a.lengths = lengths;

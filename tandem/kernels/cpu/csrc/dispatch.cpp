@@ -66,6 +66,6 @@ extern "C" {
 
 int tandem_isa_supported(int isa) { return tandem::isa_supported(isa) ? 1 : 0; }
 
-int tandem_abi_version() { return 4; }  // 2: AttendArgs' scale fields (8-bit stores), 3: CertifyArgs, 4: stores
+int tandem_abi_version() { return 5; }  // 2: AttendArgs' scale fields, 3: CertifyArgs, 4: stores, 5: ranked rows
 
 }  // extern "C"
