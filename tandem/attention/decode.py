@@ -244,7 +244,7 @@ class PooledRows:
         key = (tuple((id(h), h.generation) if h is not None else None for h in hosts), tuple(q3.shape), q3.dtype,
                scale, threads)  # fmt: skip
         if key != self._all_key:
-            self._all, self._all_key = _every_row_call(layers, hosts, q3, scale, threads), key
+            self._all, self._all_key = _every_row_call(hosts, q3, scale, threads), key
         call, q, out, lse, lengths = self._all
         for b, host in enumerate(hosts):
             lengths[b] = live_blocks(host) if host is not None else 0
@@ -276,7 +276,7 @@ class PooledRows:
         self.valid.index_put_((rows, slots), self._written)
 
 
-def _every_row_call(layers, hosts, q3: torch.Tensor, scale: float, threads: int | None):
+def _every_row_call(hosts, q3: torch.Tensor, scale: float, threads: int | None):
     """(call, q, out, lse, lengths): `PooledRows.attend_every_row`'s prepared call over `hosts` (None: a row that
     attends nothing, given the first host tier's store to point at) with its own buffers; lengths [n, Hkv] is
     read at each call."""
@@ -318,7 +318,9 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     Order on the device: the tokens into the pool; per pooled request its selection and q's copy to the host,
     after which its CPU part may start (one hand-off each, in row order, so the host starts the first request's
     part while the device selects for the next); the hot tiers' attention and the device shares; one wait for
-    the last CPU part (the host runs them in order); the merges.
+    the last CPU part (the host runs them in order); the merges. On CPU tensors, the pooled requests whose policy
+    attends every host row are attended after their selections in one call, each over its own host tier
+    (`PooledRows.attend_every_row`), and merged once.
     """
     n = pooled.keys.shape[0]
     together = [b for b in range(n) if layers[b] is not None and batches(layers[b])]

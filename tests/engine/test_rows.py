@@ -139,9 +139,9 @@ def test_pooled_rows_decode_as_alone(tiny, slots, monkeypatch):
     gathered = []
     every_row_call = decode._every_row_call
 
-    def counted(layers, hosts, *args):
+    def counted(hosts, *args):
         gathered.append(sum(host is not None for host in hosts))
-        return every_row_call(layers, hosts, *args)
+        return every_row_call(hosts, *args)
 
     monkeypatch.setattr(decode, "_every_row_call", counted)
     runner = _check_joined_and_left(tiny, torch.device("cpu"), slots=slots)

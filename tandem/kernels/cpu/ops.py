@@ -306,10 +306,13 @@ class PreparedAttention:
         if bad < 0:
             raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
         if bad:
-            raise _out_of_range(bad, self.cap, self.block_size)
+            raise self._refusal(bad)
+
+    def _refusal(self, bad: int) -> ValueError:
+        return _out_of_range(bad, self.cap, self.block_size)
 
 
-class StoresAttention:
+class StoresAttention(PreparedAttention):
     """`PreparedAttention` for requests that each keep their own store, in one call: request b's index lists name
     blocks (or rows) of its own store, so the threads split every request's rows together (one call per layer for a
     batch of requests, instead of one each).
@@ -367,16 +370,10 @@ class StoresAttention:
             self.threads,
         )  # fmt: skip
 
-    def __call__(self) -> None:
-        if self.q32 is not self.q:
-            self.q32.copy_(self.q)
-        bad = self.lib.tandem_sparse_attention(*self.call_args)
-        if bad < 0:
-            raise RuntimeError(f"CPU kernel rejected isa={self.call_args[0]} dtype code {self.call_args[1]}")
-        if bad:
-            raise ValueError(
-                f"indices must name blocks of each request's own store: {bad} selected rows fall outside it"
-            )
+    def _refusal(self, bad: int) -> ValueError:
+        return ValueError(
+            f"indices must name blocks of each request's own store: {bad} selected rows fall outside it"
+        )
 
 
 class RankedRowsAttention:
