@@ -264,15 +264,11 @@ def prepared_attention_call(q, k_store, v_store, indices, lengths, scale: float,
         return None
 
 
-def stores_attention_call(
-    q, stores, indices, lengths, scale: float, out, lse, block_size=None, num_threads=None
-):
-    """Attention of B requests that each keep their own host store, prepared for fixed buffers as one call
-    (`cpu.StoresAttention`), or None where the compiled kernels are unavailable. q: [B, Hq, D]; stores: B tuples
-    (k_store, v_store, key_mask, k_scale, v_scale), request b's store [1, Hkv, cap_b, D] with its mask [1, cap_b]
-    or None and an 8-bit store's scales; indices [B, Hkv, W] int64 / lengths [B, Hkv] int64: request b's lists name
-    its own store's blocks (or rows); out / lse float32 of q's shape (lse without head_dim). See
-    `reference.stores_attention_lse`."""
+def _check_stores_call(q, stores, scale: float, num_threads, ids) -> None:
+    """The checks of a call over requests that each keep their own store: q [B, Hq, D], B stores (k_store,
+    v_store, key_mask, k_scale, v_scale) of one dtype, Hkv and D, each checked as a one-request store call with its
+    row of the index tensors `ids` ((name, tensor, W) as `_check_store_call` takes them), and one rows-per-scale for
+    the 8-bit stores."""
     _check(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
     _check(q.dim() == 3, f"q must be [B, Hq, D] (one decode query per request), got {tuple(q.shape)}")
     _check(
@@ -295,19 +291,31 @@ def stores_attention_call(
             f"stores[{b}] must match stores[0]'s dtype, Hkv and D ({first.dtype}, {first.shape[1]}, "
             f"{first.shape[3]}), got {k_store.dtype}, {k_store.shape[1]}, {k_store.shape[3]}",
         )
-        ids = (("indices", indices[b : b + 1], "S"), ("lengths", lengths[b : b + 1], None))
+        row = tuple((name, t[b : b + 1], width) for name, t, width in ids)
         _check_store_call(
-            q[b : b + 1, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, ids
+            q[b : b + 1, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, row
         )
     _check(
         len({scale_rows(store[0], store[3], store[4]) for store in stores if store[3] is not None}) <= 1,
         "stores' 8-bit scales must cover the same rows per scale",
     )
+
+
+def stores_attention_call(
+    q, stores, indices, lengths, scale: float, out, lse, block_size=None, num_threads=None
+):
+    """Attention of B requests that each keep their own host store, prepared for fixed buffers as one call
+    (`cpu.StoresAttention`), or None where the compiled kernels are unavailable. q: [B, Hq, D]; stores: B tuples
+    (k_store, v_store, key_mask, k_scale, v_scale), request b's store [1, Hkv, cap_b, D] with its mask [1, cap_b]
+    or None and an 8-bit store's scales; indices [B, Hkv, W] int64 / lengths [B, Hkv] int64: request b's lists name
+    its own store's blocks (or rows); out / lse float32 of q's shape (lse without head_dim). See
+    `reference.stores_attention_lse`."""
+    _check_stores_call(q, stores, scale, num_threads, (("indices", indices, "S"), ("lengths", lengths, None)))
     _check_block_size(block_size, optional=True)
     _check_outputs(q, out, lse)
     if not native_cpu_available():
         return None
-    _check_in_host_memory(first)
+    _check_in_host_memory(stores[0][0])
     return _native.StoresAttention(q, stores, indices, lengths, scale, out, lse, block_size, num_threads)
 
 
@@ -317,16 +325,12 @@ def ranked_rows_call(q, stores, ranked, scale: float, block_size: int, out, lse,
     compiled kernels are unavailable. q: [B, Hq, D]; stores as `stores_attention_call`; ranked [B, Hkv, W] int64,
     request b's ids naming blocks of its own store (invalid ids, < 0 or past the store, skipped). See
     `reference.ranked_rows_attention_lse`."""
-    _check(isinstance(ranked, torch.Tensor) and ranked.dim() == 3, "ranked must be [B, Hkv, W]")
-    _check(ranked.dtype == torch.int64, f"ranked must be int64, got {ranked.dtype}")
-    _check(
-        ranked.shape[0] == q.shape[0] and ranked.shape[1] == stores[0][0].shape[1],
-        f"ranked must be [B, Hkv, W] = [{q.shape[0]}, {stores[0][0].shape[1]}, W], got {tuple(ranked.shape)}",
-    )
+    _check_stores_call(q, stores, scale, num_threads, (("ranked", ranked, "W"),))
     _check_block_size(block_size, optional=False)
-    lengths = torch.zeros(ranked.shape[:2], dtype=torch.int64)
-    if stores_attention_call(q, stores, ranked, lengths, scale, out, lse, block_size, num_threads) is None:
+    _check_outputs(q, out, lse)
+    if not native_cpu_available():
         return None
+    _check_in_host_memory(stores[0][0])
     return _native.RankedRowsAttention(q, stores, ranked, scale, block_size, out, lse, num_threads)
 
 

@@ -312,6 +312,42 @@ class PreparedAttention:
         return _out_of_range(bad, self.cap, self.block_size)
 
 
+def _store_table(stores) -> tuple[ctypes.Array, int]:
+    """(table, scale_rows): the `RowStore` of each request's store (k_store, v_store, key_mask, k_scale, v_scale),
+    its layout checked for in-place reads, and the rows per scale of the 8-bit stores (1 for float ones)."""
+    table = (RowStore * len(stores))()
+    scale_rows = 1
+    for b, (k_store, v_store, key_mask, k_scale, v_scale) in enumerate(stores):
+        _rows_contiguous(("k_store", k_store), ("v_store", v_store))
+        if key_mask is not None and not key_mask.is_contiguous():
+            raise ValueError(f"stores[{b}]'s key_mask must be contiguous, got strides {key_mask.stride()}")
+        fields = _scale_fields(k_store, k_scale, v_scale)
+        scale_rows = fields[-1]
+        table[b] = RowStore(
+            _ptr(k_store), _ptr(v_store), *k_store.stride()[1:3], *v_store.stride()[1:3], _ptr(key_mask),
+            k_store.shape[2], fields[0], fields[1], fields[3], fields[5],
+        )  # fmt: skip
+    return table, scale_rows
+
+
+def _stores_args(
+    q_ptr, q, stores, table, scale_rows, scale, block_size, indices_ptr=None, lengths_ptr=None, width=0
+):
+    """`AttendArgs` of a call over `stores` through `table` (`_store_table`): the per-store fields come from the
+    table, so the shared ones stay empty."""
+    batch, num_q_heads, head_dim = q.shape
+    k0 = stores[0][0]
+    num_kv_heads = k0.shape[1]
+    return AttendArgs(
+        q_ptr, scale * LOG2E, _ptr(k0), _ptr(stores[0][1]),  # the kernel works in base 2
+        0, 0, 0, 0, 0, 0,
+        indices_ptr, lengths_ptr, None,
+        batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+        width, k0.shape[2], block_size or 1, *_library.prefetch_config(),
+        None, None, 0, 0, 0, 0, scale_rows, ctypes.addressof(table),
+    )  # fmt: skip
+
+
 class StoresAttention(PreparedAttention):
     """`PreparedAttention` for requests that each keep their own store, in one call: request b's index lists name
     blocks (or rows) of its own store, so the threads split every request's rows together (one call per layer for a
@@ -332,41 +368,20 @@ class StoresAttention(PreparedAttention):
     def __init__(
         self, q, stores, indices, lengths, scale, out, lse, block_size=None, num_threads=None
     ) -> None:  # fmt: skip
-        batch, num_q_heads, head_dim = q.shape
-        k0 = stores[0][0]
-        num_kv_heads = k0.shape[1]
         in_place = (("q", q), ("indices", indices), ("lengths", lengths), ("out", out), ("lse", lse))
         self.threads, self.lib = _prepare_in_place(in_place, num_threads)
-        table = (RowStore * batch)()
-        scale_rows = 1
-        for b, (k_store, v_store, key_mask, k_scale, v_scale) in enumerate(stores):
-            _rows_contiguous(("k_store", k_store), ("v_store", v_store))
-            if key_mask is not None and not key_mask.is_contiguous():
-                raise ValueError(
-                    f"stores[{b}]'s key_mask must be contiguous, got strides {key_mask.stride()}"
-                )
-            fields = _scale_fields(k_store, k_scale, v_scale)
-            scale_rows = fields[-1]
-            table[b] = RowStore(
-                _ptr(k_store), _ptr(v_store), *k_store.stride()[1:3], *v_store.stride()[1:3], _ptr(key_mask),
-                k_store.shape[2], fields[0], fields[1], fields[3], fields[5],
-            )  # fmt: skip
+        self.table, scale_rows = _store_table(stores)
         self.q = q
         self.q32 = q if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
-        self.table = table
         # keeps the addresses alive
         self.tensors = (stores, indices, lengths, out, lse)
         self.lengths = lengths
-        self.args = AttendArgs(
-            _ptr(self.q32), scale * LOG2E, _ptr(k0), _ptr(stores[0][1]),  # the kernel works in base 2
-            0, 0, 0, 0, 0, 0,
-            _ptr(indices), _ptr(lengths), None,
-            batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
-            indices.shape[2], k0.shape[2], block_size or 1, *_library.prefetch_config(),
-            None, None, 0, 0, 0, 0, scale_rows, ctypes.addressof(table),
+        self.args = _stores_args(
+            _ptr(self.q32), q, stores, self.table, scale_rows, scale, block_size, _ptr(indices), _ptr(lengths),
+            indices.shape[2],
         )  # fmt: skip
         self.call_args = (
-            _library.isa_code(), DTYPE_CODES[k0.dtype], ctypes.byref(self.args), _ptr(out), _ptr(lse),
+            _library.isa_code(), DTYPE_CODES[stores[0][0].dtype], ctypes.byref(self.args), _ptr(out), _ptr(lse),
             self.threads,
         )  # fmt: skip
 
@@ -392,14 +407,10 @@ class RankedRowsAttention:
     """
 
     def __init__(self, q, stores, ranked, scale, block_size, out, lse, num_threads=None) -> None:
-        batch, num_q_heads, head_dim = q.shape
-        self.inner = StoresAttention(
-            q, stores, torch.zeros(batch, ranked.shape[1], 0, dtype=torch.int64),
-            torch.zeros(batch, ranked.shape[1], dtype=torch.int64), scale, out, lse, block_size, num_threads,
-        )  # fmt: skip
-        if not ranked.is_contiguous():
-            raise ValueError(f"ranked must be contiguous (read in place), got strides {ranked.stride()}")
-        num_kv_heads, self.width = ranked.shape[1], ranked.shape[2]
+        in_place = (("q", q), ("ranked", ranked), ("out", out), ("lse", lse))
+        self.threads, self.lib = _prepare_in_place(in_place, num_threads)
+        self.table, scale_rows = _store_table(stores)
+        batch, num_kv_heads, self.width = ranked.shape
         self.batch = batch
         self.ranked = ranked
         self.indices = torch.empty(batch, num_kv_heads, max(self.width, 1), dtype=torch.int64)
@@ -407,13 +418,15 @@ class RankedRowsAttention:
         self.skips = torch.zeros(batch, dtype=torch.int64)
         self.counts = torch.zeros(batch, dtype=torch.int64)
         self.row_stats = torch.zeros(batch, 3, dtype=torch.int64)
-        inner = self.inner
+        self.tensors = (q, stores, out, lse)  # keeps the addresses alive
+        # the call converts q and sets the lists itself
+        self.args = _stores_args(_ptr(q), q, stores, self.table, scale_rows, scale, block_size)
         self.call_args = (
-            _library.isa_code(), inner.call_args[1], inner.call_args[2], DTYPE_CODES[q.dtype], _ptr(ranked),
-            self.width, _ptr(self.skips), _ptr(self.counts), 1, _ptr(self.indices), _ptr(self.lengths),
+            _library.isa_code(), DTYPE_CODES[stores[0][0].dtype], ctypes.byref(self.args), DTYPE_CODES[q.dtype],
+            _ptr(ranked), self.width, _ptr(self.skips), _ptr(self.counts), 1, _ptr(self.indices),
+            _ptr(self.lengths),
         )  # fmt: skip
-        self.outputs = (_ptr(self.row_stats), 1, inner.call_args[3], inner.call_args[4], inner.threads)
-        inner.args.q = _ptr(q)  # the call converts q itself
+        self.outputs = (_ptr(self.row_stats), 1, _ptr(out), _ptr(lse), self.threads)
 
     def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
         """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""
@@ -423,7 +436,7 @@ class RankedRowsAttention:
             or not available.is_contiguous()
         ):
             raise ValueError(f"available must be [B] = [{self.batch}] int64, contiguous")
-        bad = self.inner.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
+        bad = self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
         if bad == -2:
             raise ValueError(
                 f"skips / counts must satisfy 0 <= skip <= count <= {self.width} (ranked's width) for every request, "
