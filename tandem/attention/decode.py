@@ -206,224 +206,6 @@ def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, context=
     return out[:, :, None]
 
 
-class PooledRows:
-    """The hot tiers of a multi-request step's first rows as one batch, for `decode_rows`: row b is request b's
-    batch-1 hot tier, kept in a shared pool (`tandem.engine.slots`).
-
-    keys / values: [n, Hkv, S, D] and valid [n, S], the pool's first n rows (views)
-    rows / slots:  [m] int64 on the device: the rows holding a request this step and the hot-tier slot each
-                   writes its new token to (the rows of the batch past them attend nothing here)
-    """
-
-    __slots__ = (
-        "keys",
-        "values",
-        "valid",
-        "rows",
-        "slots",
-        "_written",
-        "_hot",
-        "_hot_key",
-        "_all",
-        "_all_key",
-    )
-
-    def __init__(self, keys, values, valid, rows, slots) -> None:
-        self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
-        self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
-        self._hot, self._hot_key = None, None
-        self._all, self._all_key = None, None
-
-    def attend_every_row(self, layers, gathered, q3: torch.Tensor, scale: float, threads: int | None):
-        """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over every live host row of the requests at
-        rows `gathered` (their `LayerKV`s in `layers`), each over its own host tier, in one prepared compiled
-        call (`ops.stores_attention_call`, made again when a host tier moves); the other rows attend nothing
-        (out 0, lse -inf). On CPU tensors, with the compiled kernels."""
-        n = q3.shape[0]
-        hosts = [layers[b].host if b in gathered else None for b in range(n)]
-        key = (tuple((id(h), h.generation) if h is not None else None for h in hosts), tuple(q3.shape), q3.dtype,
-               scale, threads)  # fmt: skip
-        if key != self._all_key:
-            self._all, self._all_key = _every_row_call(hosts, q3, scale, threads), key
-        call, q, out, lse, lengths = self._all
-        for b, host in enumerate(hosts):
-            lengths[b] = live_blocks(host) if host is not None else 0
-        q.copy_(q3)
-        call()
-        return out, lse
-
-    def attend(self, q3: torch.Tensor, scale: float, threads: int | None):
-        """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over the rows' hot tiers: on CPU tensors one
-        prepared compiled call (made once, as `DecodeBuffers.hot_call` is for one cache), else `ops.hot_attention`."""
-        if q3.is_cuda or not ops.native_cpu_available():
-            return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
-        key = (tuple(q3.shape), q3.dtype, scale, threads)
-        if key != self._hot_key:
-            self._hot = prepared_hot_call(q3, self.keys, self.values, self.valid, scale, threads)
-            self._hot_key = key
-        call, q, out, lse = self._hot
-        if call is None:
-            return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
-        q.copy_(q3)
-        call()
-        return out.clone(), lse.clone()
-
-    def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Each request's new token [n, Hkv, 1, D] (row b's at rows) into its slot, valid."""
-        rows, slots = self.rows, self.slots
-        self.keys.transpose(1, 2).index_put_((rows, slots), k_new[rows, :, 0])
-        self.values.transpose(1, 2).index_put_((rows, slots), v_new[rows, :, 0])
-        self.valid.index_put_((rows, slots), self._written)
-
-
-def _every_row_call(hosts, q3: torch.Tensor, scale: float, threads: int | None):
-    """(call, q, out, lse, lengths): `PooledRows.attend_every_row`'s prepared call over `hosts` (None: a row that
-    attends nothing, given the first host tier's store to point at) with its own buffers; lengths [n, Hkv] is
-    read at each call."""
-    first = next(h for h in hosts if h is not None)
-    num_kv_heads, block_size = first.num_kv_heads, first.block_size
-    stores = []
-    for host in hosts:
-        host = host if host is not None else first
-        scales = host.scales()
-        stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
-    width = max(host.capacity // block_size for host in hosts if host is not None)
-    indices = torch.arange(width, dtype=torch.long).expand(q3.shape[0], num_kv_heads, width).contiguous()
-    lengths = torch.zeros(q3.shape[0], num_kv_heads, dtype=torch.long)
-    q = torch.zeros_like(q3)
-    out = torch.zeros(q3.shape, dtype=torch.float32)
-    lse = torch.full(q3.shape[:2], float("-inf"))
-    call = ops.stores_attention_call(q, stores, indices, lengths, scale, out, lse, block_size, threads)
-    return call, q, out, lse, lengths
-
-
-def batches(layer) -> bool:
-    """Whether `decode_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
-    that keeps no moving average of the hot tier (a pool holds none), and no task queue or request split."""
-    return not layer.policy.needs_maw and layer.queue_split == "share" and layer.split is None
-
-
-def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
-    """One layer's decode attention for the requests of a multi-request step, each over its own cache:
-    `decode_layer` for each, with the work that can be shared done once for all.
-
-    layers:   per batch row, the request's `LayerKV`, or None for a row no request decodes this step
-    pooled:   the batch's first n rows' hot tiers as one pool (`PooledRows`): their tokens are written in one call
-              and attended in one call, and the device waits once for all their CPU parts; rows past n (requests
-              whose hot tier is their own) and rows that `batches` refuses decode alone through `decode_layer`
-    q:        [N, Hq, 1, D]; k_new / v_new: [N, Hkv, 1, D]; valid_new: [N, 1]
-    pools / contexts: per row, its cache's CPU task pool and `StepContext` (a row's reserved slot, device share)
-    Returns [N, Hq, 1, D] float32; the rows that hold no request hold garbage.
-
-    Order on the device: the tokens into the pool; per pooled request its selection and q's copy to the host,
-    after which its CPU part may start (one hand-off each, in row order, so the host starts the first request's
-    part while the device selects for the next); the hot tiers' attention and the device shares; one wait for
-    the last CPU part (the host runs them in order); the merges. On CPU tensors, the pooled requests whose policy
-    attends every host row are attended after their selections in one call, each over its own host tier
-    (`PooledRows.attend_every_row`), and merged once.
-    """
-    n = pooled.keys.shape[0]
-    together = [b for b in range(n) if layers[b] is not None and batches(layers[b])]
-    joined = set(together)
-    alone = [b for b in range(len(layers)) if layers[b] is not None and b not in joined]
-    q3 = q[:, :, 0]
-    pooled.write(k_new, v_new)
-    context = contexts[together[0]] if together else None
-    deferred = context is not None and context.defers_host_work and q.is_cuda
-    # with a step that signals each hand-off (`waits_for_copy` False), each request's CPU part is handed off as
-    # soon as its q has been copied; else (a recording cut at each hand-off) all of them once after every copy
-    each = deferred and not context.waits_for_copy
-    parts, host, cpu_parts = {}, [], []
-    for b in together:
-        parts[b] = bufs, _, plan = prepare(layers[b], q3[b : b + 1], scale)
-        if not _hands_off(layers[b], plan, q.is_cuda):
-            continue
-        host.append(b)
-        if not q.is_cuda:
-            bufs.q_host.copy_(bufs.q_cpu)
-            continue
-        bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
-        if each:
-            if cpu_parts:  # the previous request's part: its host work, which the device does not wait for
-                context.host_work(cpu_parts[-1], wait=False)
-            context.q_ready(bufs.q_copied.record)
-        elif not deferred:
-            bufs.q_copied.record()
-        if deferred:
-            cpu_parts.append(
-                CpuPart(
-                    layers[b], bufs, scale, pools[b], context.waits_for_copy, contexts[b].add_host_seconds
-                )
-            )
-    if deferred and cpu_parts and not each:
-        events = [parts[b][0].q_copied for b in host]
-        context.q_ready(lambda: [event.record() for event in events])
-    threads = layers[together[0]].config.host.threads if together else None
-    out, lse = pooled.attend(q3[:n], scale, threads)
-    for b in together:
-        bufs, ranked, plan = parts[b]
-        row = slice(b, b + 1)
-        device_part(
-            layers[b], bufs, q3[row], ranked, out[row], lse[row], scale, contexts[b].device_blocks, plan
-        )
-    if cpu_parts:
-        # the device waits for the last part (the host runs them in order), or, cut at the hand-off, for all
-        context.host_work(cpu_parts[-1] if each else partial(_run_all, cpu_parts))
-    gathered = set()
-    if not deferred:
-        # on CPU tensors, the requests whose policy attends every host row are attended in one call after
-        # their selections (each over its own host tier), not one call each
-        gather = not q.is_cuda and ops.native_cpu_available()
-        for b in host:
-            bufs, seconds = parts[b][0], contexts[b].add_host_seconds
-            if cpu_part(layers[b], bufs, scale, pools[b], on_seconds=seconds, gather=gather):
-                gathered.add(b)
-    if gathered:
-        start = time.perf_counter()
-        every = pooled.attend_every_row(layers, gathered, q3[:n], scale, threads)
-        ops.merge_lse_(out, lse, *every)
-        contexts[min(gathered)].add_host_seconds(time.perf_counter() - start)
-    for b in host:
-        if b in gathered:
-            continue
-        bufs, row = parts[b][0], slice(b, b + 1)
-        if q.is_cuda:
-            bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
-            bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
-        ops.merge_lse_(out[row], lse[row], *bufs.cpu_result())
-    for b in together:
-        layer, row = layers[b], slice(b, b + 1)
-        layer.policy.after_attention(layer, out[row], lse[row])
-        if b in host:
-            continue
-        if deferred:
-            context.after_replay(partial(record_no_host_part, layer))
-        else:
-            record_no_host_part(layer)  # what its CPU part would have recorded: no rows, the available ones
-    result = out[:, :, None]
-    if alone:
-        result = torch.cat([result, q.new_zeros(len(layers) - n, *result.shape[1:], dtype=out.dtype)])
-        for b in alone:
-            row = slice(b, b + 1)
-            result[row] = decode_layer(
-                layers[b], q[row], k_new[row], v_new[row], valid_new[row], scale, pools[b], contexts[b]
-            )
-    return result
-
-
-def _run_all(parts) -> None:
-    for part in parts:
-        part()
-
-
-def _hands_off(layer, plan, on_cuda: bool) -> bool:
-    """Whether the layer's step has a CPU part: its policy attends the host tier, the device does not attend the
-    whole selection, and (on CPU tensors, where nothing is recorded) some row is offloaded."""
-    if not layer.policy.attends_host or device_only(layer, plan):
-        return False
-    return on_cuda or not nothing_offloaded(layer)
-
-
 def _deferred(layer, bufs, q3, ranked, plan, scale: float, pool, context) -> torch.Tensor:
     """`overlapped`'s order with the CPU part handed to `context` to run later (a recorded step): q's copy and
     its `q_ready`, the hot tier and the device share, the CPU part as `host_work`, its result's copy and the
@@ -450,10 +232,11 @@ def _deferred(layer, bufs, q3, ranked, plan, scale: float, pool, context) -> tor
     return out
 
 
-def prepare(layer, q3: torch.Tensor, scale: float):
+def prepare(layer, q3: torch.Tensor, scale: float, stage: bool = True):
     """(bufs, ranked, plan) of one step of `layer` for q3 [B, Hq, D]: its fixed buffers (`DecodeBuffers`), the
     policy's device-side ranking of host blocks (or None), the recall cache's plan (or None), with the ranking's
-    (or the plan's CPU list's) copy into host memory queued."""
+    (or the plan's CPU list's) copy into host memory queued. `stage` False: the caller copies the ranking itself
+    (`bufs.stage`, or with other requests' as one: `rows.RankedRows`)."""
     layer.attention_scale = scale
     ranked = layer.policy.device_select(layer, q3)
     q_cpu, ranked_cpu = q3, ranked
@@ -468,7 +251,8 @@ def prepare(layer, q3: torch.Tensor, scale: float):
     bufs.q_cpu, bufs.split = q_cpu, split
     bufs.queue = _queue_plan(layer, q3, ranked)
     plan = _recall_plan(layer, bufs, ranked) if bufs.queue is None else None
-    bufs.stage(ranked_cpu if plan is None else plan.cpu_ids, q3.is_cuda)
+    if stage:
+        bufs.stage(ranked_cpu if plan is None else plan.cpu_ids, q3.is_cuda)
     if bufs.queue is not None:
         bufs.queue.stage(q3.is_cuda)
     return bufs, ranked, plan

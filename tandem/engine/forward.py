@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.decode import decode_layer, decode_rows
+from ..attention.decode import decode_layer
+from ..attention.rows import decode_rows
 from ..kernels import reference
 from ..kernels.gpu import layers as gpu_layers
 from ..models import attention_shape
@@ -225,7 +226,7 @@ class DecodeForward:
         caches: the caches the step attends: None for this forward's own cache (all B rows), or B batch-1
         `TandemCache`s, row b attending caches[b] (the requests of a multi-request step); each with its
         `step_context` set, or None to decode eagerly.
-        pooled: with B caches, None, or per layer index the `attention.decode.PooledRows` of the batch's first
+        pooled: with B caches, None, or per layer index the `attention.rows.PooledRows` of the batch's first
         rows (`engine.slots`), whose hot tiers are attended as one batch (`decode_rows`); a row whose cache is
         None then decodes nothing (its logits are garbage)."""
         batch = input_ids.shape[0]

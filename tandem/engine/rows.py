@@ -8,7 +8,7 @@ share, and the step's hand-off hooks. Requests join or leave between steps; no K
 With `slots` (and Tandem's own decode forward) the requests' hot tiers live in one pool (`slots.SlotPool`): a
 request attached before its prefill takes a row, and a step lays its batch out by rows (row b is the pool's row
 b, a row without a request in the step decodes nothing), so each layer writes and attends every pooled request's
-hot tier in one call and waits once for their CPU parts (`attention.decode.decode_rows`).
+hot tier in one call and waits once for their CPU parts (`attention.rows.decode_rows`).
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
 with a hand-off per layer and request) and replayed while it stays the same. The
@@ -274,7 +274,12 @@ class RowsRunner:
             self.decoder.check_weights()
         slots = {}
         for cache, context in zip(caches, contexts, strict=True):
-            slots[id(cache)] = step.prepare(cache.tandem_layers(), context)
+            # the copies each cache queues into host memory run while the next cache is prepared: the step
+            # waits for them after all of them, not once per cache
+            slots[id(cache)] = step.prepare(cache.tandem_layers(), context, wait=False)
+        if step.flags is not None:
+            for cache in caches:
+                step.wait_for_copies(cache.tandem_layers())
         if self._rows is not None:
             pooled = self._rows[0]
             self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled])

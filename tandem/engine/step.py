@@ -84,10 +84,12 @@ class DecodeStep(StepContext):
         self._graph = None
         self._pool = None
 
-    def prepare(self, layers, context: StepContext | None = None) -> int:
+    def prepare(self, layers, context: StepContext | None = None, wait: bool = True) -> int:
         """Bookkeeping of one step in every layer of one cache (slot, evictions, device share) into `context`'s
         slot and device share (default: this step's own; a multi-request step passes each request's
-        `RowContext`); the device tensors are updated in stream order."""
+        `RowContext`); the device tensors are updated in stream order. `wait` False: with hand-off flags the
+        caller waits for the copies into host memory queued here (`wait_for_copies`) before the replay, once for
+        every cache of the step, instead of this call."""
         context = self if context is None else context
         if not layers:  # only sliding-window layers: nothing tiered to keep
             return 0
@@ -117,17 +119,23 @@ class DecodeStep(StepContext):
             for layer, before in zip(layers, events, strict=True):
                 if layer.host.last_event is not before:
                     stream.wait_event(layer.host.last_event)
-        if self.flags is not None:
+        if self.flags is not None and wait:
             # With hand-off flags the launcher thread launches the graph while this thread serves its hand-offs,
             # and the launch of a graph longer than the driver's launch queue (the certified selection is many
             # kernels per layer) returns only once the GPU has passed hand-offs this thread serves. A CUDA call
             # on this thread during the replay can block behind that launch: `HostTier.wait` (an event's
             # synchronize and destruction, from `CpuPart.native`) hung the step. The copies evicted or staged just now were
             # queued before the launch: wait for them now, so that the replay's waits find no event.
-            for layer in layers:
-                if layer.host is not None:
-                    layer.host.wait()
+            self.wait_for_copies(layers)
         return slot
+
+    @staticmethod
+    def wait_for_copies(layers) -> None:
+        """Block until the copies into host memory queued by `layers` (evictions, staged blocks) have landed,
+        the last queued first: a cache's layers share one side stream, so the earlier ones have landed by then."""
+        for layer in reversed(layers):
+            if layer.host is not None:
+                layer.host.wait()
 
     # ---- capture -------------------------------------------------------------------------------------------
     def capture(self, body) -> None:

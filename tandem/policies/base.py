@@ -77,6 +77,9 @@ class Policy:
     needs_bounds = False
     # the certified selection (`certified.Certifier`) of a policy run with epsilon, else None
     certifier = None
+    # True when ranked_range answers every step that has device_select's ranking (quest at a fixed budget): a
+    # pooled step then hands such requests' CPU parts to the host together (`attention.rows.RankedRows`)
+    keeps_ranked_range = False
 
     def __init__(self, config) -> None:
         self.config = config

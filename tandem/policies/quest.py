@@ -37,6 +37,7 @@ class QuestPolicy(Policy):
         self.certified = config.certified.epsilon is not None
         self.needs_bounds = self.certified
         self.certifier = Certifier(config) if self.certified else None
+        self.keeps_ranked_range = not self.certified
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the

@@ -257,6 +257,41 @@ def test_compiled_parts_are_served_in_order_with_the_results_of_python_calls():
 
 
 @needs_cpu_kernels
+def test_a_ranked_rows_task_is_served_with_the_results_of_its_python_call():
+    """Requests with their own stores and ranks in one compiled hand-off (`RankedRowsAttention.task`, what a pooled
+    step hands off per layer): the same output and per-request counts as the call from Python."""
+    from tandem.kernels import ops
+
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, group, dim, block_size = 2, 4, 32, 4
+    stores = []
+    for blocks in (12, 7, 9):
+        shape = (1, kv_heads, blocks * block_size, dim)
+        stores.append((torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), None, None, None))
+    q = torch.randn(3, kv_heads * group, dim, generator=gen)
+    ranked = torch.full((3, kv_heads, 6), -1, dtype=torch.long)
+    for b, blocks in enumerate((12, 7, 9)):
+        ranked[b, :, :5] = torch.stack([torch.randperm(blocks, generator=gen)[:5] for _ in range(kv_heads)])
+    out, lse = torch.zeros(3, kv_heads * group, dim), torch.zeros(3, kv_heads * group)
+    call = ops.ranked_rows_call(q, stores, ranked, 0.2, block_size, out, lse, num_threads=2)
+    call.skips.copy_(torch.tensor([1, 0, 2]))
+    call.counts.copy_(torch.tensor([4, 5, 2]))  # the third request attends nothing
+    available = torch.tensor([40, 20, 30])
+    expected = (call(available).clone(), out.clone(), lse.clone())
+    out.fill_(7.0), lse.fill_(7.0)
+    task = call.task(available)
+    results = []
+    part = handoff.NativePart(task, lambda: results.append(call.result(task.result).clone()))
+    flags = HostFlags(1, None)
+    gpu = fake_gpu(flags, [])
+    run_host_side(flags, [SimpleNamespace(native=lambda: part)])
+    gpu.join(10)
+    assert torch.equal(results[0], expected[0]) and results[0][:, 2].tolist() == [80, 40, 60]
+    assert torch.equal(out, expected[1]) and torch.equal(lse, expected[2])
+    assert torch.isneginf(lse[2]).all()
+
+
+@needs_cpu_kernels
 def test_a_failing_compiled_part_raises_its_error_and_releases_every_wait():
     calls = [_ranked(seed)[0] for seed in range(3)]  # one task per call: each hand-off has its own
     log = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
-from tandem.attention import decode
+from tandem.attention import rows as rows_module
 from tandem.config import QuestConfig
 from tandem.engine.rows import RowsRunner, choose_tokens
 from tandem.engine.sampling import sample, seed_key
@@ -20,13 +20,17 @@ STEPS = 8
 
 
 def _config(policy: str) -> TandemConfig:
+    """policy, or "quest+share": quest with a device share (its device ranking then runs on the CPU too)."""
     # window 16 + 4 sinks: prompts of 39-71 tokens put most of themselves in the host tier
+    quest = {"quest": QuestConfig(budget=0.5)}
+    if policy == "quest+share":
+        policy, quest = "quest", {"quest": QuestConfig(budget=0.5, gpu_share=0.5)}
     return TandemConfig(
         policy=policy,
         sink_tokens=4,
         window_tokens=16,
         block_size=16,
-        **({"quest": QuestConfig(budget=0.5)} if policy == "quest" else {}),
+        **(quest if policy == "quest" else {}),
     )
 
 
@@ -89,14 +93,14 @@ def _step(runner, rows) -> None:
         row.logits.append(row_logits)
 
 
-def _check_joined_and_left(model, device, tolerance=None, **runner_options) -> RowsRunner:
+def _check_joined_and_left(model, device, tolerance=None, policies=POLICIES, **runner_options) -> RowsRunner:
     """Five requests of other lengths and policies: two start, three join after 2, 3 and 5 steps, the first
     leaves after 4; each decodes what it decodes alone."""
     prompts = [_prompt(model, n, seed) for seed, n in enumerate(LENGTHS)]
-    alone = [_alone(model, p, policy, STEPS, device) for p, policy in zip(prompts, POLICIES, strict=True)]
+    alone = [_alone(model, p, policy, STEPS, device) for p, policy in zip(prompts, policies, strict=True)]
     tolerance = tolerance or dict(atol=1e-4, rtol=1e-4)
     runner = RowsRunner(model, config=_config("full"), **runner_options)
-    rows = [_Row(model, p, policy, device, runner) for p, policy in zip(prompts, POLICIES, strict=True)]
+    rows = [_Row(model, p, policy, device, runner) for p, policy in zip(prompts, policies, strict=True)]
     running = rows[:2]
     for t in range(STEPS + 5):
         if t in (2, 3, 5):
@@ -137,13 +141,13 @@ def test_pooled_rows_decode_as_alone(tiny, slots, monkeypatch):
     steps hold a row without a request. The pooled requests whose policy attends every host row (full, and
     certified on the CPU) are attended in one call per layer."""
     gathered = []
-    every_row_call = decode._every_row_call
+    every_row_call = rows_module._every_row_call
 
     def counted(hosts, *args):
         gathered.append(sum(host is not None for host in hosts))
         return every_row_call(hosts, *args)
 
-    monkeypatch.setattr(decode, "_every_row_call", counted)
+    monkeypatch.setattr(rows_module, "_every_row_call", counted)
     runner = _check_joined_and_left(tiny, torch.device("cpu"), slots=slots)
     assert max(gathered) == (2 if slots == 5 else 1)  # full and certified together; with 3 rows full alone
     own = _check_joined_and_left(tiny, torch.device("cpu"))
@@ -155,6 +159,33 @@ def test_pooled_rows_decode_as_alone(tiny, slots, monkeypatch):
     del runner.test_rows
     gc.collect()
     assert sorted(runner.pool.free) == list(range(slots))  # a collected cache gives its row back
+
+
+QUEST_ROWS = ("quest+share", "quest", "quest+share", "quest+share", "full")
+
+
+@torch.inference_mode()
+def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
+    """The pooled requests whose policy keeps a range of the device's ranking (quest with a device share: on the CPU
+    its ranking runs there too) hand their CPU parts to the host as one call per layer (`rows.RankedRows`), and
+    decode what they decode alone, with the statistics they record alone; quest without a ranking (no device
+    share on the CPU) hands its part off alone."""
+    joined = []
+    part_call = rows_module._RankedRowsPart.__call__
+
+    def counted(part):
+        joined.append(len(part.members))
+        return part_call(part)
+
+    monkeypatch.setattr(rows_module._RankedRowsPart, "__call__", counted)
+    runner = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS, slots=5)
+    # rows 0, 2 and 3 have a device share: 2 joins at step 2, 3 at step 3, 0 leaves at step 4
+    assert max(joined) == 3 and min(joined) == 1
+    own = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS)
+    assert _counts(runner.test_rows) == _counts(own.test_rows)
+    assert [sum(kv.rows_attended_device for kv in r.cache.tandem_layers()) > 0 for r in runner.test_rows] == [
+        True, False, True, True, False
+    ]  # fmt: skip
 
 
 @torch.inference_mode()

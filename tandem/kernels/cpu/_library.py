@@ -30,8 +30,9 @@ import torch
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")  # index = the C++ `Isa` enum
 # the C++ `Dtype` enum; int8 / float8_e4m3fn: K/V stores of 8-bit codes only (with scales), never q or digests
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
-# csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs, 4 stores, 5 ranked rows
-ABI_VERSION = 5
+# csrc/dispatch.cpp's tandem_abi_version: 2 added AttendArgs' scale fields, 3 CertifyArgs, 4 stores, 5 ranked rows,
+# 6 ranked rows as a hand-off task
+ABI_VERSION = 6
 # Prefetch distance (rows), locality hint and line step: the best of a same-run sweep of the two-pass kernel on
 # the 16-core Xeon GPU host, 192 rows ahead into L2 (docs/cpu-kernels.md, "Prefetch sweeps")
 DEFAULT_PREFETCH = (192, 1, 64)
@@ -182,7 +183,7 @@ class HandoffTask(ctypes.Structure):
     by `tandem_serve_handoffs`."""
 
     _fields_ = [
-        ("kind", ctypes.c_int64),  # EMPTY_TASK or RANKED_TASK
+        ("kind", ctypes.c_int64),  # EMPTY_TASK, RANKED_TASK, QUEUE_TASK or RANKED_ROWS_TASK
         ("args", ctypes.c_void_p),
         ("isa", ctypes.c_int64),
         ("dtype", ctypes.c_int64),
@@ -202,10 +203,12 @@ class HandoffTask(ctypes.Structure):
         ("lse_numel", ctypes.c_int64),
         ("result", ctypes.c_int64),
         ("nanoseconds", ctypes.c_int64),
+        ("skips", ctypes.c_void_p),  # RANKED_ROWS_TASK: [B] int64 each
+        ("counts", ctypes.c_void_p),
     ]
 
 
-EMPTY_TASK, RANKED_TASK, QUEUE_TASK = 0, 1, 2  # HandoffTask.kind
+EMPTY_TASK, RANKED_TASK, QUEUE_TASK, RANKED_ROWS_TASK = 0, 1, 2, 3  # HandoffTask.kind
 SERVED, TASK_FAILED, TIMED_OUT, ABORTED = 0, 1, 2, 3  # tandem_serve_handoffs' return values
 
 

@@ -427,16 +427,44 @@ class RankedRowsAttention:
             _ptr(self.lengths),
         )  # fmt: skip
         self.outputs = (_ptr(self.row_stats), 1, _ptr(out), _ptr(lse), self.threads)
+        self._task = None
 
     def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
         """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""
+        self._check_available(available)
+        return self.result(self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs))
+
+    def task(self, available: torch.Tensor | None = None) -> _library.HandoffTask:
+        """`self(available)` as a hand-off task for `serve_handoffs`, not run yet (it reads `skips` / `counts` when
+        it runs); once served, `self.result(task.result)` is what the call returns. One task per instance."""
+        self._check_available(available)
+        task = self._task
+        if task is None:
+            task = self._task = _library.HandoffTask(
+                kind=_library.RANKED_ROWS_TASK, args=ctypes.addressof(self.args), isa=self.call_args[0],
+                dtype=self.call_args[1], q_dtype=self.call_args[3], num_threads=self.threads,
+                ranked=self.call_args[4], ranked_width=self.width, indices=self.call_args[9],
+                lengths=self.call_args[10], stats=self.outputs[0], out=self.outputs[2], lse=self.outputs[3],
+                skips=self.call_args[6], counts=self.call_args[7],
+            )  # fmt: skip
+        task.available = _ptr(available)
+        task.result, task.nanoseconds = 0, 0
+        # what the task points at lives as long as it does; not `self`, which holds the task (a reference cycle
+        # would leave the pinned buffers to the garbage collector, which may run inside a graph capture)
+        task.keep = (self.args, self.tensors, self.ranked, self.indices, self.lengths, self.skips, self.counts,
+                     self.row_stats, available)  # fmt: skip
+        return task
+
+    def _check_available(self, available: torch.Tensor | None) -> None:
         if available is not None and (
             available.dtype != torch.int64
             or available.shape != (self.batch,)
             or not available.is_contiguous()
         ):
             raise ValueError(f"available must be [B] = [{self.batch}] int64, contiguous")
-        bad = self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
+
+    def result(self, bad: int) -> torch.Tensor:
+        """`row_stats` of a call that returned `bad`, or the error it means."""
         if bad == -2:
             raise ValueError(
                 f"skips / counts must satisfy 0 <= skip <= count <= {self.width} (ranked's width) for every request, "

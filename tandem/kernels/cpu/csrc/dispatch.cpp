@@ -66,6 +66,7 @@ extern "C" {
 
 int tandem_isa_supported(int isa) { return tandem::isa_supported(isa) ? 1 : 0; }
 
-int tandem_abi_version() { return 5; }  // 2: AttendArgs' scale fields, 3: CertifyArgs, 4: stores, 5: ranked rows
+int tandem_abi_version() { return 6; }  // 2: AttendArgs' scale fields, 3: CertifyArgs, 4: stores, 5: ranked rows,
+                                        // 6: ranked rows as a hand-off task
 
 }  // extern "C"

@@ -18,6 +18,11 @@ extern "C" int64_t tandem_ranked_attention(int isa, int dtype, const tandem::Att
                                            int64_t count, int64_t* indices, int64_t* lengths,
                                            const int64_t* available, int64_t* stats, float* out, float* lse,
                                            int num_threads);
+extern "C" int64_t tandem_ranked_rows_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
+                                                const int64_t* ranked, int64_t ranked_width, const int64_t* skips,
+                                                const int64_t* counts, int64_t rank_stride, int64_t* indices,
+                                                int64_t* lengths, const int64_t* available, int64_t* row_stats,
+                                                int64_t stats_stride, float* out, float* lse, int num_threads);
 extern "C" int64_t tandem_queue_attention(int isa, int dtype, const tandem::AttendArgs* args, int q_dtype,
                                           const int32_t* control, int64_t capacity, int64_t pieces_max,
                                           int64_t piece_blocks, int64_t* lengths, int8_t* owner, int64_t* stats,
@@ -29,7 +34,9 @@ namespace tandem {
 struct HandoffTask {
   int64_t kind;            // kEmpty: nothing to attend; kRanked: tandem_ranked_attention with the fields below;
                            // kQueue: tandem_queue_attention, with ranked = the plan (int32), ranked_width = its
-                           // capacity, skip = pieces_max, count = piece_blocks
+                           // capacity, skip = pieces_max, count = piece_blocks; kRankedRows:
+                           // tandem_ranked_rows_attention with skips / counts (one pair per request) and stats
+                           // per request (3 each)
   const AttendArgs* args;  // kRanked: the prepared call's arguments (RankedAttention)
   int64_t isa, dtype, q_dtype, num_threads;
   const int64_t* ranked;
@@ -43,9 +50,11 @@ struct HandoffTask {
   int64_t out_numel, lse_numel;
   int64_t result;          // set by the server: the call's return value (0 = fine)
   int64_t nanoseconds;     // set by the server: time spent in the CPU part, flags excluded
+  const int64_t* skips;    // kRankedRows: [B] each
+  const int64_t* counts;
 };
 
-enum : int64_t { kEmpty = 0, kRanked = 1, kQueue = 2 };
+enum : int64_t { kEmpty = 0, kRanked = 1, kQueue = 2, kRankedRows = 3 };
 // how long the CPU's side of a queue waits for one decision of the GPU's (it comes within microseconds)
 constexpr double kQueueDecisionTimeout = 10.0;
 enum : int64_t { kServed = 0, kTaskFailed = 1, kTimedOut = 2, kAborted = 3 };
@@ -75,6 +84,12 @@ int64_t run(HandoffTask& t) {
                                   static_cast<int>(t.q_dtype), reinterpret_cast<const int32_t*>(t.ranked),
                                   t.ranked_width, t.skip, t.count, t.lengths, nullptr, t.stats, t.out, t.lse,
                                   static_cast<int>(t.num_threads), kQueueDecisionTimeout);
+  }
+  if (t.kind == kRankedRows) {
+    return tandem_ranked_rows_attention(static_cast<int>(t.isa), static_cast<int>(t.dtype), t.args,
+                                        static_cast<int>(t.q_dtype), t.ranked, t.ranked_width, t.skips, t.counts, 1,
+                                        t.indices, t.lengths, t.available, t.stats, 1, t.out, t.lse,
+                                        static_cast<int>(t.num_threads));
   }
   if (t.kind != kRanked) return -3;
   return tandem_ranked_attention(static_cast<int>(t.isa), static_cast<int>(t.dtype), t.args,

@@ -1,0 +1,465 @@
+"""Decode attention of one layer for the requests of a multi-request step, each over its own cache
+(`decode_rows`): the parts of `decode.decode_layer`, with the work that can be shared done once for all.
+
+The requests' hot tiers are rows of one pool (`PooledRows`, kept by `tandem.engine.slots`): their new tokens are
+written and their hot tiers attended with one call per layer. Their host tiers stay their own; the CPU parts of the
+requests whose policy keeps a range of the device's ranking (quest) go to the host as one hand-off per layer
+(`RankedRows`: one copy of q and of the rankings, one compiled call over each request's own host tier, one copy
+back and one merge), and on CPU tensors the requests whose policy attends every host row are attended in one call
+(`PooledRows.attend_every_row`). The rest hand off one by one, as `decode_layer` does.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+
+from ..kernels import ops
+from .decode import (
+    CpuPart,
+    NativePart,
+    cpu_part,
+    decode_layer,
+    device_only,
+    device_part,
+    nothing_offloaded,
+    prepare,
+    prepared_hot_call,
+    record_no_host_part,
+)
+from .host import _record_counts, live_blocks
+
+
+class PooledRows:
+    """The hot tiers of a multi-request step's first rows as one batch, for `decode_rows`: row b is request b's
+    batch-1 hot tier, kept in a shared pool (`tandem.engine.slots`).
+
+    keys / values: [n, Hkv, S, D] and valid [n, S], the pool's first n rows (views)
+    rows / slots:  [m] int64 on the device: the rows holding a request this step and the hot-tier slot each
+                   writes its new token to (the rows of the batch past them attend nothing here)
+    """
+
+    __slots__ = (
+        "keys",
+        "values",
+        "valid",
+        "rows",
+        "slots",
+        "_written",
+        "_hot",
+        "_hot_key",
+        "_all",
+        "_all_key",
+        "ranked",
+    )
+
+    def __init__(self, keys, values, valid, rows, slots) -> None:
+        self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
+        self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
+        self._hot, self._hot_key = None, None
+        self._all, self._all_key = None, None
+        self.ranked = RankedRows()  # the step's joint hand-off of the requests that keep a ranked range
+
+    def attend_every_row(self, layers, gathered, q3: torch.Tensor, scale: float, threads: int | None):
+        """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over every live host row of the requests at
+        rows `gathered` (their `LayerKV`s in `layers`), each over its own host tier, in one prepared compiled
+        call (`ops.stores_attention_call`, made again when a host tier moves); the other rows attend nothing
+        (out 0, lse -inf). On CPU tensors, with the compiled kernels."""
+        n = q3.shape[0]
+        hosts = [layers[b].host if b in gathered else None for b in range(n)]
+        key = (tuple((id(h), h.generation) if h is not None else None for h in hosts), tuple(q3.shape), q3.dtype,
+               scale, threads)  # fmt: skip
+        if key != self._all_key:
+            self._all, self._all_key = _every_row_call(hosts, q3, scale, threads), key
+        call, q, out, lse, lengths = self._all
+        for b, host in enumerate(hosts):
+            lengths[b] = live_blocks(host) if host is not None else 0
+        q.copy_(q3)
+        call()
+        return out, lse
+
+    def attend(self, q3: torch.Tensor, scale: float, threads: int | None):
+        """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over the rows' hot tiers: on CPU tensors one
+        prepared compiled call (made once, as `DecodeBuffers.hot_call` is for one cache), else `ops.hot_attention`."""
+        if q3.is_cuda or not ops.native_cpu_available():
+            return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
+        key = (tuple(q3.shape), q3.dtype, scale, threads)
+        if key != self._hot_key:
+            self._hot = prepared_hot_call(q3, self.keys, self.values, self.valid, scale, threads)
+            self._hot_key = key
+        call, q, out, lse = self._hot
+        if call is None:
+            return ops.hot_attention(q3, self.keys, self.values, self.valid, scale)
+        q.copy_(q3)
+        call()
+        return out.clone(), lse.clone()
+
+    def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Each request's new token [n, Hkv, 1, D] (row b's at rows) into its slot, valid."""
+        rows, slots = self.rows, self.slots
+        self.keys.transpose(1, 2).index_put_((rows, slots), k_new[rows, :, 0])
+        self.values.transpose(1, 2).index_put_((rows, slots), v_new[rows, :, 0])
+        self.valid.index_put_((rows, slots), self._written)
+
+
+class RankedRows:
+    """The CPU parts of a pooled step's requests whose policy keeps a range of the device's ranking (quest at a fixed
+    budget, `Policy.keeps_ranked_range`), as one hand-off per layer: q and every such request's ranking go to the
+    host in one copy each, one compiled call attends each request's ranks over its own host tier
+    (`cpu.RankedRowsAttention`), and (out, lse) come back in one copy, merged once. One per layer of a batch (a
+    `PooledRows`'s).
+
+    Per step: `begin(layers)`, `admits(b, layer, bufs, ranked, plan)` for each request (True: it joins), then
+    `publish(q3)` queues the copies; the host runs the part (`part()`, a `CpuPart`-like action), after which
+    `result()` is (out, lse) [n, Hq, D] / [n, Hq] on the device, rows that did not join at (0, -inf).
+
+    q_host [n, Hq, D] (pinned on CUDA), ranked_dev [n, Hkv, W] int64 (the joined rows' rankings, the rest -1: no
+    block), ranked_host its copy, out_host / lse_host the call's output, out_dev / lse_dev their copy on the device.
+    """
+
+    def __init__(self) -> None:
+        self.members: list[int] = []  # this step's joined rows, in order
+        self._layers, self._rankings, self._planned = {}, {}, {}
+        self._key = self._call_key = None
+        self.call = None
+        self._retired = []  # buffers replaced while a graph was recorded (freeing pinned memory breaks a capture)
+
+    def begin(self, layers) -> None:
+        self.members, self._rankings, self._planned = [], {}, {}
+        self._layers = layers
+
+    def admits(self, b: int, layer, bufs, ranked, plan) -> bool:
+        """Whether request b's CPU part joins this step's hand-off: a ranking kept by range (or a recall plan's
+        CPU list), no task queue or request split, the compiled kernels, and the host tier's format, block size,
+        threads and scale of the first joined request."""
+        if ranked is None or bufs.queue is not None or bufs.split is not None:
+            return False
+        if not (layer.policy.keeps_ranked_range and ops.native_cpu_available()):
+            return False
+        if self.members:
+            first = self._layers[self.members[0]]
+            if _group(first) != _group(layer):
+                return False
+        self.members.append(b)
+        # with a recall plan the CPU's blocks are the plan's list, all of it the CPU's (`decode._ranked_call`)
+        self._rankings[b] = ranked if plan is None else plan.cpu_ids
+        self._planned[b] = plan is not None
+        return True
+
+    def publish(self, q3: torch.Tensor) -> None:
+        """Queue the joined rows' rankings and q [n, Hq, D] into host memory (one copy each), with q_copied
+        recorded after them (eagerly; a recorded step's `context.q_ready` records it)."""
+        width = max(r.shape[-1] for r in self._rankings.values())
+        first = self._rankings[self.members[0]]
+        key = (tuple(q3.shape), q3.dtype, q3.device, first.shape[1], width)
+        if key != self._key:
+            self._buffers(q3, first.shape[1], width)
+            self._key = key
+        self._prepare_call()
+        for b in self.members:
+            ranked = self._rankings[b]
+            self.ranked_dev[b, :, : ranked.shape[-1]].copy_(ranked[0])
+        on_cuda = q3.is_cuda
+        self.q_host.copy_(q3, non_blocking=on_cuda)
+        self.ranked_host.copy_(self.ranked_dev, non_blocking=on_cuda)
+
+    def part(self, wait_copy: bool, on_seconds):
+        return _RankedRowsPart(self, wait_copy, on_seconds)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the part on the device (queued copies on CUDA)."""
+        if self.pin:
+            self.out_dev.copy_(self.out_host, non_blocking=True)
+            self.lse_dev.copy_(self.lse_host, non_blocking=True)
+        return self.out_dev, self.lse_dev
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _buffers(self, q3: torch.Tensor, num_kv_heads: int, width: int) -> None:
+        pin = q3.is_cuda
+        recording = pin and torch.cuda.is_current_stream_capturing()
+        if recording and self._key is not None:
+            self._retired.append((self.q_host, self.ranked_host, self.out_host, self.lse_host, self.call))
+        elif not recording:
+            self._retired = []
+        n = q3.shape[0]
+        self.pin = pin
+        self.q_host = torch.zeros(q3.shape, dtype=q3.dtype, pin_memory=pin)
+        self.ranked_dev = torch.full((n, num_kv_heads, width), -1, dtype=torch.long, device=q3.device)
+        self.ranked_host = torch.full((n, num_kv_heads, width), -1, dtype=torch.long, pin_memory=pin)
+        self.out_host = torch.zeros(q3.shape, dtype=torch.float32, pin_memory=pin)
+        self.lse_host = torch.full(q3.shape[:2], float("-inf"), pin_memory=pin)
+        if pin:
+            self.out_dev = torch.zeros(q3.shape, dtype=torch.float32, device=q3.device)
+            self.lse_dev = torch.full(q3.shape[:2], float("-inf"), device=q3.device)
+            self.q_copied = torch.cuda.Event()
+        else:
+            self.out_dev, self.lse_dev, self.q_copied = self.out_host, self.lse_host, None
+        self.available = torch.zeros(n, dtype=torch.long)
+        self.call, self._call_key = None, None
+
+    def _prepare_call(self) -> None:
+        """The compiled call over the joined rows' host tiers (rows that did not join read the first one's store,
+        with no ranks), made again when one of them moves or the rows change. Rows that left keep -1 rankings."""
+        hosts = [self._layers[b].host if b in self.members else None for b in range(self.q_host.shape[0])]
+        key = (self._key, tuple((id(h), h.generation) if h is not None else None for h in hosts))
+        if key == self._call_key:
+            return
+        if self._call_key is not None and self._call_key[1] != key[1]:
+            self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
+            self.ranked_host.fill_(-1)
+        first = self._layers[self.members[0]]
+        stores = []
+        for host in hosts:
+            host = host if host is not None else first.host
+            scales = host.scales()
+            stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+        self.call = ops.ranked_rows_call(
+            self.q_host, stores, self.ranked_host, first.attention_scale, first.host.block_size, self.out_host,
+            self.lse_host, first.config.host.threads,
+        )  # fmt: skip
+        self._call_key = key
+        # numpy views: the host side fills them per request at each step without a tensor op each
+        self._skips, self._counts = self.call.skips.numpy(), self.call.counts.numpy()
+        self._available, self._stats = self.available.numpy(), self.call.row_stats.numpy()
+
+    def layout(self) -> None:
+        """This step's ranks and available rows per joined request (on the host, before the call)."""
+        self._skips[:] = 0
+        self._counts[:] = 0
+        for b in self.members:
+            layer = self._layers[b]
+            host = layer.host
+            host.wait()
+            skip = 0 if self._planned[b] else layer.policy.device_share(layer)
+            self._skips[b], self._counts[b] = layer.policy.ranked_range(layer, self.ranked_host[b : b + 1], skip)
+            self._available[b] = host.valid_total()
+
+    def finish(self) -> None:
+        """Each joined request's statistics from the call's per-request counts."""
+        for b in self.members:
+            _record_counts(self._layers[b], *(int(x) for x in self._stats[b]))
+
+
+def _group(layer) -> tuple:
+    """What requests whose CPU parts run as one call must share: the host tier's format and block size, and the
+    CPU threads."""
+    host = layer.host
+    return host.keys.dtype, host.block_size, host.num_kv_heads, layer.config.host.threads, layer.attention_scale
+
+
+class _RankedRowsPart:
+    """`RankedRows`' host side of one step, as `decode.CpuPart` is one request's: calling it waits for the copies
+    (unless the step's hand-off already did) and runs the call from Python; `native()` lays it out as a task for
+    the engine's hand-off server."""
+
+    def __init__(self, rows: RankedRows, wait_copy: bool, on_seconds) -> None:
+        self.rows, self.wait_copy, self.on_seconds = rows, wait_copy, on_seconds
+        # what this step's part reads, fixed when it is made (a recorded step replays the same part)
+        self.members, self.layers, self.planned = list(rows.members), rows._layers, dict(rows._planned)
+
+    def __call__(self) -> None:
+        rows = self._restore()
+        if self.wait_copy and rows.q_copied is not None:
+            rows.q_copied.synchronize()
+        start = time.perf_counter()
+        rows.layout()
+        rows.call(rows.available)
+        rows.finish()
+        if self.on_seconds is not None:
+            self.on_seconds(time.perf_counter() - start)
+
+    def native(self):
+        rows = self._restore()
+        rows.layout()
+        task = rows.call.task(rows.available)
+        return NativePart(task, partial(self._finish, rows, task))
+
+    def _finish(self, rows: RankedRows, task) -> None:
+        rows.call.result(task.result)
+        rows.finish()
+        if self.on_seconds is not None:
+            self.on_seconds(task.nanoseconds * 1e-9)
+
+    def _restore(self) -> RankedRows:
+        rows = self.rows
+        rows.members, rows._layers, rows._planned = self.members, self.layers, self.planned
+        return rows
+
+
+def _every_row_call(hosts, q3: torch.Tensor, scale: float, threads: int | None):
+    """(call, q, out, lse, lengths): `PooledRows.attend_every_row`'s prepared call over `hosts` (None: a row that
+    attends nothing, given the first host tier's store to point at) with its own buffers; lengths [n, Hkv] is
+    read at each call."""
+    first = next(h for h in hosts if h is not None)
+    num_kv_heads, block_size = first.num_kv_heads, first.block_size
+    stores = []
+    for host in hosts:
+        host = host if host is not None else first
+        scales = host.scales()
+        stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+    width = max(host.capacity // block_size for host in hosts if host is not None)
+    indices = torch.arange(width, dtype=torch.long).expand(q3.shape[0], num_kv_heads, width).contiguous()
+    lengths = torch.zeros(q3.shape[0], num_kv_heads, dtype=torch.long)
+    q = torch.zeros_like(q3)
+    out = torch.zeros(q3.shape, dtype=torch.float32)
+    lse = torch.full(q3.shape[:2], float("-inf"))
+    call = ops.stores_attention_call(q, stores, indices, lengths, scale, out, lse, block_size, threads)
+    return call, q, out, lse, lengths
+
+
+def batches(layer) -> bool:
+    """Whether `decode_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
+    that keeps no moving average of the hot tier (a pool holds none), and no task queue or request split."""
+    return not layer.policy.needs_maw and layer.queue_split == "share" and layer.split is None
+
+
+def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
+    """One layer's decode attention for the requests of a multi-request step, each over its own cache:
+    `decode_layer` for each, with the work that can be shared done once for all.
+
+    layers:   per batch row, the request's `LayerKV`, or None for a row no request decodes this step
+    pooled:   the batch's first n rows' hot tiers as one pool (`PooledRows`): their tokens are written in one call
+              and attended in one call, and the device waits once for all their CPU parts; rows past n (requests
+              whose hot tier is their own) and rows that `batches` refuses decode alone through `decode_layer`
+    q:        [N, Hq, 1, D]; k_new / v_new: [N, Hkv, 1, D]; valid_new: [N, 1]
+    pools / contexts: per row, its cache's CPU task pool and `StepContext` (a row's reserved slot, device share)
+    Returns [N, Hq, 1, D] float32; the rows that hold no request hold garbage.
+
+    Order on the device: the tokens into the pool; per pooled request its selection and, unless it joins the
+    step's `RankedRows`, q's copy to the host, after which its CPU part may start (one hand-off each, in row
+    order, so the host starts the first request's part while the device selects for the next); then the joined
+    requests' q and rankings in one copy each and their one hand-off; the hot tiers' attention and the device
+    shares; one wait for the last CPU part (the host runs them in order); the merges (the joined requests' in
+    one). On CPU tensors, the pooled requests whose policy attends every host row are attended after their
+    selections in one call, each over its own host tier (`PooledRows.attend_every_row`), and merged once.
+    """
+    n = pooled.keys.shape[0]
+    together = [b for b in range(n) if layers[b] is not None and batches(layers[b])]
+    joined = set(together)
+    alone = [b for b in range(len(layers)) if layers[b] is not None and b not in joined]
+    q3 = q[:, :, 0]
+    pooled.write(k_new, v_new)
+    context = contexts[together[0]] if together else None
+    deferred = context is not None and context.defers_host_work and q.is_cuda
+    # with a step that signals each hand-off (`waits_for_copy` False), each request's CPU part is handed off as
+    # soon as its q has been copied; else (a recording cut at each hand-off) all of them once after every copy
+    each = deferred and not context.waits_for_copy
+    parts, host, cpu_parts = {}, [], []
+    ranked_rows = pooled.ranked
+    ranked_rows.begin(layers)
+    for b in together:
+        parts[b] = bufs, ranked, plan = prepare(layers[b], q3[b : b + 1], scale, stage=False)
+        if not _hands_off(layers[b], plan, q.is_cuda):
+            bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
+            continue
+        if ranked_rows.admits(b, layers[b], bufs, ranked, plan):
+            continue  # its CPU part goes to the host with the other joined requests', after this loop
+        bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
+        host.append(b)
+        if not q.is_cuda:
+            bufs.q_host.copy_(bufs.q_cpu)
+            continue
+        bufs.q_host.copy_(bufs.q_cpu, non_blocking=True)
+        if each:
+            if cpu_parts:  # the previous request's part: its host work, which the device does not wait for
+                context.host_work(cpu_parts[-1], wait=False)
+            context.q_ready(bufs.q_copied.record)
+        elif not deferred:
+            bufs.q_copied.record()
+        if deferred:
+            cpu_parts.append(
+                CpuPart(
+                    layers[b], bufs, scale, pools[b], context.waits_for_copy, contexts[b].add_host_seconds
+                )
+            )
+    ranked_part = None
+    if ranked_rows.members:
+        # one copy of q and of the joined requests' rankings, one hand-off (after the single requests' parts)
+        ranked_rows.publish(q3[:n])
+        first = ranked_rows.members[0]
+        wait_copy = context.waits_for_copy if deferred else True
+        ranked_part = ranked_rows.part(wait_copy, contexts[first].add_host_seconds)
+        if each:
+            if cpu_parts:
+                context.host_work(cpu_parts[-1], wait=False)
+            context.q_ready(ranked_rows.q_copied.record)
+        elif not deferred and q.is_cuda:
+            ranked_rows.q_copied.record()
+        if deferred:
+            cpu_parts.append(ranked_part)
+    if deferred and cpu_parts and not each:
+        events = [parts[b][0].q_copied for b in host]
+        if ranked_part is not None:
+            events.append(ranked_rows.q_copied)
+        context.q_ready(lambda: [event.record() for event in events])
+    threads = layers[together[0]].config.host.threads if together else None
+    out, lse = pooled.attend(q3[:n], scale, threads)
+    for b in together:
+        bufs, ranked, plan = parts[b]
+        row = slice(b, b + 1)
+        device_part(
+            layers[b], bufs, q3[row], ranked, out[row], lse[row], scale, contexts[b].device_blocks, plan
+        )
+    if cpu_parts:
+        # the device waits for the last part (the host runs them in order), or, cut at the hand-off, for all
+        context.host_work(cpu_parts[-1] if each else partial(_run_all, cpu_parts))
+    gathered = set()
+    if not deferred:
+        # on CPU tensors, the requests whose policy attends every host row are attended in one call after
+        # their selections (each over its own host tier), not one call each
+        gather = not q.is_cuda and ops.native_cpu_available()
+        for b in host:
+            bufs, seconds = parts[b][0], contexts[b].add_host_seconds
+            if cpu_part(layers[b], bufs, scale, pools[b], on_seconds=seconds, gather=gather):
+                gathered.add(b)
+        if ranked_part is not None:
+            ranked_part()
+    if gathered:
+        start = time.perf_counter()
+        every = pooled.attend_every_row(layers, gathered, q3[:n], scale, threads)
+        ops.merge_lse_(out, lse, *every)
+        contexts[min(gathered)].add_host_seconds(time.perf_counter() - start)
+    for b in host:
+        if b in gathered:
+            continue
+        bufs, row = parts[b][0], slice(b, b + 1)
+        if q.is_cuda:
+            bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
+            bufs.lse_dev.copy_(bufs.lse_host, non_blocking=True)
+        ops.merge_lse_(out[row], lse[row], *bufs.cpu_result())
+    if ranked_part is not None:
+        ops.merge_lse_(out, lse, *ranked_rows.result())
+    members = set(ranked_rows.members)
+    for b in together:
+        layer, row = layers[b], slice(b, b + 1)
+        layer.policy.after_attention(layer, out[row], lse[row])
+        if b in host or b in members:
+            continue
+        if deferred:
+            context.after_replay(partial(record_no_host_part, layer))
+        else:
+            record_no_host_part(layer)  # what its CPU part would have recorded: no rows, the available ones
+    result = out[:, :, None]
+    if alone:
+        result = torch.cat([result, q.new_zeros(len(layers) - n, *result.shape[1:], dtype=out.dtype)])
+        for b in alone:
+            row = slice(b, b + 1)
+            result[row] = decode_layer(
+                layers[b], q[row], k_new[row], v_new[row], valid_new[row], scale, pools[b], contexts[b]
+            )
+    return result
+
+
+def _run_all(parts) -> None:
+    for part in parts:
+        part()
+
+
+def _hands_off(layer, plan, on_cuda: bool) -> bool:
+    """Whether the layer's step has a CPU part: its policy attends the host tier, the device does not attend the
+    whole selection, and (on CPU tensors, where nothing is recorded) some row is offloaded."""
+    if not layer.policy.attends_host or device_only(layer, plan):
+        return False
+    return on_cuda or not nothing_offloaded(layer)
