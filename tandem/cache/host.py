@@ -9,17 +9,11 @@ from contextlib import nullcontext
 import torch
 
 from tandem.cache.memory import host_zeros
-from tandem.kernels import ops
 from tandem.kernels.reference import QUANT_DTYPES, dequantize, quantize_blocks
 from tandem.policies.certify import block_digest, key_sketch
 
 # the certified selection's per-row tensors on the bounds device (the other `_dev` tensors are per block)
 SKETCH_ROWS = ("key_codes_dev", "key_code_scale_dev", "key_code_error_dev", "row_valid_dev")
-
-
-# `_write`s of at most this many rows (a decode's evicted blocks) run as one launch on the current stream; larger
-# ones (a prompt's rows) stay copies on the side stream, where the copy engines overlap them with the next chunk
-ONE_LAUNCH_ROWS = 256
 
 
 class HostMemoryError(MemoryError):
@@ -214,9 +208,10 @@ class HostTier:
                 raise RuntimeError(f"append(staged=True) of {n} rows: {self.staged} are staged")
             first, markers = self.rows, self._staged_markers
         else:
-            # over any staged rows: they held these rows' first tokens
-            first, markers = self._write(keys, values, valid)
-            markers = self._write_bounds(first, keys, values, valid, markers)
+            first = self._write(
+                keys, values, valid
+            )  # over any staged rows: they held these rows' first tokens
+            markers = self._write_bounds(first, keys, values, valid)
         self.staged, self._staged_markers = 0, {}
         self._publish(first, n, markers, maw)
         return first
@@ -232,20 +227,17 @@ class HostTier:
         if self.split is not None or self.staged:
             raise RuntimeError("stage: a host tier split by requests, or one already holding staged rows")
         assert keys.shape[2] % self.block_size == 0, "the host tier takes whole blocks"
-        first, markers = self._write(keys, values, valid)
-        self._staged_markers = self._write_bounds(first, keys, values, valid, markers)
+        first = self._write(keys, values, valid)
+        self._staged_markers = self._write_bounds(first, keys, values, valid)
         self.staged = keys.shape[2]
 
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> tuple[int, dict]:
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> int:
         """The rows' K/V, valid flags, digests and codes into rows [rows, rows + n) (and the digests' mirror, whose
-        block_valid_dev `_publish` sets); returns the first row and the markers computed on the way ({} or
-        block_valid_dev's, for `_write_bounds`)."""
+        block_valid_dev `_publish` sets); returns the first row."""
         n = keys.shape[2]
         bs = self.block_size
         first = self.rows
         self.reserve(first + n)
-        if self._writes_in_one_launch(keys):
-            return first, self._write_launched(keys, values, valid, first)
         digest = None
         if self.keep_digest:
             digest = _block_digest(keys, valid, bs)  # computed where the keys are (GPU when evicting)
@@ -275,56 +267,17 @@ class HostTier:
                 self.key_scale[:, :, b0:b1].copy_(key_scale, non_blocking=nb)
                 self.value_scale[:, :, b0:b1].copy_(value_scale, non_blocking=nb)
         self._keep_until_copied(keys, values, valid, *(digest or ()), key_scale, value_scale)
-        return first, {}
+        return first
 
-    def _writes_in_one_launch(self, keys: torch.Tensor) -> bool:
-        """Whether `_write` writes CUDA rows with one launch (`ops.write_rows`: the GPU writes the pinned rows,
-        digests and mirror itself): a decode's eviction (at most ONE_LAUNCH_ROWS rows) into a pinned tier in the
-        rows' own format, without a request split, with Triton."""
-        return (
-            keys.is_cuda
-            and keys.shape[2] <= ONE_LAUNCH_ROWS
-            and self.pin
-            and not self.quant
-            and self.split is None
-            and keys.dtype == self.keys.dtype
-            and (not self.keep_digest or self.key_min.dtype == keys.dtype)
-            and self.block_size & (self.block_size - 1) == 0
-            and ops.write_rows_available(keys)
-        )
-
-    def _write_launched(self, keys, values, valid, first: int) -> dict[str, torch.Tensor]:
-        """`_write` as one launch on the current stream (queued before the step that reads the rows; `last_event`
-        marks its end for the host's readers). Returns the mirror's block_valid marker, if any."""
-        n, bs = keys.shape[2], self.block_size
-        b0, b1 = first // bs, (first + n) // bs
-        digests = mirror = None
-        markers = {}
-        if self.keep_digest:
-            digests = (self.key_min[:, :, b0:b1], self.key_max[:, :, b0:b1])
-            if self.mirror_device is not None:
-                block_valid = torch.empty(
-                    valid.shape[0], n // bs, dtype=torch.bool, device=self.mirror_device
-                )
-                mirror = (self.key_min_dev[:, :, b0:b1], self.key_max_dev[:, :, b0:b1], block_valid)
-                markers["block_valid_dev"] = block_valid
-        ops.write_rows(
-            keys, values, valid, self.keys[:, :, first : first + n], self.values[:, :, first : first + n],
-            self.valid[:, first : first + n], bs, digests, mirror,
-        )  # fmt: skip
-        self.last_event = torch.cuda.Event()
-        self.last_event.record(torch.cuda.current_stream(keys.device))
-        return markers
-
-    def _write_bounds(self, first: int, keys, values, valid, markers: dict) -> dict[str, torch.Tensor]:
+    def _write_bounds(self, first: int, keys, values, valid) -> dict[str, torch.Tensor]:
         """The device-side bounds of rows [first, first + n), written by `_write`: the certified bounds and the key
         sketch go into their slots now, while the markers that readers go by (the mirror's block_valid_dev, the
         bounds' block_rows_dev, the sketch's row_valid_dev; rows and blocks past them count as absent) are
         returned for `_publish` to set, so that staged rows stay invisible until then."""
         n, bs = keys.shape[2], self.block_size
         b0, b1 = first // bs, (first + n) // bs
-        markers = dict(markers)
-        if self.mirror_device is not None and "block_valid_dev" not in markers:
+        markers = {}
+        if self.mirror_device is not None:
             block_valid = valid.view(valid.shape[0], n // bs, bs).any(dim=-1)
             markers["block_valid_dev"] = block_valid.to(self.mirror_device)
         if self.bounds_device is not None:

@@ -551,25 +551,6 @@ def merge_lse_(out_a, lse_a, out_b, lse_b):
     return out_a, lse_a
 
 
-def write_rows_available(keys) -> bool:
-    """Whether `write_rows` runs as one launch for rows on keys' device (Triton on CUDA), where the host tier
-    writes evicted rows with it instead of a dozen copies and reductions."""
-    return _triton_on(keys.device)
-
-
-def write_rows(keys, values, valid, dst_keys, dst_values, dst_valid, block_size: int, digests=None, mirror=None):
-    """Rows [B, Hkv, n, D] (valid [B, n]) into a host tier's storage with their blocks' digests (and the digests'
-    device mirror), in place. See `reference.write_rows`; with Triton on keys' CUDA device one launch, the GPU
-    writing pinned host memory directly (`gpu.write_rows`)."""
-    if _triton_on(keys.device):
-        from . import gpu
-
-        return gpu.write_rows(keys, values, valid, dst_keys, dst_values, dst_valid, block_size, digests, mirror)
-    return reference.write_rows(
-        keys, values, valid, dst_keys, dst_values, dst_valid, block_size, digests, mirror
-    )
-
-
 def top_blocks_available(scores) -> bool:
     """Whether Quest should select with `top_blocks`: on CPU tensors, or with Triton on the scores' CUDA device
     (then a captured graph may hold it: `k` is read on the device; faster than torch.topk at every row length

@@ -214,29 +214,6 @@ def sparse_attention_lse(
     return out, lse.reshape(batch, num_kv_heads * group, q_len)
 
 
-def write_rows(keys, values, valid, dst_keys, dst_values, dst_valid, block_size: int, digests=None, mirror=None):
-    """Rows into a host tier's storage, in place: dst_keys / dst_values [B, Hkv, n, D] and dst_valid [B, n] take
-    keys / values / valid; digests (key_min, key_max) [B, Hkv, n / block_size, D] take each block's per-dim min /
-    max of its valid rows' keys (+inf / -inf where none is valid); mirror (key_min_dev, key_max_dev, block_valid)
-    takes the same digests with 0 where no row is valid, and whether each block [B, n / block_size] has one."""
-    dst_keys.copy_(keys)
-    dst_values.copy_(values)
-    dst_valid.copy_(valid)
-    if digests is None:
-        return
-    b, hkv, n, d = keys.shape
-    mask = valid[:, None, :, None].to(keys.device)
-    blocks = (b, hkv, n // block_size, block_size, d)
-    key_min = keys.masked_fill(~mask, float("inf")).view(blocks).amin(dim=3)
-    key_max = keys.masked_fill(~mask, float("-inf")).view(blocks).amax(dim=3)
-    digests[0].copy_(key_min)
-    digests[1].copy_(key_max)
-    if mirror is not None:
-        mirror[0].copy_(key_min.nan_to_num(posinf=0.0, neginf=0.0))
-        mirror[1].copy_(key_max.nan_to_num(posinf=0.0, neginf=0.0))
-        mirror[2].copy_(valid.view(b, n // block_size, block_size).any(dim=-1))
-
-
 def stores_attention_lse(q, stores, indices, lengths, scale: float, block_size=None):
     """Attention of B requests that each keep their own store: request b's query q[b] [Hq, D] over the blocks (or
     rows) `indices[b]` names of its store (k_store, v_store, key_mask, k_scale, v_scale), as `sparse_attention_lse`

@@ -1,6 +1,6 @@
 """Triton GPU kernels: hot-tier decode attention (with HGCA's moving average), zero-copy attention over
 selected blocks of a pinned host store, Quest's block bounds over the digests and its top-k, the certified
-selection's sketch bounds and histogram, quest's recall cache, the host tier's row writes, an in-place LSE merge, the GPU's side of a step's
+selection's sketch bounds and histogram, quest's recall cache, an in-place LSE merge, the GPU's side of a step's
 task queue, and the model's fused small layers.
 
 Each concern is a pair: `<concern>_kernels.py` holds only its `@triton.jit` functions, `<concern>.py` their
@@ -13,7 +13,6 @@ what the launchers share (the optional triton import, the interpreter's set-up, 
 from ._common import interpreted, triton_available
 from .attention import host_block_attention, hot_decode_attention, merge_lse_, prefill_attention
 from .certify import certify_histogram, sketch_bounds
-from .evict import write_rows
 from .queue import claim_probe, queue_attention
 from .recall import recall_blocks, recall_plan
 from .selection import block_scores, top_blocks
@@ -33,5 +32,4 @@ __all__ = [
     "sketch_bounds",
     "top_blocks",
     "triton_available",
-    "write_rows",
 ]
