@@ -231,6 +231,44 @@ class HostTier:
         self._staged_markers = self._write_bounds(first, keys, values, valid)
         self.staged = keys.shape[2]
 
+    def takes_written_stage(self) -> bool:
+        """Whether `stage_written` takes this tier's next staged rows: one without a split, staged rows, 8-bit codes,
+        certified bounds or key sketch (those are written by `stage`)."""
+        return (
+            self.split is None
+            and not self.staged
+            and not self.quant
+            and self.bounds_device is None
+            and not self.keep_sketch
+        )
+
+    def stage_written(self, keys, values, valid, digests=None, mirror=None) -> None:
+        """`stage` of rows that the caller moved into host memory and digested itself, with other requests' (a
+        runner staging the evicted blocks of a batch of requests at once, `engine.slots`): keys / values
+        [B, Hkv, n, D] and valid [B, n] in host memory go into the rows past the live ones; digests (key_min,
+        key_max) [B, Hkv, n / block_size, D] in host memory as `block_minmax` gives them; mirror (key_min,
+        key_max, block_valid) on the mirror device, the digests made finite and block_valid [B, n / block_size],
+        as `_write` and `_write_bounds` give them. Only where `takes_written_stage`."""
+        if not self.takes_written_stage():
+            raise RuntimeError("stage_written: a tier that stages its rows itself (`takes_written_stage`)")
+        n, bs = keys.shape[2], self.block_size
+        first = self.rows
+        self.reserve(first + n)
+        b0, b1 = first // bs, (first + n) // bs
+        self.keys[:, :, first : first + n].copy_(keys)
+        self.values[:, :, first : first + n].copy_(values)
+        self.valid[:, first : first + n].copy_(valid)
+        markers = {}
+        if self.keep_digest:
+            self.key_min[:, :, b0:b1].copy_(digests[0])
+            self.key_max[:, :, b0:b1].copy_(digests[1])
+            if self.mirror_device is not None:
+                self.key_min_dev[:, :, b0:b1].copy_(mirror[0])
+                self.key_max_dev[:, :, b0:b1].copy_(mirror[1])
+                markers["block_valid_dev"] = mirror[2]
+        self._staged_markers = markers
+        self.staged = n
+
     def _write(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> int:
         """The rows' K/V, valid flags, digests and codes into rows [rows, rows + n) (and the digests' mirror, whose
         block_valid_dev `_publish` sets); returns the first row."""
@@ -240,7 +278,7 @@ class HostTier:
         self.reserve(first + n)
         digest = None
         if self.keep_digest:
-            digest = _block_digest(keys, valid, bs)  # computed where the keys are (GPU when evicting)
+            digest = block_minmax(keys, valid, bs)  # computed where the keys are (GPU when evicting)
             if self.mirror_device is not None:
                 b0, b1 = first // bs, (first + n) // bs
                 dev = self.mirror_device
@@ -427,7 +465,7 @@ def _on_stream(stream: torch.cuda.Stream):
         yield True
 
 
-def _block_digest(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
+def block_minmax(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
     """Per-block per-dim min/max of keys over non-padding rows: [B, Hkv, n/bs, D] each."""
     b, hkv, n, d = keys.shape
     mask = valid[:, None, :, None]

@@ -76,6 +76,8 @@ class LayerKV(Failable):
         self.gpu_cache = 0.0  # its size in effect (config.quest.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
+        # False: a runner stages this layer's next evicted ring block, with other requests' (`staging_due`)
+        self.stages_own_evictions = True
         # None, or a callable (slots, dtype, device, keep_maw) -> the storage of a batch-1 hot tier of that many
         # slots (`HotTier`'s `storage`), or None where it has none that fits: a runner's pool of hot tiers
         # (`tandem.engine.slots`), asked once, when the first tokens arrive
@@ -318,12 +320,31 @@ class LayerKV(Failable):
         per layer, launched while the GPU idles; measured in docs/engine.md § Where a step's time goes, "Eviction
         steps")."""
         hot, host = self.hot, self.host
+        if not self.stages_own_evictions:
+            return
         if len(hot.order) < hot.ring_blocks or host is None or host.staged or host.split is not None:
             return
         if hot.tail_fill < 1 + self.layer_idx % hot.block_size:
             return
         keys_b, values_b, valid_b, _ = hot.block_view(hot.order[0])
         host.stage(keys_b, values_b, valid_b)
+
+    def staging_due(self, period_step: int) -> bool:
+        """For a layer whose runner stages its evictions (`stages_own_evictions` False): whether its next evicted
+        ring block is staged at this step of the runner's block period, shared by all the runner's requests so
+        that one call per layer stages all of theirs. The ring full, its oldest block not staged yet, and the
+        period's step that this layer's index picks: one step in every block_size, so one between any two
+        evictions (a block missed is written at its eviction, as without staging)."""
+        hot, host = self.hot, self.host
+        if (
+            hot is None
+            or len(hot.order) < hot.ring_blocks
+            or host is None
+            or host.staged
+            or host.split is not None
+        ):
+            return False
+        return period_step % hot.block_size == self.layer_idx % hot.block_size
 
     def _evict_oldest_block(self) -> None:
         hot = self.hot

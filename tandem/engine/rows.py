@@ -257,6 +257,8 @@ class RowsRunner:
         self._order = self._order_key = None
         if pooled:
             self._rows = (pooled, self.pool.layer_rows(pooled[-1] + 1, len(pooled)))
+            for r in pooled:
+                self.pool.own_staging(rows[r])
 
     def _pooled(self, cache, row: int) -> bool:
         return self.pool is not None and row < self.pool.size and self.pool.row(cache) == row
@@ -277,6 +279,8 @@ class RowsRunner:
             # the copies each cache queues into host memory run while the next cache is prepared: the step
             # waits for them after all of them, not once per cache
             slots[id(cache)] = step.prepare(cache.tandem_layers(), context, wait=False)
+        if self._rows is not None:
+            self.pool.stage_evictions([rows[r] for r in self._rows[0]])
         if step.flags is not None:
             for cache in caches:
                 step.wait_for_copies(cache.tandem_layers())

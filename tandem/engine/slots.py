@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from ..attention.rows import PooledRows
+from ..cache.host import block_minmax
 from ..integrations.hf import layer_windows
 from ..models import attention_shape
 
@@ -58,6 +59,7 @@ class SlotPool:
         self.step_slots = torch.zeros(size, dtype=torch.long, device=device)
         pin = self.device.type == "cuda"
         self._staged = torch.zeros(2, size, dtype=torch.long, pin_memory=pin)
+        self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
 
     @classmethod
     def for_model(cls, model, config, size: int) -> SlotPool | None:
@@ -136,6 +138,76 @@ class SlotPool:
             i: PooledRows(self.keys[i][:n], self.values[i][:n], self.valid[i][:n], rows, slots)
             for i in self.keys
         }
+
+    def stage_evictions(self, caches) -> int:
+        """Stage the evicted ring blocks of the pooled requests `caches` that are due at this step of the pool's
+        block period (`LayerKV.staging_due`; their layers leave staging to the pool, `own_staging`), per layer for
+        all requests at once: their blocks gathered and digested in one call each, one copy of each into host
+        memory and one wait for them, then each request's host tier takes its rows (`HostTier.stage_written`). A
+        tier that stages its rows itself (8-bit codes, certified bounds) stages alone. Returns the blocks staged.
+
+        Staged one request and layer at a time, the blocks of B requests cost a dozen small device operations
+        each per layer every block_size steps; here a layer's block of every request costs about as much as one
+        (docs/serve.md § Measured)."""
+        step, self._period = self._period, self._period + 1
+        due: dict[tuple, list] = {}
+        for cache in caches:
+            for kv in cache.tandem_layers():
+                if kv.staging_due(step):
+                    key = (
+                        (kv.layer_idx, kv.hot.block_size, kv.host.dtype)
+                        if kv.host.takes_written_stage()
+                        else None
+                    )
+                    due.setdefault(key, []).append(kv)
+        for kv in due.pop(None, []):
+            kv.host.stage(*kv.hot.block_view(kv.hot.order[0])[:3])
+        staged = []
+        for (_, block_size, _), kvs in due.items():
+            staged.append(self._stage_batch(kvs, block_size))
+        if staged and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copies into host memory have landed
+        for kvs, parts in staged:
+            for i, kv in enumerate(kvs):
+                rows = slice(i, i + 1)
+                digests = mirror = None
+                if kv.host.keep_digest:
+                    digests = (parts["key_min"][rows], parts["key_max"][rows])
+                    if kv.host.mirror_device is not None:
+                        mirror = (parts["min_dev"][rows], parts["max_dev"][rows], parts["block_valid"][rows])
+                kv.host.stage_written(
+                    parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror
+                )
+        return sum(len(kvs) for kvs, _ in staged)
+
+    def _stage_batch(self, kvs, block_size: int):
+        """(kvs, parts): the oldest ring blocks of `kvs` (one layer of several requests) gathered, digested and
+        queued into host memory (pinned on CUDA), by name."""
+        views = [kv.hot.block_view(kv.hot.order[0]) for kv in kvs]
+        keys = torch.cat([view[0] for view in views])
+        values = torch.cat([view[1] for view in views])
+        valid = torch.cat([view[2] for view in views])
+        on_device = {"keys": keys, "values": values, "valid": valid}
+        parts = {}
+        if any(kv.host.keep_digest for kv in kvs):
+            key_min, key_max = block_minmax(keys, valid, block_size)
+            on_device["key_min"], on_device["key_max"] = key_min, key_max
+            if any(kv.host.mirror_device is not None for kv in kvs):
+                parts["min_dev"] = key_min.nan_to_num(posinf=0.0, neginf=0.0)
+                parts["max_dev"] = key_max.nan_to_num(posinf=0.0, neginf=0.0)
+                parts["block_valid"] = valid.view(valid.shape[0], -1, block_size).any(dim=-1)
+        pin = self.device.type == "cuda"
+        for name, t in on_device.items():
+            if pin:
+                parts[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            else:
+                parts[name] = t
+        return kvs, parts
+
+    def own_staging(self, cache) -> None:
+        """Leave the staging of `cache`'s evictions to the pool (`stage_evictions`): a pooled request's."""
+        for kv in cache.tandem_layers():
+            kv.stages_own_evictions = False
 
     def set_step(self, rows: list[int], slots: list[int]) -> None:
         """The step's rows and the slot each writes its token to (queued in stream order before the step)."""

@@ -189,6 +189,56 @@ def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
 
 
 @torch.inference_mode()
+def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, monkeypatch):
+    """Over 40 steps (evictions every 16), the pool stages its requests' evicted blocks one layer at a time for all
+    of them (`SlotPool.stage_evictions`): the host tiers (rows, valid flags, digests and their device mirror) hold
+    what each request's own staging writes, and the tokens are the same."""
+    from tandem.cache import host as host_module
+
+    written = []
+    stage_written = host_module.HostTier.stage_written
+
+    def counted(tier, *args, **kwargs):
+        written.append(tier)
+        return stage_written(tier, *args, **kwargs)
+
+    monkeypatch.setattr(host_module.HostTier, "stage_written", counted)
+    policies = ("full", "quest+share", "streaming", "quest+share")
+    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((39, 71, 53, 46))]
+    tiers = []
+    for slots in (4, 0):
+        runner = RowsRunner(tiny, config=_config("full"), slots=slots)
+        rows = [
+            _Row(tiny, p, policy, torch.device("cpu"), runner)
+            for p, policy in zip(prompts, policies, strict=True)
+        ]
+        for _ in range(40):
+            _step(runner, rows)
+        tiers.append([[kv.host for kv in row.cache.tandem_layers()] for row in rows])
+        tokens = [row.tokens for row in rows]
+        if slots:
+            pooled_tokens = tokens
+    assert tokens == pooled_tokens
+    assert len(written) >= 4 * 2 * 2  # every request's layers, twice in 40 steps
+    names = ("keys", "values", "valid", "key_min", "key_max", "key_min_dev", "key_max_dev", "block_valid_dev")
+    for pooled, own in zip(*tiers, strict=True):
+        for a, b in zip(pooled, own, strict=True):
+            assert a.rows == b.rows  # staged rows may differ: the pool stages at its own period's steps
+            for name in names:
+                x, y = getattr(a, name), getattr(b, name)
+                if x is None:
+                    assert y is None
+                    continue
+                per_block = name not in ("keys", "values", "valid")
+                rows_dim = 1 if x.dim() == 2 else 2
+                live = (a.rows + min(a.staged, b.staged)) // (a.block_size if per_block else 1)
+                # the same rows, up to the float sums of the pooled step's attention (the other test's tolerance)
+                torch.testing.assert_close(
+                    x.narrow(rows_dim, 0, live), y.narrow(rows_dim, 0, live), atol=1e-4, rtol=1e-4
+                )
+
+
+@torch.inference_mode()
 def test_rows_refuse_bad_batches(tiny):
     runner = RowsRunner(tiny)
     row = _Row(tiny, _prompt(tiny, 20, 0), "full", torch.device("cpu"))
