@@ -23,6 +23,7 @@ import time
 import torch
 
 from tandem import TandemCache, TandemConfig, manifest
+from tandem.config import parse_setting
 from tandem.engine.rows import RowsRunner
 from tandem.engine.runner import TandemRunner
 from tandem.shapes import build_random_model
@@ -86,8 +87,21 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--record-after", type=int, default=2, help="RowsRunner's record_after")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config setting for every policy, as `tandem bench --set` (e.g. quest.gpu_share=0); repeatable",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="directory for rows.json / .md and the manifest")
     args = p.parse_args()
+    settings = {}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep:
+            p.error(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            settings[key.strip()] = parse_setting(key.strip(), text.strip())
+        except ValueError as err:
+            p.error(f"--set {item}: {err}")
     if args.steps < args.record_after + 2:
         p.error(f"--steps must be at least --record-after + 2 = {args.record_after + 2}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -97,7 +111,10 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for policy in args.policies.split(","):
-            config = TandemConfig(policy=policy)
+            try:
+                config = TandemConfig(policy=policy).with_settings(settings)
+            except ValueError as err:
+                p.error(f"--set with policy {policy}: {err}")
             for batch in (int(b) for b in args.batches.split(",")):
                 row = {"policy": policy, "batch": batch,
                        "rows": _rows(model, config, batch, args, device, pooled=False),
@@ -113,7 +130,7 @@ def main() -> None:
         "",
         f"{args.prompt_tokens}-token prompts, {args.steps} decode steps; the rows are recorded after "
         f"{args.record_after} eager steps (CUDA only; on the CPU every step is eager). Medians in ms; x: times the static "
-        "batch's step.",
+        "batch's step." + (f" Settings: {', '.join(args.set)}." if args.set else ""),
         "",
         "| policy | B | hot tiers | rows eager | rows recording | rows replayed | static batch | eager / static | "
         "replayed / static |",
@@ -131,7 +148,8 @@ def main() -> None:
                          f"{r['eager_ms'] / s['step_ms']:.1f}x | {ratio} |")  # fmt: skip
     print("\n".join(lines))
     if args.out:
-        data = {"machine": machine, "shape": args.shape, "prompt_tokens": args.prompt_tokens, "rows": rows}
+        data = {"machine": machine, "shape": args.shape, "prompt_tokens": args.prompt_tokens, "settings": args.set,
+                "rows": rows}  # fmt: skip
         manifest.save_results(args.out, "rows", data, "\n".join(lines) + "\n")
 
 

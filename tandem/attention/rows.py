@@ -223,23 +223,26 @@ class RankedRows:
         # numpy views: the host side fills them per request at each step without a tensor op each
         self._skips, self._counts = self.call.skips.numpy(), self.call.counts.numpy()
         self._available, self._stats = self.available.numpy(), self.call.row_stats.numpy()
+        self._ranked_rows = list(self.ranked_host.split(1))  # row b as its own [1, Hkv, W] ranking
 
     def layout(self) -> None:
         """This step's ranks and available rows per joined request (on the host, before the call)."""
         self._skips[:] = 0
         self._counts[:] = 0
+        skips, counts, available, ranked = self._skips, self._counts, self._available, self._ranked_rows
         for b in self.members:
             layer = self._layers[b]
             host = layer.host
             host.wait()
             skip = 0 if self._planned[b] else layer.policy.device_share(layer)
-            self._skips[b], self._counts[b] = layer.policy.ranked_range(layer, self.ranked_host[b : b + 1], skip)
-            self._available[b] = host.valid_total()
+            skips[b], counts[b] = layer.policy.ranked_range(layer, ranked[b], skip)
+            available[b] = host.valid_total()
 
     def finish(self) -> None:
         """Each joined request's statistics from the call's per-request counts."""
+        stats = self._stats.tolist()
         for b in self.members:
-            _record_counts(self._layers[b], *(int(x) for x in self._stats[b]))
+            _record_counts(self._layers[b], *stats[b])
 
 
 def _group(layer) -> tuple:
