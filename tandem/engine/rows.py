@@ -11,9 +11,10 @@ b, a row without a request in the step decodes nothing), so each layer writes an
 hot tier in one call and waits once for their CPU parts (`attention.rows.decode_rows`).
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
-with a hand-off per layer and request) and replayed while it stays the same. The
-recording depends on the requests' cache addresses, so a request that joins or leaves ends it: the batch's
-composition, not only its size, keys the graph.
+with a hand-off per layer and request, one per layer for the pooled quest requests together) and replayed while it
+stays the same. The recording depends on the requests' cache addresses, so a request that joins or leaves ends
+it: the batch's composition, not only its size, keys the graph. The pool stages its requests' evicted blocks for
+all of them at once (`SlotPool.stage_evictions`).
 """
 
 from __future__ import annotations
