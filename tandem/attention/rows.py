@@ -149,8 +149,8 @@ class RankedRows:
         return True
 
     def publish(self, q3: torch.Tensor) -> None:
-        """Queue the joined rows' rankings and q [n, Hq, D] into host memory (one copy each), with q_copied
-        recorded after them (eagerly; a recorded step's `context.q_ready` records it)."""
+        """Queue the joined rows' rankings and q [n, Hq, D] into host memory (one copy each); the caller records
+        `q_copied` after them (eagerly, or through a recorded step's `context.q_ready`)."""
         width = max(r.shape[-1] for r in self._rankings.values())
         first = self._rankings[self.members[0]]
         key = (tuple(q3.shape), q3.dtype, q3.device, first.shape[1], width)
@@ -246,10 +246,16 @@ class RankedRows:
 
 
 def _group(layer) -> tuple:
-    """What requests whose CPU parts run as one call must share: the host tier's format and block size, and the
-    CPU threads."""
+    """What requests whose CPU parts run as one call must share: the host tier's format, block size and KV heads,
+    the CPU threads and the softmax scale."""
     host = layer.host
-    return host.keys.dtype, host.block_size, host.num_kv_heads, layer.config.host.threads, layer.attention_scale
+    return (
+        host.keys.dtype,
+        host.block_size,
+        host.num_kv_heads,
+        layer.config.host.threads,
+        layer.attention_scale,
+    )
 
 
 class _RankedRowsPart:

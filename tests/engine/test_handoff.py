@@ -267,7 +267,9 @@ def test_a_ranked_rows_task_is_served_with_the_results_of_its_python_call():
     stores = []
     for blocks in (12, 7, 9):
         shape = (1, kv_heads, blocks * block_size, dim)
-        stores.append((torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), None, None, None))
+        stores.append(
+            (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), None, None, None)
+        )
     q = torch.randn(3, kv_heads * group, dim, generator=gen)
     ranked = torch.full((3, kv_heads, 6), -1, dtype=torch.long)
     for b, blocks in enumerate((12, 7, 9)):

@@ -432,7 +432,9 @@ class RankedRowsAttention:
     def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
         """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""
         self._check_available(available)
-        return self.result(self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs))
+        return self.result(
+            self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
+        )
 
     def task(self, available: torch.Tensor | None = None) -> _library.HandoffTask:
         """`self(available)` as a hand-off task for `serve_handoffs`, not run yet (it reads `skips` / `counts` when
