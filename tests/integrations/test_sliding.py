@@ -177,7 +177,9 @@ def test_layer_kinds_from_the_config():
     assert layer_windows(gemma) == [WINDOW, WINDOW, None, WINDOW]
     assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=WINDOW)) == [WINDOW] * 3
     assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=None)) == [None] * 3
-    linear = Gemma3TextConfig(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"])
+    linear = Gemma3TextConfig(num_hidden_layers=2)
+    # set after construction: transformers 5.17's config checks refuse the type before layer_windows could
+    linear.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="unsupported attention layer type 'linear_attention'"):
         layer_windows(linear)
     windowless = Gemma3TextConfig(num_hidden_layers=2, sliding_window=None, layer_types=GEMMA_LAYERS[:2])
