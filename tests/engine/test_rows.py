@@ -239,6 +239,42 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
 
 
 @torch.inference_mode()
+def test_pooled_rows_follow_host_tiers_that_grow(tiny):
+    """Host tiers that outgrow their first allocation while their requests decode pooled (4-token blocks: a tier
+    starts at 256 rows): the joint quest hand-off's call and the pool's staging follow the moved buffers, and every
+    request decodes the tokens and logits of its own steps."""
+    quest = QuestConfig(budget=0.5, gpu_share=0.5)
+    configs = [
+        TandemConfig(policy=policy, sink_tokens=4, window_tokens=8, block_size=4, **extra)
+        for policy, extra in (("quest", {"quest": quest}),) * 2 + (("full", {}), ("quest", {"quest": quest}))
+    ]
+    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((236, 228, 241, 232))]
+    results = []
+    for slots in (4, 0):
+        runner = RowsRunner(tiny, config=configs[2], slots=slots)
+        caches, tokens, logits = [], [], []
+        for prompt, config in zip(prompts, configs, strict=True):
+            cache = TandemCache.for_model(tiny, config)
+            runner.attach(cache)
+            out = tiny(
+                input_ids=prompt, use_cache=True, logits_to_keep=1, **generate_cache_kwargs(tiny, cache)
+            )
+            caches.append(cache)
+            tokens.append([int(out.logits[0, -1].argmax())])
+        first = [[kv.host.generation for kv in cache.tandem_layers()] for cache in caches]
+        for step in range(48):
+            out = runner.step(caches, [t[-1] for t in tokens], [p.shape[1] + step for p in prompts])
+            logits.append(out.float().cpu())
+            for t, token in zip(tokens, out.argmax(-1).tolist(), strict=True):
+                t.append(token)
+        grown = [[kv.host.generation for kv in cache.tandem_layers()] for cache in caches]
+        assert all(g > f for gs, fs in zip(grown, first, strict=True) for g, f in zip(gs, fs, strict=True))
+        results.append((tokens, torch.stack(logits)))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
 def test_rows_refuse_bad_batches(tiny):
     runner = RowsRunner(tiny)
     row = _Row(tiny, _prompt(tiny, 20, 0), "full", torch.device("cpu"))
