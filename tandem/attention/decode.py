@@ -252,10 +252,15 @@ def prepare(layer, q3: torch.Tensor, scale: float, stage: bool = True):
     bufs.queue = _queue_plan(layer, q3, ranked)
     plan = _recall_plan(layer, bufs, ranked) if bufs.queue is None else None
     if stage:
-        bufs.stage(ranked_cpu if plan is None else plan.cpu_ids, q3.is_cuda)
+        bufs.stage(cpu_list(ranked_cpu, plan), q3.is_cuda)
     if bufs.queue is not None:
         bufs.queue.stage(q3.is_cuda)
     return bufs, ranked, plan
+
+
+def cpu_list(ranked, plan):
+    """The device's selection that the CPU part reads: the ranking, or with a recall plan the plan's CPU list."""
+    return ranked if plan is None else plan.cpu_ids
 
 
 def _queue_plan(layer, q3: torch.Tensor, ranked):

@@ -20,6 +20,7 @@ from ..kernels import ops
 from .decode import (
     CpuPart,
     NativePart,
+    cpu_list,
     cpu_part,
     decode_layer,
     device_only,
@@ -144,7 +145,7 @@ class RankedRows:
                 return False
         self.members.append(b)
         # with a recall plan the CPU's blocks are the plan's list, all of it the CPU's (`decode._ranked_call`)
-        self._rankings[b] = ranked if plan is None else plan.cpu_ids
+        self._rankings[b] = cpu_list(ranked, plan)
         self._planned[b] = plan is not None
         return True
 
@@ -360,12 +361,12 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     ranked_rows.begin(layers)
     for b in together:
         parts[b] = bufs, ranked, plan = prepare(layers[b], q3[b : b + 1], scale, stage=False)
-        if not _hands_off(layers[b], plan, q.is_cuda):
-            bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
-            continue
-        if ranked_rows.admits(b, layers[b], bufs, ranked, plan):
+        hands_off = _hands_off(layers[b], plan, q.is_cuda)
+        if hands_off and ranked_rows.admits(b, layers[b], bufs, ranked, plan):
             continue  # its CPU part goes to the host with the other joined requests', after this loop
-        bufs.stage(ranked if plan is None else plan.cpu_ids, q.is_cuda)
+        bufs.stage(cpu_list(ranked, plan), q.is_cuda)
+        if not hands_off:
+            continue
         host.append(b)
         if not q.is_cuda:
             bufs.q_host.copy_(bufs.q_cpu)

@@ -291,6 +291,11 @@ def test_a_ranked_rows_task_is_served_with_the_results_of_its_python_call():
     assert torch.equal(results[0], expected[0]) and results[0][:, 2].tolist() == [80, 40, 60]
     assert torch.equal(out, expected[1]) and torch.equal(lse, expected[2])
     assert torch.isneginf(lse[2]).all()
+    for bad in (torch.tensor([40, 20]), available.int()):  # read in place at each call: checked at each
+        with pytest.raises(ValueError, match=r"available must be \[B\] = \[3\] int64, contiguous, got"):
+            call(bad)
+        with pytest.raises(ValueError, match=r"available must be \[B\] = \[3\] int64"):
+            call.task(bad)
 
 
 @needs_cpu_kernels

@@ -155,7 +155,7 @@ class RankedAttention:
 
     def __call__(self, skip: int, count: int, available: torch.Tensor | None = None) -> tuple[int, int, int]:
         """Attend ranks [skip, count) (0 <= skip <= count <= W); `available`: [B] int64 contiguous, or None."""
-        self._check_available(available)
+        _check_available(available, self.batch)
         bad = self.lib.tandem_ranked_attention(
             *self.call_args, skip, count, *self.tail, _ptr(available), *self.outputs
         )
@@ -165,7 +165,7 @@ class RankedAttention:
         """`self(skip, count, available)` as a hand-off task for `serve_handoffs`, not run yet; once served,
         `self.result(task.result, skip, count)` is what the call returns. One task per instance, refilled by each
         call here."""
-        self._check_available(available)
+        _check_available(available, self.batch)
         task = self._task
         if task is None:
             task = self._task = _library.HandoffTask(
@@ -194,17 +194,16 @@ class RankedAttention:
             raise ValueError(f"ranked must name blocks of k_store: {bad} selected rows fall outside it")
         return self.stats[0], self.stats[1], self.stats[2]
 
-    def _check_available(self, available: torch.Tensor | None) -> None:
-        # read in place as [B] int64 at each call, which no launcher sees: checked here
-        if available is not None and (
-            available.dtype != torch.int64
-            or available.shape != (self.batch,)
-            or not available.is_contiguous()
-        ):
-            raise ValueError(
-                f"available must be [B] = [{self.batch}] int64, contiguous, got {tuple(available.shape)} "
-                f"{available.dtype}"
-            )
+
+def _check_available(available: torch.Tensor | None, batch: int) -> None:
+    """A ranked call's `available` ([B] int64, contiguous, or None): read in place at each call, which no launcher
+    sees, so checked there."""
+    if available is not None and (
+        available.dtype != torch.int64 or available.shape != (batch,) or not available.is_contiguous()
+    ):
+        raise ValueError(
+            f"available must be [B] = [{batch}] int64, contiguous, got {tuple(available.shape)} {available.dtype}"
+        )
 
 
 def empty_task(out: torch.Tensor, lse: torch.Tensor) -> _library.HandoffTask:
@@ -431,7 +430,7 @@ class RankedRowsAttention:
 
     def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
         """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""
-        self._check_available(available)
+        _check_available(available, self.batch)
         return self.result(
             self.lib.tandem_ranked_rows_attention(*self.call_args, _ptr(available), *self.outputs)
         )
@@ -439,7 +438,7 @@ class RankedRowsAttention:
     def task(self, available: torch.Tensor | None = None) -> _library.HandoffTask:
         """`self(available)` as a hand-off task for `serve_handoffs`, not run yet (it reads `skips` / `counts` when
         it runs); once served, `self.result(task.result)` is what the call returns. One task per instance."""
-        self._check_available(available)
+        _check_available(available, self.batch)
         task = self._task
         if task is None:
             task = self._task = _library.HandoffTask(
@@ -456,14 +455,6 @@ class RankedRowsAttention:
         task.keep = (self.args, self.tensors, self.ranked, self.indices, self.lengths, self.skips, self.counts,
                      self.row_stats, available)  # fmt: skip
         return task
-
-    def _check_available(self, available: torch.Tensor | None) -> None:
-        if available is not None and (
-            available.dtype != torch.int64
-            or available.shape != (self.batch,)
-            or not available.is_contiguous()
-        ):
-            raise ValueError(f"available must be [B] = [{self.batch}] int64, contiguous")
 
     def result(self, bad: int) -> torch.Tensor:
         """`row_stats` of a call that returned `bad`, or the error it means."""
