@@ -232,13 +232,16 @@ def _deferred(layer, bufs, q3, ranked, plan, scale: float, pool, context) -> tor
     return out
 
 
-def prepare(layer, q3: torch.Tensor, scale: float, stage: bool = True):
+def prepare(layer, q3: torch.Tensor, scale: float, stage: bool = True, ranked=None, plan=None):
     """(bufs, ranked, plan) of one step of `layer` for q3 [B, Hq, D]: its fixed buffers (`DecodeBuffers`), the
     policy's device-side ranking of host blocks (or None), the recall cache's plan (or None), with the ranking's
     (or the plan's CPU list's) copy into host memory queued. `stage` False: the caller copies the ranking itself
-    (`bufs.stage`, or with other requests' as one: `rows.RankedRows`)."""
+    (`bufs.stage`, or with other requests' as one: `rows.RankedRows`). `ranked` / `plan`: the ranking and the
+    recall plan, where the caller made them (with other requests': `rows.PooledRows`), else the policy's
+    `device_select` and the layer's own recall cache make them."""
     layer.attention_scale = scale
-    ranked = layer.policy.device_select(layer, q3)
+    if ranked is None:
+        ranked = layer.policy.device_select(layer, q3)
     q_cpu, ranked_cpu = q3, ranked
     split = layer.split if layer.policy.attends_host else None
     if split is not None:
@@ -250,7 +253,10 @@ def prepare(layer, q3: torch.Tensor, scale: float, stage: bool = True):
         bufs = layer.decode_buffers = DecodeBuffers(*q_cpu.shape, q_cpu.dtype, q_cpu.device)
     bufs.q_cpu, bufs.split = q_cpu, split
     bufs.queue = _queue_plan(layer, q3, ranked)
-    plan = _recall_plan(layer, bufs, ranked) if bufs.queue is None else None
+    if plan is not None:
+        bufs.recall_planned = True
+    elif bufs.queue is None:
+        plan = _recall_plan(layer, bufs, ranked)
     if stage:
         bufs.stage(cpu_list(ranked_cpu, plan), q3.is_cuda)
     if bufs.queue is not None:
@@ -365,7 +371,7 @@ def overlapped(
     return out
 
 
-def _share_width(layer, ranked) -> int:
+def share_width(layer, ranked) -> int:
     """Width of the device share's slice of the ranked ids: ceil(gpu_share * k_max), fixed for a graph."""
     if ranked is None or layer.gpu_share == 0:
         return 0
@@ -376,7 +382,7 @@ def _recall_plan(layer, bufs: DecodeBuffers, ranked):
     """With a recall cache (`gpu_cache`), split this step's selection between the cache, the device's reads
     from host memory (`gpu_share` of the blocks not cached) and the CPU (`tandem.cache.recall`); None without
     one."""
-    width = _share_width(layer, ranked)
+    width = share_width(layer, ranked)
     recall = layer.recall_cache(ranked, width) if width else None
     bufs.recall_planned = recall is not None
     if recall is None:
@@ -405,7 +411,7 @@ def device_part(layer, bufs: DecodeBuffers, q, ranked, out, lse, scale: float, c
                 torch.cuda.current_stream(q.device).wait_event(host.last_event)
             ops.merge_lse_(out, lse, *bufs.queue.gpu_part(layer, q, ranked, scale))
         return
-    width = _share_width(layer, ranked)
+    width = share_width(layer, ranked)
     if width == 0:
         return
     if count is None and q.is_cuda and host.last_event is not None:

@@ -2,7 +2,10 @@
 (`decode_rows`): the parts of `decode.decode_layer`, with the work that can be shared done once for all.
 
 The requests' hot tiers are rows of one pool (`PooledRows`, kept by `tandem.engine.slots`): their new tokens are
-written and their hot tiers attended with one call per layer. Their host tiers stay their own; the CPU parts of the
+written and their hot tiers attended with one call per layer. The quest requests whose digest mirrors are rows of
+the pool's are ranked with one scoring and one top-k per layer (`PooledRows.rank`), and their device shares planned
+and attended over the pool's recall cache in one plan and one attention (`PooledRows.plan_recall`). Their host
+tiers stay their own; the CPU parts of the
 requests whose policy keeps a range of the device's ranking (quest) go to the host as one hand-off per layer
 (`RankedRows`: one copy of q and of the rankings, one compiled call over each request's own host tier, one copy
 back and one merge), and on CPU tensors the requests whose policy attends every host row are attended in one call
@@ -16,7 +19,9 @@ from functools import partial
 
 import torch
 
+from ..cache.recall import RecallPlan
 from ..kernels import ops
+from ..policies.quest import rank_blocks
 from .decode import (
     CpuPart,
     NativePart,
@@ -29,6 +34,7 @@ from .decode import (
     prepare,
     prepared_hot_call,
     record_no_host_part,
+    share_width,
 )
 from .host import _record_counts, live_blocks
 
@@ -40,6 +46,12 @@ class PooledRows:
     keys / values: [n, Hkv, S, D] and valid [n, S], the pool's first n rows (views)
     rows / slots:  [m] int64 on the device: the rows holding a request this step and the hot-tier slot each
                    writes its new token to (the rows of the batch past them attend nothing here)
+    mirror:        None, or a callable giving the rows' pooled digest mirrors (key_min, key_max [n, Hkv, NB, D],
+                   block_valid [n, NB]) or None, read at each step (they grow); with blocks [n] int64 on the
+                   device, each row's quest blocks this step: `rank` ranks the requests' host blocks at once
+    recall:        None, or a callable (layer, k_max, width) -> the pool's recall cache for this layer (a
+                   `RecallCache` with a row per pool row and per-row counts), or None where it has none that
+                   fits: `plan_recall` plans the ranked requests' device shares at once
     """
 
     __slots__ = (
@@ -54,14 +66,88 @@ class PooledRows:
         "_all",
         "_all_key",
         "ranked",
+        "mirror",
+        "blocks",
+        "recall",
     )
 
-    def __init__(self, keys, values, valid, rows, slots) -> None:
+    def __init__(self, keys, values, valid, rows, slots, mirror=None, blocks=None, recall=None) -> None:
         self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
+        self.mirror, self.blocks, self.recall = mirror, blocks, recall
         self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
         self._hot, self._hot_key = None, None
         self._all, self._all_key = None, None
         self.ranked = RankedRows()  # the step's joint hand-off of the requests that keep a ranked range
+
+    def rank(self, layers, q3: torch.Tensor, members) -> tuple[torch.Tensor | None, set]:
+        """(ranking, ranked): the device-side ranking [n, Hkv, W] of every request among rows `members` whose
+        policy ranks its blocks by the host tier's digest mirror (`Policy.ranks_by_mirror`) and whose mirror is
+        its row of the pool's, made by one scoring and one top-k for all of them (`quest.rank_blocks`, each row
+        with its own block count; W the widest of their rankings over the pool's mirror), and the rows it
+        ranked; (None, empty) where none does. Row b's ranking is what its policy's device_select gives, over a
+        wider mirror (the blocks past its own are never valid)."""
+        mirror = self.mirror() if self.mirror is not None else None
+        if mirror is None:
+            return None, set()
+        key_min = mirror[0]
+        ranked = set()
+        for b in members:
+            host = layers[b].host
+            if not layers[b].policy.ranks_by_mirror or host is None or host.key_min_dev is None:
+                continue
+            if host.key_min_dev.data_ptr() == key_min[b].data_ptr():
+                ranked.add(b)
+        if not ranked:
+            return None, ranked
+        num_blocks = key_min.shape[2]
+        width = max(layers[b].policy.ranking_width(num_blocks) for b in ranked)
+        return rank_blocks(q3, *mirror, self.blocks, width), ranked
+
+    def plan_recall(self, layers, ranking: torch.Tensor | None, ranked: set):
+        """(cache, plan, planned): one recall plan for the device shares of the requests `rank` ranked, over the
+        pool's recall cache for this layer (`RecallCache.plan_rows`, each row with its own block count), where
+        every request of the first n rows that ranks by its mirror was ranked, has a recall cache and a device
+        share, and shares the first one's share, cache size, block size and host dtype; else (None, None, empty):
+        each plans its own. A planned request's layer counts its row's statistics (`LayerKV.recall_row`)."""
+        nothing = None, None, set()
+        if ranking is None or self.recall is None:
+            return nothing
+        first = layers[min(ranked)]
+        width = share_width(first, ranking)
+        if not (first.gpu_cache and width) or first.host is None:
+            return nothing
+        group = (first.gpu_share, first.config.quest.gpu_cache, first.host.block_size, first.host.dtype)
+        for b, layer in enumerate(layers[: ranking.shape[0]]):
+            # every row that ranks (a block count this step) must be planned here, or none is
+            if layer is None or not layer.policy.ranks_by_mirror or layer.host is None:
+                continue
+            host = layer.host
+            if host.key_min_dev is None:
+                continue
+            if b not in ranked or not layer.gpu_cache:
+                return nothing
+            if (layer.gpu_share, layer.config.quest.gpu_cache, host.block_size, host.dtype) != group:
+                return nothing
+        cache = self.recall(first, ranking.shape[-1], width)
+        if cache is None:
+            return nothing
+        for b in ranked:
+            layers[b].recall_row = (cache, b)
+        return cache, cache.plan_rows(ranking, self.blocks, first.gpu_share), ranked
+
+    def attend_recalled(self, layers, cache, plan, planned, q3, out, lse, scale: float) -> None:
+        """The planned requests' device shares: each one's blocks planned to be copied in from its own host tier
+        (`RecallCache.fill_row`), then one attention over the cache's hits and copies for all rows, merged into
+        (out, lse) [n, Hq, D] / [n, Hq] (rows not planned attend nothing)."""
+        for b in sorted(planned):
+            cache.fill_row(b, layers[b].host, plan)
+        n = q3.shape[0]
+        keys, values, valid = cache.store()
+        block_size = cache.block_size
+        o_dev, lse_dev = ops.host_block_attention(
+            q3, keys[:n], values[:n], plan.gpu_ids, cache.gpu_lengths[:n], block_size, valid[:n], scale
+        )
+        ops.merge_lse_(out, lse, o_dev, lse_dev)
 
     def attend_every_row(self, layers, gathered, q3: torch.Tensor, scale: float, threads: int | None):
         """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over every live host row of the requests at
@@ -149,9 +235,12 @@ class RankedRows:
         self._planned[b] = plan is not None
         return True
 
-    def publish(self, q3: torch.Tensor) -> None:
+    def publish(self, q3: torch.Tensor, shared=()) -> None:
         """Queue the joined rows' rankings and q [n, Hq, D] into host memory (one copy each); the caller records
-        `q_copied` after them (eagerly, or through a recorded step's `context.q_ready`)."""
+        `q_copied` after them (eagerly, or through a recorded step's `context.q_ready`). `shared`: pairs (lists
+        [n, Hkv, W], rows) of the CPU's lists of several rows made at once (`PooledRows.rank`, `plan_recall`):
+        the pair that serves the most joined rows is copied as one (rows that did not join read none of it: they
+        keep no ranks), the other rows one by one."""
         width = max(r.shape[-1] for r in self._rankings.values())
         first = self._rankings[self.members[0]]
         key = (tuple(q3.shape), q3.dtype, q3.device, first.shape[1], width)
@@ -159,7 +248,19 @@ class RankedRows:
             self._buffers(q3, first.shape[1], width)
             self._key = key
         self._prepare_call()
+        whole = set()
+        for lists, rows in shared:
+            # a row is served where its CPU list is that row of `lists` (not its own recall plan's)
+            served = {
+                b for b in self.members if b in rows and self._rankings[b].data_ptr() == lists[b].data_ptr()
+            }
+            if len(served) > len(whole):
+                whole, source = served, lists
+        if whole:
+            self.ranked_dev[:, :, : source.shape[-1]].copy_(source)
         for b in self.members:
+            if b in whole:
+                continue
             ranked = self._rankings[b]
             self.ranked_dev[b, :, : ranked.shape[-1]].copy_(ranked[0])
         on_cuda = q3.is_cuda
@@ -359,8 +460,16 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     parts, host, cpu_parts = {}, [], []
     ranked_rows = pooled.ranked
     ranked_rows.begin(layers)
+    # the quest requests' rankings over their pooled digest mirrors, in one scoring and one top-k
+    ranking, by_pool = pooled.rank(layers, q3[:n], together)
+    # and the device shares of those with a recall cache, in one plan over the pool's recall cache
+    recall, recall_plan, by_recall = pooled.plan_recall(layers, ranking, by_pool)
     for b in together:
-        parts[b] = bufs, ranked, plan = prepare(layers[b], q3[b : b + 1], scale, stage=False)
+        given = ranking[b : b + 1] if b in by_pool else None
+        given_plan = _plan_row(recall_plan, b) if b in by_recall else None
+        parts[b] = bufs, ranked, plan = prepare(
+            layers[b], q3[b : b + 1], scale, stage=False, ranked=given, plan=given_plan
+        )
         hands_off = _hands_off(layers[b], plan, q.is_cuda)
         if hands_off and ranked_rows.admits(b, layers[b], bufs, ranked, plan):
             continue  # its CPU part goes to the host with the other joined requests', after this loop
@@ -387,7 +496,8 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     ranked_part = None
     if ranked_rows.members:
         # one copy of q and of the joined requests' rankings, one hand-off (after the single requests' parts)
-        ranked_rows.publish(q3[:n])
+        shared = [(recall_plan.cpu_ids, by_recall)] if by_recall else []
+        ranked_rows.publish(q3[:n], shared + [(ranking, by_pool)])
         first = ranked_rows.members[0]
         wait_copy = context.waits_for_copy if deferred else True
         ranked_part = ranked_rows.part(wait_copy, contexts[first].add_host_seconds)
@@ -406,7 +516,11 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
         context.q_ready(lambda: [event.record() for event in events])
     threads = layers[together[0]].config.host.threads if together else None
     out, lse = pooled.attend(q3[:n], scale, threads)
+    if by_recall:
+        pooled.attend_recalled(layers, recall, recall_plan, by_recall, q3[:n], out, lse, scale)
     for b in together:
+        if b in by_recall:
+            continue
         bufs, ranked, plan = parts[b]
         row = slice(b, b + 1)
         device_part(
@@ -460,6 +574,12 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
                 layers[b], q[row], k_new[row], v_new[row], valid_new[row], scale, pools[b], contexts[b]
             )
     return result
+
+
+def _plan_row(plan: RecallPlan, b: int) -> RecallPlan:
+    """Row b of a recall plan of several requests, as its own plan."""
+    r = slice(b, b + 1)
+    return RecallPlan(plan.cpu_ids[r], plan.src[r], plan.dst[r], plan.counts[r], plan.gpu_ids[r])
 
 
 def _run_all(parts) -> None:

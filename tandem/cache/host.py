@@ -102,6 +102,10 @@ class HostTier:
         # finite values (0 where a block is all padding) and block_valid [B, cap // block_size]
         self.mirror_device = mirror_device if keep_digest else None
         self.key_min_dev = self.key_max_dev = self.block_valid_dev = None
+        # None, or a callable (blocks, dtype, device) -> the mirror's (key_min, key_max, block_valid) for that many
+        # blocks, kept elsewhere (a runner's pool of the digests of several requests, `tandem.engine.slots`), or
+        # None where it keeps none: asked each time the tier grows
+        self.mirror_storage = None
         self.bounds_device = bounds_device
         self.keep_sketch = bounds_device is not None and keep_sketch
         self.key_centre_dev = self.key_radius_dev = self.value_norm_dev = self.block_rows_dev = None
@@ -150,9 +154,15 @@ class HostTier:
                 grown["maw"] = self._zeros((b, hq, new_cap), torch.float32)
             if self.mirror_device is not None:
                 dev, (mb, mh) = self.mirror_device, self.mirror_shape
-                grown["key_min_dev"] = torch.zeros(mb, mh, new_cap // bs, d, dtype=self.dtype, device=dev)
-                grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
-                grown["block_valid_dev"] = torch.zeros(mb, new_cap // bs, dtype=torch.bool, device=dev)
+                pooled = None
+                if self.mirror_storage is not None:
+                    pooled = self.mirror_storage(new_cap // bs, self.dtype, dev)
+                if pooled is not None:
+                    grown["key_min_dev"], grown["key_max_dev"], grown["block_valid_dev"] = pooled
+                else:
+                    grown["key_min_dev"] = torch.zeros(mb, mh, new_cap // bs, d, dtype=self.dtype, device=dev)
+                    grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
+                    grown["block_valid_dev"] = torch.zeros(mb, new_cap // bs, dtype=torch.bool, device=dev)
             if self.bounds_device is not None:
                 dev, nb = self.bounds_device, new_cap // bs
                 grown["key_centre_dev"] = torch.zeros(b, hkv, nb, d, device=dev)
@@ -183,6 +193,12 @@ class HostTier:
                 new.narrow(row_dim, 0, used).copy_(old.narrow(row_dim, 0, used))
             setattr(self, name, new)
         self.capacity = new_cap
+        self.generation += 1
+
+    def move_mirror(self, key_min, key_max, block_valid) -> None:
+        """The digests' mirror now lives in these tensors (its `mirror_storage` moved it, contents and all): a
+        new buffer generation."""
+        self.key_min_dev, self.key_max_dev, self.block_valid_dev = key_min, key_max, block_valid
         self.generation += 1
 
     # ---- appends -------------------------------------------------------------------------------------------

@@ -72,6 +72,9 @@ class LayerKV(Failable):
             None  # the softmax scale of the decode steps (set by the decode path)
         )
         self.recall: RecallCache | None = None  # quest's cache of selected host blocks on the device
+        # (cache, row): where a runner's pool plans this layer's device share (`attention.rows.PooledRows`), the
+        # pool's recall cache and the row whose counts are this layer's
+        self.recall_row: tuple[RecallCache, int] | None = None
         self.recall_budget = recall_budget  # sizes a default-sized recall cache (shared by a cache's layers)
         self.gpu_cache = 0.0  # its size in effect (config.quest.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
@@ -82,6 +85,8 @@ class LayerKV(Failable):
         # slots (`HotTier`'s `storage`), or None where it has none that fits: a runner's pool of hot tiers
         # (`tandem.engine.slots`), asked once, when the first tokens arrive
         self.hot_storage = None
+        # the same for the host tier's digest mirror of a batch-1 cache (`HostTier.mirror_storage`)
+        self.mirror_storage = None
 
     @property
     def initialized(self) -> bool:
@@ -162,6 +167,8 @@ class LayerKV(Failable):
             keep_sketch=cfg.certified.bound == "sketch",
             split=self.split,
         )
+        if batch == 1 and self.split is None:
+            self.host.mirror_storage = self.mirror_storage
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
             host_rows = self.capacity_hint - cfg.sink_tokens
@@ -203,8 +210,13 @@ class LayerKV(Failable):
 
     def collect_statistics(self) -> None:
         """Fold the recall cache's device-side counts into the row counters (one device read)."""
+        counts = []
         if self.recall is not None:
-            cached, recalled = self.recall.take_counts()
+            counts.append(self.recall.take_counts())
+        if self.recall_row is not None:
+            cache, row = self.recall_row
+            counts.append(cache.take_row_counts(row))
+        for cached, recalled in counts:
             self.rows_attended += cached + recalled
             self.rows_attended_cached += cached
             self.rows_attended_device += recalled

@@ -55,13 +55,15 @@ class RecallCache:
                   (block in each slot, -1 while empty), last [B, Hkv, S] (step of the last hit or fill), ref
                   [B, Hkv, S] int8 and hand [B, Hkv] (a clock: a slot is replaced once the hand has passed it
                   with no hit since), step [B, Hkv], counters [2] (rows of hits, rows copied in, summed until
-                  `take_counts`)
+                  `take_counts`; [B, 2] with `per_request`: each row's, for `take_row_counts`, where the rows are
+                  the requests of a pool, `tandem.engine.slots`)
     A step's plan is written into fixed buffers (`RecallPlan`'s tensors), so a recorded graph replays it.
     """
 
     def __init__(
-        self, batch, num_kv_heads, head_dim, dtype, device, block_size, slots, num_blocks, k_max, width
-    ):
+        self, batch, num_kv_heads, head_dim, dtype, device, block_size, slots, num_blocks, k_max, width,
+        per_request: bool = False,
+    ):  # fmt: skip
         self.batch, self.num_kv_heads, self.block_size = batch, num_kv_heads, block_size
         self.slots, self.num_blocks, self.k_max, self.width = slots, num_blocks, k_max, width
         rows = num_kv_heads * slots * block_size
@@ -77,7 +79,7 @@ class RecallCache:
             "ref": torch.zeros((*grid, slots), dtype=torch.int8, device=device),
             "hand": torch.zeros(grid, **index),
             "step": torch.zeros(grid, **index),
-            "counters": torch.zeros(2, **index),
+            "counters": torch.zeros((batch, 2) if per_request else (2,), **index),
             "limit": num_blocks,
         }
         self.out = {
@@ -141,10 +143,46 @@ class RecallCache:
         """(rows of hits, rows copied in) since the last call (the device attends both from the cache; only the
         copies crossed PCIe); reads the device once."""
         counters = self.state["counters"]
-        cached, recalled = counters.tolist()
+        cached, recalled = (counters.sum(dim=0) if counters.dim() == 2 else counters).tolist()
         with torch.inference_mode():  # the decode loop may have made the counters inference tensors
             counters.zero_()
         return cached, recalled
+
+    def take_row_counts(self, row: int) -> tuple[int, int]:
+        """`take_counts` of row `row` alone (`per_request`)."""
+        counters = self.state["counters"][row]
+        cached, recalled = counters.tolist()
+        with torch.inference_mode():
+            counters.zero_()
+        return cached, recalled
+
+    def reset_row(self, row: int) -> None:
+        """Row `row` empty, as a new cache's: no block cached, the clock at its start, nothing counted."""
+        with torch.inference_mode():
+            for name in ("block_slot", "slot_block", "last"):
+                self.state[name][row].fill_(-1)
+            for name in ("ref", "hand", "step"):
+                self.state[name][row].zero_()
+            if self.state["counters"].dim() == 2:
+                self.state["counters"][row].zero_()
+            self.valid[row].zero_()
+
+    def plan_rows(self, ids: torch.Tensor, k: torch.Tensor, share: float) -> RecallPlan:
+        """`plan` of the first n = ids.shape[0] rows, each with its own block count k [n] (the rows of a pool)."""
+        n = ids.shape[0]
+        state = {name: t[:n] if torch.is_tensor(t) else t for name, t in self.state.items()}
+        out = {name: t[:n] for name, t in self.out.items()}
+        ops.recall_plan(ids.contiguous(), k, share, state, out, self.block_size)
+        return RecallPlan(out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"])
+
+    def fill_row(self, row: int, host, plan: RecallPlan) -> None:
+        """`fill` of row `row` from its own host tier `host` (batch 1)."""
+        r = slice(row, row + 1)
+        ops.recall_blocks(
+            host.keys, host.values, host.valid, self.keys[r], self.values[r], self.valid[r],
+            plan.src[r], plan.dst[r], plan.counts[r], self.block_size, self.slots,
+            src_k_scale=host.key_scale, src_v_scale=host.value_scale,
+        )  # fmt: skip
 
 
 # share of the device's free memory that the default-sized caches of all layers may take together

@@ -287,7 +287,12 @@ class RowsRunner:
                 step.wait_for_copies(cache.tandem_layers())
         if self._rows is not None:
             pooled = self._rows[0]
-            self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled])
+            blocks = [0] * (pooled[-1] + 1)  # each row's quest blocks this step, for the pooled ranking
+            for r in pooled:
+                kv = rows[r].tandem_layers()[0]
+                if kv.policy.ranks_by_mirror and kv.host is not None and kv.host.key_min_dev is not None:
+                    blocks[r] = kv.policy.blocks_this_step(kv)
+            self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled], blocks)
         self._ids.copy_(tokens)
         self._positions.copy_(positions)
         if self.use_graphs and self._steps_same > self.record_after:

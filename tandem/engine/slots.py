@@ -10,9 +10,16 @@ cache is collected; joining and leaving copy no KV. A request whose hot tier doe
 than the pool was made for, hgca's moving average, a window given as a fraction of the prompt) keeps its own and
 decodes alone within the step.
 
+The pool also keeps, per global layer, the rows' quest selection state on the device: the host tiers' digest
+mirrors (`HostTier.mirror_storage`: row b is request b's mirror, grown with the longest host tier) and one recall
+cache with a row per request (`recall_cache`). A step then ranks every quest request's host blocks with one scoring
+and one top-k per layer, each row with its own block count (`step_blocks`), and plans and attends their device
+shares in one plan and one attention (`attention.rows.PooledRows.rank` / `plan_recall`); only the copies into the
+recall cache read each request's own host tier, one launch each.
+
 The pool is sized when it is made: `size` rows x each global layer's `sink_tokens + (ceil(window / block_size) +
 1) * block_size` slots, on the model's device, the memory the same requests' own hot tiers would take at their
-longest.
+longest; the mirrors and recall caches as the requests' own would be, made when the first host tier asks.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from ..attention.rows import PooledRows
 from ..cache.host import block_minmax
+from ..cache.recall import RecallBudget, RecallCache
 from ..integrations.hf import layer_windows
 from ..models import attention_shape
 
@@ -57,8 +65,18 @@ class SlotPool:
         # a step's rows and their slots (the step's first m entries), at addresses a recorded step keeps
         self.step_rows = torch.zeros(size, dtype=torch.long, device=device)
         self.step_slots = torch.zeros(size, dtype=torch.long, device=device)
+        # each request's quest blocks this step (0 for a row whose request selects none from the mirror)
+        self.step_blocks = torch.zeros(size, dtype=torch.long, device=device)
         pin = self.device.type == "cuda"
-        self._staged = torch.zeros(2, size, dtype=torch.long, pin_memory=pin)
+        self._staged = torch.zeros(3, size, dtype=torch.long, pin_memory=pin)
+        # per global layer, the rows' digest mirrors (`mirror`): key_min / key_max [size, Hkv, NB, D] and
+        # block_valid [size, NB], made by the first host tier that asks and grown for longer ones
+        self.mirrors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._kv_shape = (num_kv_heads, head_dim)
+        # per global layer, quest's recall cache for the pooled requests' device shares: a row per pool row
+        # (`recall_cache`), sized as the requests' own would be for a batch of `size`
+        self.recalls: dict[int, RecallCache] = {}
+        self._recall_budget = RecallBudget(len(layers))
         self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
 
     @classmethod
@@ -78,7 +96,8 @@ class SlotPool:
 
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values(), *self.valid.values()]
-        return sum(t.nbytes for t in tensors)
+        tensors += [t for mirror in self.mirrors.values() for t in mirror]
+        return sum(t.nbytes for t in tensors) + sum(cache.nbytes() for cache in self.recalls.values())
 
     def attach(self, cache) -> int | None:
         """Give `cache` (a `TandemCache` before its first tokens) the lowest free row: its layers take their hot
@@ -97,6 +116,13 @@ class SlotPool:
         self._holders[row] = weakref.ref(cache)
         for kv in cache.tandem_layers():
             kv.hot_storage = partial(self._storage, row, kv.layer_idx)
+            kv.mirror_storage = partial(self._mirror_storage, row, kv.layer_idx)
+            mirror = self.mirrors.get(kv.layer_idx)
+            if mirror is not None:
+                mirror[2][row].zero_()  # the last request's blocks are no blocks of this one
+            recall = self.recalls.get(kv.layer_idx)
+            if recall is not None:
+                recall.reset_row(row)
         weakref.finalize(cache, self._release, row, self._holders[row])
         return row
 
@@ -107,6 +133,10 @@ class SlotPool:
         placed = self._placed.pop(cache, None)
         if row is None:
             return
+        for kv in cache.tandem_layers():
+            if kv.recall_row is not None:
+                kv.collect_statistics()  # its row's counts, before the row goes to another request
+                kv.recall_row = None
         if placed is not False:
             cache.mark_failed(
                 RuntimeError(f"its request ended: row {row} of the hot-tier pool went back (SlotPool.detach)")
@@ -133,11 +163,64 @@ class SlotPool:
 
     def layer_rows(self, n: int, m: int) -> dict[int, PooledRows]:
         """Per global layer, the pool's first n rows for a step whose first m `step_rows` hold requests."""
-        rows, slots = self.step_rows[:m], self.step_slots[:m]
+        rows, slots, blocks = self.step_rows[:m], self.step_slots[:m], self.step_blocks[:n]
         return {
-            i: PooledRows(self.keys[i][:n], self.values[i][:n], self.valid[i][:n], rows, slots)
+            i: PooledRows(
+                self.keys[i][:n],
+                self.values[i][:n],
+                self.valid[i][:n],
+                rows,
+                slots,
+                partial(self.mirror, i, n),
+                blocks,
+                partial(self.recall_cache, i),
+            )  # fmt: skip
             for i in self.keys
         }
+
+    def recall_cache(self, layer: int, kv, k_max: int, width: int) -> RecallCache | None:
+        """Layer `layer`'s recall cache for the pooled requests' device shares, sized as `kv` (a pooled request's
+        layer) sizes its own for rankings k_max wide and a device share `width` blocks wide, with a row per pool
+        row (per-row counts), and as many host blocks as the pooled mirrors hold. Made again when one of those
+        changes (the rows' counts first folded into their layers' statistics), never while a graph records (None
+        then: each request plans its own); None where its size comes to none (`RecallBudget`)."""
+        host, num_kv_heads, head_dim = kv.host, *self._kv_shape
+        factor = kv.gpu_cache
+        if kv.config.quest.gpu_cache is None:
+            element = host.dtype.itemsize
+            factor = self._recall_budget.factor_for(
+                factor, self.size, num_kv_heads, k_max, width, host.block_size, head_dim, element, self.device
+            )  # fmt: skip
+            if not factor:
+                return None
+        slots = RecallCache.slots_for(factor, k_max, width)
+        num_blocks = self.mirrors[layer][0].shape[2]
+        shape = (self.size, num_kv_heads, head_dim, host.dtype, self.device)
+        cache = self.recalls.get(layer)
+        if cache is not None and cache.matches(*shape, slots, num_blocks, k_max, width):
+            return cache
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if cache is not None:
+            self._fold_recall(cache)
+        try:
+            cache = RecallCache(*shape, host.block_size, slots, num_blocks, k_max, width, per_request=True)
+        except torch.OutOfMemoryError as err:
+            raise MemoryError(
+                f"TandemConfig.quest.gpu_cache={factor}: quest's recall cache for {self.size} pooled requests does "
+                f"not fit on {self.device}; pass a smaller gpu_cache, or gpu_cache=0 to turn it off"
+            ) from err
+        self.recalls[layer] = cache
+        return cache
+
+    def _fold_recall(self, cache: RecallCache) -> None:
+        """The counts of the layers whose device shares `cache` planned, into their statistics."""
+        for holder in list(self._holders.values()):
+            held = holder()
+            for kv in held.tandem_layers() if held is not None else ():
+                if kv.recall_row is not None and kv.recall_row[0] is cache:
+                    kv.collect_statistics()
+                    kv.recall_row = None
 
     def stage_evictions(self, caches) -> int:
         """Stage the evicted ring blocks of the pooled requests `caches` that are due at this step of the pool's
@@ -209,14 +292,36 @@ class SlotPool:
         for kv in cache.tandem_layers():
             kv.stages_own_evictions = False
 
-    def set_step(self, rows: list[int], slots: list[int]) -> None:
-        """The step's rows and the slot each writes its token to (queued in stream order before the step)."""
+    def set_step(self, rows: list[int], slots: list[int], blocks: list[int] | None = None) -> None:
+        """The step's rows, the slot each writes its token to and, per row up to the last one, the blocks its
+        request's selection keeps from the pooled mirror (`step_blocks`; 0 where it keeps none), queued in stream
+        order before the step."""
         m = len(rows)
         self._staged[0, :m] = torch.tensor(rows)
         self._staged[1, :m] = torch.tensor(slots)
         on_cuda = self.device.type == "cuda"
         self.step_rows[:m].copy_(self._staged[0, :m], non_blocking=on_cuda)
         self.step_slots[:m].copy_(self._staged[1, :m], non_blocking=on_cuda)
+        if blocks is not None:
+            n = len(blocks)
+            self._staged[2, :n] = torch.tensor(blocks)
+            self.step_blocks[:n].copy_(self._staged[2, :n], non_blocking=on_cuda)
+
+    def mirror(self, layer: int, n: int):
+        """(key_min, key_max, block_valid) of layer `layer`'s pooled digest mirrors, their first n rows, or None
+        before a host tier has made them. Read at each step: a longer host tier grows them (`_mirror_storage`)."""
+        mirror = self.mirrors.get(layer)
+        return None if mirror is None else tuple(t[:n] for t in mirror)
+
+    def mirrored(self, cache, row: int) -> bool:
+        """Whether `cache`'s host tiers keep their digest mirrors in row `row` of the pool's."""
+        for kv in cache.tandem_layers():
+            mirror, host = self.mirrors.get(kv.layer_idx), kv.host
+            if mirror is None or host is None or host.key_min_dev is None:
+                return False
+            if host.key_min_dev.data_ptr() != mirror[0][row].data_ptr():
+                return False
+        return True
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _storage(self, row: int, layer: int, slots: int, dtype, device, keep_maw: bool):
@@ -224,6 +329,51 @@ class SlotPool:
         if keep_maw or keys is None or slots > self.slots or dtype != self.dtype or device != self.device:
             return None
         return keys[row : row + 1], self.values[layer][row : row + 1], self.valid[layer][row : row + 1], None
+
+    def _mirror_storage(self, row: int, layer: int, blocks: int, dtype, device):
+        """Row `row` of layer `layer`'s digest mirrors, `blocks` wide, for its request's host tier
+        (`HostTier.mirror_storage`): made at the first ask, grown (by half again, at least to `blocks`) when a
+        host tier outgrows them, the other rows' host tiers then pointed at the new tensors. None for a dtype or
+        device other than the pool's."""
+        if dtype != self.dtype or torch.device(device) != self.device:
+            return None
+        mirror = self.mirrors.get(layer)
+        width = 0 if mirror is None else mirror[0].shape[2]
+        if blocks > width:
+            num_kv_heads, head_dim = self._kv_shape
+            grown = max(blocks, width + width // 2)
+            key_min = torch.zeros(self.size, num_kv_heads, grown, head_dim, dtype=dtype, device=self.device)
+            key_max = torch.zeros_like(key_min)
+            block_valid = torch.zeros(self.size, grown, dtype=torch.bool, device=self.device)
+            if mirror is not None:
+                key_min[:, :, :width].copy_(mirror[0])
+                key_max[:, :, :width].copy_(mirror[1])
+                block_valid[:, :width].copy_(mirror[2])
+            self.mirrors[layer] = (key_min, key_max, block_valid)
+            if mirror is not None:
+                self._repoint(layer, row, mirror[0])
+            mirror = self.mirrors[layer]
+        key_min, key_max, block_valid = mirror
+        r = slice(row, row + 1)
+        return key_min[r, :, :blocks], key_max[r, :, :blocks], block_valid[r, :blocks]
+
+    def _repoint(self, layer: int, asking: int, old: torch.Tensor) -> None:
+        """Point the host tiers of layer `layer` whose mirrors were in `old` (its key_min; rows other than
+        `asking`, whose tier is growing) at the grown tensors."""
+        key_min, key_max, block_valid = self.mirrors[layer]
+        for row, holder in list(self._holders.items()):
+            cache = holder()
+            if row == asking or cache is None:
+                continue
+            for kv in cache.tandem_layers():
+                host = kv.host
+                if kv.layer_idx != layer or host is None or host.key_min_dev is None:
+                    continue
+                if host.key_min_dev.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
+                    continue
+                blocks = host.key_min_dev.shape[2]
+                r = slice(row, row + 1)
+                host.move_mirror(key_min[r, :, :blocks], key_max[r, :, :blocks], block_valid[r, :blocks])
 
     def _release(self, row: int, holder) -> None:
         if self._holders.get(row) is holder and row not in self.free:

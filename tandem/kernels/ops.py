@@ -559,18 +559,26 @@ def top_blocks_available(scores) -> bool:
 
 
 def top_blocks(scores, k, width: int):
-    """The k best-scoring blocks of each row as a set: scores [..., NB] float32, k [1] int64 on their device ->
-    [..., width] int64 (ids ascending, then NB). See `reference.top_blocks`."""
+    """The k best-scoring blocks of each row as a set: scores [..., NB] float32, k on their device, [1] int64 (every
+    row) or [scores.shape[0]] (request b keeps k[b]) -> [..., width] int64 (ids ascending, then NB). See
+    `reference.top_blocks`."""
     _check(scores.dtype == torch.float32, f"scores must be float32, got {scores.dtype}")
     if _triton_on(scores.device):
         from . import gpu
 
         return gpu.top_blocks(scores, k, width)
+    counts = [int(c) for c in k.reshape(-1).tolist()] if torch.is_tensor(k) else [int(k)]
     _check(
-        isinstance(width, int) and 0 <= int(k) <= width,
-        f"k must lie in [0, width={width}], got {int(k)}",
+        len(counts) in (1, scores.shape[0]) and scores.dim() >= 1,
+        f"k must hold one count or one per request ({scores.shape[0]}), got {len(counts)}",
     )
-    return reference.top_blocks(scores, int(k), width)
+    _check(
+        isinstance(width, int) and all(0 <= c <= width for c in counts),
+        f"k must lie in [0, width={width}], got {counts}",
+    )
+    if len(counts) == 1:
+        return reference.top_blocks(scores, counts[0], width)
+    return torch.cat([reference.top_blocks(scores[b : b + 1], c, width) for b, c in enumerate(counts)])
 
 
 def host_block_attention(

@@ -444,19 +444,22 @@ def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -
        the taken slots (`dead` past `count`); `counts` = count; `step` += 1; `counters` += (hits, count) rows.
 
     state: block_slot [B, Hkv, NB] (NB - 1 >= limit), slot_block / last [B, Hkv, S] int64, ref [B, Hkv, S] int8,
-    hand / step [B, Hkv] int64, counters [2] int64, limit (int). out: cpu [B, Hkv, K], src / dst [B, Hkv, W],
-    counts [B, Hkv], gpu [B, Hkv, K + W], all int64. `gpu.recall_plan_kernel` runs the same steps.
+    hand / step [B, Hkv] int64, counters [2] int64 (or [B, 2]: each request's own), limit (int). out: cpu
+    [B, Hkv, K], src / dst [B, Hkv, W], counts [B, Hkv], gpu [B, Hkv, K + W], all int64. k: an int, a [1]
+    tensor, or [B] (request b's count). `gpu.recall_plan_kernel` runs the same steps.
     """
-    k = int(k)
     batch, heads, width_k = ids.shape
+    ks = [int(c) for c in k.reshape(-1).tolist()] if torch.is_tensor(k) else [int(k)]
+    ks = ks * batch if len(ks) == 1 else ks
     width = out["src"].shape[-1]
     limit = state["limit"]
     slot_block, block_slot = state["slot_block"], state["block_slot"]
     last, ref, hand, steps = state["last"], state["ref"], state["hand"], state["step"]
     slots = slot_block.shape[-1]
     dead = heads * slots
-    total_hits = total_count = 0
+    totals = torch.zeros(batch, 2, dtype=torch.long)
     for b in range(batch):
+        k = ks[b]
         for h in range(heads):
             step = int(steps[b, h])
             gpu = [dead] * (width_k + width)
@@ -504,9 +507,9 @@ def recall_plan(ids, k, share: float, state: dict, out: dict, block_size: int) -
             out["dst"][b, h, :count] = torch.tensor(dst, dtype=torch.long)
             out["counts"][b, h] = count
             steps[b, h] = step + 1
-            total_hits += hits
-            total_count += count
-    state["counters"] += torch.tensor([total_hits, total_count]) * block_size
+            totals[b] += torch.tensor([hits, count])
+    counters = state["counters"]
+    counters += (totals if counters.dim() == 2 else totals.sum(dim=0)).to(counters.device) * block_size
 
 
 def recall_blocks(

@@ -80,6 +80,9 @@ class Policy:
     # True when ranked_range answers every step that has device_select's ranking (quest at a fixed budget): a
     # pooled step then hands such requests' CPU parts to the host together (`attention.rows.RankedRows`)
     keeps_ranked_range = False
+    # True when device_select is `quest.rank_blocks` over the host tier's digest mirror with blocks_this_step and
+    # ranking_width(mirror blocks) (quest at a fixed budget): a pooled step then ranks such requests at once
+    ranks_by_mirror = False
 
     def __init__(self, config) -> None:
         self.config = config

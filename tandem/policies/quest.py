@@ -38,6 +38,9 @@ class QuestPolicy(Policy):
         self.needs_bounds = self.certified
         self.certifier = Certifier(config) if self.certified else None
         self.keeps_ranked_range = not self.certified
+        # device_select is `rank_blocks` over the host tier's digest mirror, which a pooled step may run for
+        # several requests at once (`attention.rows.PooledRows.rank`)
+        self.ranks_by_mirror = not self.certified
 
     def device_select(self, layer, q: torch.Tensor) -> torch.Tensor | None:
         """Block ids [B, Hkv, k_max], k_max = ceil(budget * capacity blocks) so the shape stays fixed while the
@@ -52,13 +55,13 @@ class QuestPolicy(Policy):
         host = layer.host
         if host is None or host.key_min_dev is None:
             return None
-        scores = ops.block_scores_matmul(q, host.key_min_dev, host.key_max_dev, host.block_valid_dev)
-        num_blocks = scores.shape[-1]
-        k_max = min(num_blocks, math.ceil(self.config.quest.budget * num_blocks))
-        if ops.top_blocks_available(scores):
-            return ops.top_blocks(scores, self.step_blocks(layer, scores.device), k_max)
-        best, ids = torch.topk(scores, k_max, dim=-1, sorted=True)
-        return ids.masked_fill(best == float("-inf"), num_blocks)  # invalid picks: an id past every block
+        num_blocks = host.key_min_dev.shape[2]
+        mirror = (host.key_min_dev, host.key_max_dev, host.block_valid_dev)
+        return rank_blocks(q, *mirror, self.step_blocks(layer, q.device), self.ranking_width(num_blocks))
+
+    def ranking_width(self, num_blocks: int) -> int:
+        """k_max: the width of device_select's ids over a mirror of `num_blocks` blocks."""
+        return min(num_blocks, math.ceil(self.config.quest.budget * num_blocks))
 
     def step_blocks(self, layer, device) -> torch.Tensor:
         """[1] int64 on `device`: blocks_this_step, refreshed here unless a graph is being recorded (the
@@ -155,3 +158,16 @@ class QuestPolicy(Policy):
             if from_device is None:
                 return NONE
         return ids_selection(from_device, self.certifier.unit(layer.host))
+
+
+def rank_blocks(q, key_min, key_max, block_valid, k, width: int) -> torch.Tensor:
+    """Quest's device-side ranking: block ids [B, Hkv, width] whose first k[b] entries are request b's top-k by
+    the bound of q [B, Hq, D] over digest mirrors key_min / key_max [B, Hkv, NB, D] (block_valid [B, NB]); k a
+    [1] or [B] int64 tensor on q's device (read there, so a recorded graph follows it). Invalid picks carry the
+    id NB. With Triton (or on CPU tensors) the top-k is a set, ids ascending (`ops.top_blocks`); else torch.topk
+    ranks `width` blocks best first (any k's top-k is a prefix)."""
+    scores = ops.block_scores_matmul(q, key_min, key_max, block_valid)
+    if ops.top_blocks_available(scores):
+        return ops.top_blocks(scores, k, width)
+    best, ids = torch.topk(scores, width, dim=-1, sorted=True)
+    return ids.masked_fill(best == float("-inf"), scores.shape[-1])  # invalid picks: an id past every block

@@ -210,9 +210,11 @@ def test_plan_splits_each_step_and_keeps_the_bookkeeping_consistent(share):
     assert (hits_seen > 0) == (share > 0)
 
 
-def test_plan_kernel_matches_reference():
+@pytest.mark.parametrize("per_request", [False, True])
+def test_plan_kernel_matches_reference(per_request):
     """The Triton plan (one program per request and KV head) gives the reference's loops' outputs and state,
-    bit for bit, over many steps: wrap-arounds of the clock, steps with nothing to copy, k below the width."""
+    bit for bit, over many steps: wrap-arounds of the clock, steps with nothing to copy, k below the width; with
+    `per_request`, each request's own k and counters (a pool's rows)."""
     if not gpu.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("triton unavailable")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -220,7 +222,19 @@ def test_plan_kernel_matches_reference():
     batch, heads, num_blocks, width_k, width, bs = 2, 3, 50, 9, 4, 16
     slots = RecallCache.slots_for(1.5, width_k, width)
     caches = [
-        RecallCache(batch, heads, 8, torch.float32, torch.device(d), bs, slots, num_blocks, width_k, width)
+        RecallCache(
+            batch,
+            heads,
+            8,
+            torch.float32,
+            torch.device(d),
+            bs,
+            slots,
+            num_blocks,
+            width_k,
+            width,
+            per_request,
+        )
         for d in ("cpu", device)
     ]
     ids = None
@@ -231,8 +245,9 @@ def test_plan_kernel_matches_reference():
         )
         ids = flat.view(batch, heads, width_k)
         share = (0.0, 0.4, 1.0)[step % 3]
-        reference.recall_plan(ids, k, share, caches[0].state, caches[0].out, bs)
-        k_dev = torch.tensor([k], device=device)
+        ks = [k, k - 1 - step % 4] if per_request else [k]
+        reference.recall_plan(ids, torch.tensor(ks), share, caches[0].state, caches[0].out, bs)
+        k_dev = torch.tensor(ks, device=device)
         gpu.recall_plan(ids.to(device), k_dev, share, caches[1].state, caches[1].out, bs)
         for name in ("cpu", "src", "dst", "counts", "gpu"):
             expected, actual = caches[0].out[name], caches[1].out[name].cpu()

@@ -20,11 +20,14 @@ STEPS = 8
 
 
 def _config(policy: str) -> TandemConfig:
-    """policy, or "quest+share": quest with a device share (its device ranking then runs on the CPU too)."""
+    """policy, or "quest+share": quest with a device share (its device ranking then runs on the CPU too), or
+    "quest+cache": with a recall cache too."""
     # window 16 + 4 sinks: prompts of 39-71 tokens put most of themselves in the host tier
     quest = {"quest": QuestConfig(budget=0.5)}
     if policy == "quest+share":
         policy, quest = "quest", {"quest": QuestConfig(budget=0.5, gpu_share=0.5)}
+    elif policy == "quest+cache":
+        policy, quest = "quest", {"quest": QuestConfig(budget=0.5, gpu_share=0.5, gpu_cache=2.0)}
     return TandemConfig(
         policy=policy,
         sink_tokens=4,
@@ -170,22 +173,69 @@ def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
     its ranking runs there too) hand their CPU parts to the host as one call per layer (`rows.RankedRows`), and
     decode what they decode alone, with the statistics they record alone; quest without a ranking (no device
     share on the CPU) hands its part off alone."""
-    joined = []
+    joined, ranked = [], []
     part_call = rows_module._RankedRowsPart.__call__
+    rank = rows_module.PooledRows.rank
 
     def counted(part):
         joined.append(len(part.members))
         return part_call(part)
 
+    def counted_rank(pooled, *args):
+        ranking, rows = rank(pooled, *args)
+        ranked.append(len(rows))
+        return ranking, rows
+
     monkeypatch.setattr(rows_module._RankedRowsPart, "__call__", counted)
+    monkeypatch.setattr(rows_module.PooledRows, "rank", counted_rank)
     runner = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS, slots=5)
-    # rows 0, 2 and 3 have a device share: 2 joins at step 2, 3 at step 3, 0 leaves at step 4
+    # rows 0, 2 and 3 have a device share: 2 joins at step 2, 3 at step 3, 0 leaves at step 4; their rankings
+    # are made at once over the pool's digest mirrors (`PooledRows.rank`), each with its own block count
     assert max(joined) == 3 and min(joined) == 1
+    assert max(ranked) == 3
     own = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS)
     assert _counts(runner.test_rows) == _counts(own.test_rows)
     assert [sum(kv.rows_attended_device for kv in r.cache.tandem_layers()) > 0 for r in runner.test_rows] == [
         True, False, True, True, False
     ]  # fmt: skip
+
+
+@torch.inference_mode()
+def test_pooled_quest_rows_plan_their_recall_caches_together(tiny, monkeypatch):
+    """Pooled quest requests with a recall cache plan their device shares in one plan per layer over the pool's
+    recall cache (`PooledRows.plan_recall`: one row each, its own block count and counts) and attend them in one
+    call, and decode what they decode alone, attending as many rows; each request's row counts what its device
+    attended from the cache."""
+    planned = []
+    plan_recall = rows_module.PooledRows.plan_recall
+
+    def counted(pooled, *args):
+        cache, plan, rows = plan_recall(pooled, *args)
+        planned.append(len(rows))
+        return cache, plan, rows
+
+    monkeypatch.setattr(rows_module.PooledRows, "plan_recall", counted)
+    policies = ("quest+cache", "quest", "quest+cache", "quest+cache", "full")
+    runner = _check_joined_and_left(tiny, torch.device("cpu"), policies=policies, slots=5)
+    assert max(planned) == 3
+    own = _check_joined_and_left(tiny, torch.device("cpu"), policies=policies)
+    assert _counts(runner.test_rows) == _counts(own.test_rows)
+    for rows in (runner, own):
+        for kv in (kv for r in rows.test_rows for kv in r.cache.tandem_layers()):
+            kv.collect_statistics()
+    assert _counts(runner.test_rows) == _counts(own.test_rows)  # with the cache's rows: each row once
+    device = [[sum(getattr(kv, name) for kv in r.cache.tandem_layers()) for r in rows.test_rows]
+              for rows in (runner, own) for name in ("rows_attended_device", "rows_attended_cached")]  # fmt: skip
+    assert [d > 0 for d in device[0]] == [
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]  # copied in by the pooled cache's rows
+    assert [c > 0 for c in device[1]] == [True, False, True, True, False]  # and hits
+    # the pooled cache has at least the own caches' slots: it copies in no more than they do
+    assert all(p <= o for p, o in zip(device[0], device[2], strict=True))
 
 
 @torch.inference_mode()
@@ -241,14 +291,15 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
 @torch.inference_mode()
 def test_pooled_rows_follow_host_tiers_that_grow(tiny):
     """Host tiers that outgrow their first allocation while their requests decode pooled (4-token blocks: a tier
-    starts at 256 rows): the joint quest hand-off's call and the pool's staging follow the moved buffers, and every
+    starts at 256 rows): the joint quest hand-off's call, the pool's staging and the pooled digest mirrors follow
+    the moved buffers (the mirrors of a tier that does not grow, the last one's, move with the others'), and every
     request decodes the tokens and logits of its own steps."""
     quest = QuestConfig(budget=0.5, gpu_share=0.5)
     configs = [
         TandemConfig(policy=policy, sink_tokens=4, window_tokens=8, block_size=4, **extra)
         for policy, extra in (("quest", {"quest": quest}),) * 2 + (("full", {}), ("quest", {"quest": quest}))
     ]
-    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((236, 228, 241, 232))]
+    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((236, 228, 241, 60))]
     results = []
     for slots in (4, 0):
         runner = RowsRunner(tiny, config=configs[2], slots=slots)
@@ -268,10 +319,40 @@ def test_pooled_rows_follow_host_tiers_that_grow(tiny):
             for t, token in zip(tokens, out.argmax(-1).tolist(), strict=True):
                 t.append(token)
         grown = [[kv.host.generation for kv in cache.tandem_layers()] for cache in caches]
-        assert all(g > f for gs, fs in zip(grown, first, strict=True) for g, f in zip(gs, fs, strict=True))
+        moved = [all(g > f for g, f in zip(gs, fs, strict=True)) for gs, fs in zip(grown, first, strict=True)]
+        assert moved == [True, True, True, bool(slots)]
+        if slots:
+            # the quest requests' digest mirrors grew with their host tiers and stayed rows of the pool's
+            assert [runner.pool.mirrored(cache, runner.pool.row(cache)) for cache in caches] == [
+                True, True, False, True
+            ]  # fmt: skip
+            mirror = next(iter(runner.pool.mirrors.values()))[0]
+            assert mirror.shape[2] * 4 > 256  # wider than the first allocation of a tier
         results.append((tokens, torch.stack(logits)))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["quest+share", "quest+cache"])
+@torch.inference_mode()
+def test_a_freed_row_keeps_no_blocks_of_its_last_request(tiny, policy):
+    """A quest request that takes the pool row of one that ended (a longer prompt, more host blocks) ranks only its
+    own blocks in the pooled digest mirror, finds none of them in the pooled recall cache, and decodes the tokens
+    and logits it decodes alone."""
+    runner = RowsRunner(tiny, config=_config("full"), slots=1)
+    first = _Row(tiny, _prompt(tiny, 150, 0), policy, torch.device("cpu"), runner)
+    for _ in range(3):
+        _step(runner, [first])
+    runner.detach(first.cache)
+    runner.release()
+    prompt = _prompt(tiny, 45, 1)
+    tokens, logits = _alone(tiny, prompt, policy, STEPS, torch.device("cpu"))
+    row = _Row(tiny, prompt, policy, torch.device("cpu"), runner)
+    assert runner.pool.mirrored(row.cache, 0)
+    for _ in range(STEPS):
+        _step(runner, [row])
+    assert row.tokens == tokens
+    torch.testing.assert_close(torch.stack(row.logits), torch.stack(logits), atol=1e-4, rtol=1e-4)
 
 
 @torch.inference_mode()

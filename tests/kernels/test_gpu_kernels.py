@@ -348,6 +348,19 @@ def test_top_blocks_leading_dims_and_preallocated_out():
     assert torch.equal(out, reference.top_blocks(scores, 9, 16))
 
 
+@pytest.mark.parametrize("kernel", TOP_BLOCKS_KERNELS)
+def test_top_blocks_keep_each_requests_own_count(kernel, monkeypatch):
+    """k [B]: request b's rows (its KV heads) keep k[b] blocks, as that request alone would with k[b]."""
+    long_rows(kernel, monkeypatch)
+    scores = tied_scores(4 * 3, 210, seed=11).view(4, 3, 210)
+    counts = [17, 0, 40, 3]
+    ids = gpu.top_blocks(scores, torch.tensor(counts, device=DEVICE), 40)
+    for b, k in enumerate(counts):
+        assert torch.equal(ids[b], reference.top_blocks(scores[b], k, 40)), b
+    with pytest.raises(ValueError, match=r"k must have shape \[1\] or \[scores.shape\[0\]\]"):
+        gpu.top_blocks(scores, torch.tensor(counts[:3], device=DEVICE), 40)
+
+
 def test_triton_available():
     assert gpu.triton_available(DEVICE)
     assert gpu.triton_available("cpu") == gpu.interpreted()

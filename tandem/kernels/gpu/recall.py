@@ -36,7 +36,8 @@ except ImportError:  # the torch references remain usable without triton
 def recall_plan(ids, k, share, state, out, block_size):
     """One step's plan for quest's recall cache, and its bookkeeping, in place: `reference.recall_plan`'s
     algorithm as one program per (request, KV head). All tensors contiguous on one device; ids / k / the state's
-    int tensors int64, `ref` int8 (see `reference.recall_plan` for the layouts)."""
+    int tensors int64, `ref` int8 (see `reference.recall_plan` for the layouts; k and the counters may be one per
+    request, [B] and [B, 2])."""
     device = _run_device("ids", ids)
     _check_tensor("ids", ids, "[B, Hkv, K]", (None, None, None), (torch.int64,))
     batch, heads, width_k = ids.shape
@@ -47,14 +48,17 @@ def recall_plan(ids, k, share, state, out, block_size):
     _check(0 <= limit < num_blocks, f"limit must lie in [0, {num_blocks}), got {limit}")
     _check(slots >= width_k + width, f"need at least K + W = {width_k + width} slots, got {slots}")
     _check_real("share", share, 0.0, 1.0)
+    per_request = batch > 1 and k.dim() == 1 and k.shape[0] == batch
+    counted = state["counters"]
+    per_row_counts = counted.dim() == 2
     shapes = {
-        "k": (k, (1,)),
+        "k": (k, (batch,) if per_request else (1,)),
         "block_slot": (state["block_slot"], (batch, heads, num_blocks)),
         "slot_block": (state["slot_block"], (batch, heads, slots)),
         "last": (state["last"], (batch, heads, slots)),
         "hand": (state["hand"], (batch, heads)),
         "step": (state["step"], (batch, heads)),
-        "counters": (state["counters"], (2,)),
+        "counters": (counted, (batch, 2) if per_row_counts else (2,)),
         "cpu": (out["cpu"], (batch, heads, width_k)),
         "src": (out["src"], (batch, heads, width)),
         "dst": (out["dst"], (batch, heads, width)),
@@ -75,8 +79,9 @@ def recall_plan(ids, k, share, state, out, block_size):
     with _guard(device):
         _kernels.recall_plan_kernel[(batch, heads)](
             ids, k, state["block_slot"], state["slot_block"], state["last"], state["ref"], state["hand"],
-            state["step"], out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"], state["counters"],
-            float(share), width_k, width, slots, num_blocks, limit, heads, int(block_size),
+            state["step"], out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"], counted,
+            float(share), int(per_request), 2 if per_row_counts else 0, width_k, width, slots, num_blocks, limit,
+            heads, int(block_size),
             BLOCK_K=min(1024, triton.next_power_of_2(max(width_k, 1))), BLOCK_S=block_s,
             BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))), num_warps=4,
         )  # fmt: skip

@@ -105,7 +105,7 @@ def _recall_entries(ids_row, block_row, c0, K, k, limit, BLOCK_K: tl.constexpr):
 @triton.jit
 def recall_plan_kernel(
     ids_ptr,  # [B, Hkv, K] int64: the step's selection (entries >= k or >= limit are not selected)
-    k_ptr,  # [1] int64: blocks selected this step
+    k_ptr,  # [1] or [B] int64: blocks selected this step (k_stride 0: one count for every request)
     block_slot_ptr,  # [B, Hkv, NB] int64: slot of each host block, -1 if not cached
     slot_block_ptr,  # [B, Hkv, S] int64: block of each slot, -1 if empty
     last_ptr,  # [B, Hkv, S] int64: step of each slot's last hit or fill
@@ -117,8 +117,11 @@ def recall_plan_kernel(
     dst_ptr,  # [B, Hkv, W] int64 out: their slots
     counts_ptr,  # [B, Hkv] int64 out: live entries of src / dst
     gpu_ptr,  # [B, Hkv, K + W] int64 out: flat-store block ids the device attends, `heads * S` where dead
-    counters_ptr,  # [2] int64: rows attended from the cache, rows copied in (accumulated)
+    counters_ptr,  # [2] or [B, 2] int64: rows attended from the cache, rows copied in (accumulated; per request
+    # with counters_stride 2)
     share,
+    k_stride,
+    counters_stride,
     K,
     W,
     S,
@@ -145,7 +148,7 @@ def recall_plan_kernel(
     src_row = src_ptr + row * W
     dst_row = dst_ptr + row * W
     step = tl.load(step_ptr + row)
-    k = tl.load(k_ptr)
+    k = tl.load(k_ptr + b * k_stride)
     dead = heads * S
     base = head * S
     # 1. hits: attended from their slots, marked used this step
@@ -208,5 +211,5 @@ def recall_plan_kernel(
         tl.store(gpu_row + K + j, tl.where(active, base + slot, dead), mask=j < W)
     tl.store(counts_ptr + row, count)
     tl.store(step_ptr + row, step + 1)
-    tl.atomic_add(counters_ptr, n_hit * block_size)
-    tl.atomic_add(counters_ptr + 1, count * block_size)
+    tl.atomic_add(counters_ptr + b * counters_stride, n_hit * block_size)
+    tl.atomic_add(counters_ptr + b * counters_stride + 1, count * block_size)

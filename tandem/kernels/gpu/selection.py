@@ -108,7 +108,8 @@ def top_blocks(scores, k, width: int, out=None):
     Parameters
     ----------
     scores : [..., NB] float32 on CUDA, stride 1 along NB (rows over REGISTER_TOP_BLOCKS are read in tiles)
-    k : [1] int64 tensor on scores' device (read at run time, so a recorded graph follows it), 0 <= k <= width
+    k : [K] int64 tensor on scores' device (read at run time, so a recorded graph follows it), 0 <= k <= width:
+        one count for every row (K = 1), or one per leading index (K = scores.shape[0]: request b keeps k[b])
     width : int >= 1, the output's fixed width (the most blocks any step keeps)
     out : optional preallocated [..., width] int64
 
@@ -119,8 +120,10 @@ def top_blocks(scores, k, width: int, out=None):
     _check_tensor("scores", scores, "[..., NB]", tuple(scores.shape), (torch.float32,))
     _check(scores.dim() >= 1, "scores must have shape [..., NB], got a 0-d tensor")
     num_blocks = scores.shape[-1]
-    _check_tensor("k", k, "[1]", (1,), (torch.int64,))
+    per_row = scores.dim() >= 2 and k.dim() == 1 and k.shape[0] == scores.shape[0] and k.shape[0] > 1
+    _check_tensor("k", k, "[1] or [scores.shape[0]]", (k.shape[0] if per_row else 1,), (torch.int64,))
     _check_on("k", k, device)
+    _check(k.is_contiguous(), f"k must be contiguous, got strides {k.stride()}")
     _check(_positive_int(width), f"width must be a positive int, got {width!r}")
     lead = tuple(scores.shape[:-1])
     out = _output("out", out, (*lead, width), "[..., width]", device, dtype=torch.int64)
@@ -130,8 +133,9 @@ def top_blocks(scores, k, width: int, out=None):
     )
     if rows.shape[0] == 0 or num_blocks == 0:
         return out.fill_(num_blocks)
+    rows_per_k = rows.shape[0] // k.shape[0]
     block = max(16, triton.next_power_of_2(num_blocks))
-    args = (rows, k, out.view(-1, width), num_blocks, width, rows.stride(0), width)
+    args = (rows, k, out.view(-1, width), num_blocks, width, rows.stride(0), width, rows_per_k)
     with _guard(device):
         if block <= REGISTER_TOP_BLOCKS:
             _kernels.top_blocks_kernel[(rows.shape[0],)](
@@ -143,11 +147,11 @@ def top_blocks(scores, k, width: int, out=None):
         elif LONG_ROWS == "tiles":
             _kernels.top_blocks_tiled_kernel[(rows.shape[0],)](*args, TILE=TOP_BLOCKS_TILE, num_warps=8)
         else:
-            _top_blocks_split(rows, k, out.view(-1, width), width)
+            _top_blocks_split(rows, k, out.view(-1, width), width, rows_per_k)
     return out
 
 
-def _top_blocks_split(rows, k, out, width: int) -> None:
+def _top_blocks_split(rows, k, out, width: int, rows_per_k: int) -> None:
     """`top_blocks` of long rows over (row, tile) programs: four radix passes whose histograms are summed with
     atomics, then per tile the counts above / at the threshold, then the ids written at their place."""
     num_rows, num_blocks = rows.shape
@@ -159,12 +163,22 @@ def _top_blocks_split(rows, k, out, width: int) -> None:
     warps = 4 if tile <= 2048 else 8
     for p in range(4):
         _kernels.top_blocks_hist_kernel[grid](
-            rows, k, hist, num_blocks, width, rows.stride(0), P=p, TILE=tile, num_warps=warps
+            rows, k, hist, num_blocks, width, rows.stride(0), rows_per_k, P=p, TILE=tile, num_warps=warps
         )
     _kernels.top_blocks_count_kernel[grid](
-        rows, k, hist, counts, num_blocks, width, rows.stride(0), num_tiles, TILE=tile, num_warps=warps
+        rows,
+        k,
+        hist,
+        counts,
+        num_blocks,
+        width,
+        rows.stride(0),
+        num_tiles,
+        rows_per_k,
+        TILE=tile,
+        num_warps=warps,
     )
     _kernels.top_blocks_write_kernel[grid](
-        rows, k, hist, counts, out, num_blocks, width, rows.stride(0), width, num_tiles,
+        rows, k, hist, counts, out, num_blocks, width, rows.stride(0), width, num_tiles, rows_per_k,
         TILE=tile, TILES_PAD=max(2, triton.next_power_of_2(num_tiles)), num_warps=warps,
     )  # fmt: skip

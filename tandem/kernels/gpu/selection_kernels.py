@@ -101,12 +101,13 @@ def _radix_step(hist, remaining, prefix, shift):
 @triton.jit
 def top_blocks_kernel(
     scores_ptr,  # [R, NB] fp32
-    k_ptr,  # [1] int64: how many blocks to keep this step
+    k_ptr,  # [R / rows_per_k] int64: how many blocks to keep this step, one count per rows_per_k rows
     out_ptr,  # [R, W] int64
     num_blocks,
     width,
     stride_s,
     stride_o,
+    rows_per_k,
     BLOCK: tl.constexpr,
     WIDTH_PAD: tl.constexpr,
 ):
@@ -120,7 +121,8 @@ def top_blocks_kernel(
     live = offs < num_blocks
     x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
     key, ukey = _order_keys(x)
-    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)  # never more than the output holds
+    # never more than the output holds
+    remaining = tl.minimum(tl.load(k_ptr + row // rows_per_k), width).to(tl.int32)
     prefix = tl.zeros((), dtype=tl.int32)  # the unsigned key bytes fixed so far
     for p in tl.static_range(4):
         shift = 24 - 8 * p
@@ -142,12 +144,13 @@ def top_blocks_kernel(
 @triton.jit
 def top_blocks_tiled_kernel(
     scores_ptr,  # [R, NB] fp32
-    k_ptr,  # [1] int64
+    k_ptr,  # [R / rows_per_k] int64
     out_ptr,  # [R, W] int64
     num_blocks,
     width,
     stride_s,
     stride_o,
+    rows_per_k,
     TILE: tl.constexpr,
 ):
     """`top_blocks_kernel` for rows too long for registers: the same radix select and output, with the row read
@@ -157,7 +160,7 @@ def top_blocks_tiled_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = scores_ptr + row * stride_s
     offs = tl.arange(0, TILE)
-    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining = tl.minimum(tl.load(k_ptr + row // rows_per_k), width).to(tl.int32)
     prefix = tl.zeros((), dtype=tl.int32)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
@@ -206,11 +209,12 @@ def _chain(hist_ptr, row, remaining, P: tl.constexpr):
 @triton.jit
 def top_blocks_hist_kernel(
     scores_ptr,  # [R, NB] fp32
-    k_ptr,  # [1] int64
+    k_ptr,  # [R / rows_per_k] int64
     hist_ptr,  # [R, 4, 256] int32, zero before pass 0
     num_blocks,
     width,
     stride_s,
+    rows_per_k,
     P: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -219,7 +223,7 @@ def top_blocks_hist_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
     live = offs < num_blocks
-    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining = tl.minimum(tl.load(k_ptr + row // rows_per_k), width).to(tl.int32)
     remaining, prefix = _chain(hist_ptr, row, remaining, P)
     _, ukey = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf")))
     hist = tl.histogram((ukey >> (24 - 8 * P)) & 0xFF, 256, mask=_candidates(live, ukey, prefix, P))
@@ -227,9 +231,9 @@ def top_blocks_hist_kernel(
 
 
 @triton.jit
-def _split_threshold(k_ptr, hist_ptr, row, width):
+def _split_threshold(k_ptr, rows_per_k, hist_ptr, row, width):
     """The k-th best key (signed) of a row and how many of the keys equal to it are kept."""
-    remaining = tl.minimum(tl.load(k_ptr), width).to(tl.int32)
+    remaining = tl.minimum(tl.load(k_ptr + row // rows_per_k), width).to(tl.int32)
     remaining, prefix = _chain(hist_ptr, row, remaining, 4)
     return prefix ^ -2147483648, remaining
 
@@ -244,6 +248,7 @@ def top_blocks_count_kernel(
     width,
     stride_s,
     num_tiles,
+    rows_per_k,
     TILE: tl.constexpr,
 ):
     """Grid (R, tiles): per tile, how many keys beat the k-th best and how many tie with it."""
@@ -251,7 +256,7 @@ def top_blocks_count_kernel(
     tile = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)
     live = offs < num_blocks
-    threshold, _ = _split_threshold(k_ptr, hist_ptr, row, width)
+    threshold, _ = _split_threshold(k_ptr, rows_per_k, hist_ptr, row, width)
     x = tl.load(scores_ptr + row * stride_s + offs, mask=live, other=float("-inf"))
     key, _ = _order_keys(x)
     # -inf is never kept, even above a threshold that k past the row's finite scores leaves at the lowest key
@@ -273,6 +278,7 @@ def top_blocks_write_kernel(
     stride_s,
     stride_o,
     num_tiles,
+    rows_per_k,
     TILE: tl.constexpr,
     TILES_PAD: tl.constexpr,
 ):
@@ -283,7 +289,7 @@ def top_blocks_write_kernel(
     tile = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)
     live = offs < num_blocks
-    threshold, remaining = _split_threshold(k_ptr, hist_ptr, row, width)
+    threshold, remaining = _split_threshold(k_ptr, rows_per_k, hist_ptr, row, width)
     ninf_key, _ = _order_keys(tl.full((), float("-inf"), tl.float32))
     tiles = tl.arange(0, TILES_PAD)
     counted = tiles < num_tiles

@@ -1,4 +1,7 @@
-import time, torch
+import time
+
+import torch
+
 dev = torch.device("cuda")
 ring = torch.randn(1, 3, 300, 64, device=dev, dtype=torch.bfloat16)
 host = torch.zeros(1, 3, 4096, 64, dtype=torch.bfloat16, pin_memory=True)
@@ -22,7 +25,8 @@ def side_copy(i):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         host[:, :, (i % 200) * 16:(i % 200) * 16 + 16].copy_(ring[:, :, 16:32], non_blocking=True)
-    ev = torch.cuda.Event(); ev.record(side)
+    ev = torch.cuda.Event()
+    ev.record(side)
 run("noncontig D2H on side stream + event", side_copy)
 srcc = torch.randn(3 * 16 * 64, device=dev, dtype=torch.bfloat16)
 run("contig src (no kernel), contig pinned dst nb", lambda i: hostc.copy_(srcc, non_blocking=True))
