@@ -52,6 +52,7 @@ class PooledRows:
     recall:        None, or a callable (layer, k_max, width) -> the pool's recall cache for this layer (a
                    `RecallCache` with a row per pool row and per-row counts), or None where it has none that
                    fits: `plan_recall` plans the ranked requests' device shares at once
+    memo:          a dict the batch's layers share, cleared before each step (`RankedRows.layout`)
     """
 
     __slots__ = (
@@ -71,13 +72,16 @@ class PooledRows:
         "recall",
     )
 
-    def __init__(self, keys, values, valid, rows, slots, mirror=None, blocks=None, recall=None) -> None:
+    def __init__(
+        self, keys, values, valid, rows, slots, mirror=None, blocks=None, recall=None, memo=None
+    ) -> None:
         self.keys, self.values, self.valid, self.rows, self.slots = keys, values, valid, rows, slots
         self.mirror, self.blocks, self.recall = mirror, blocks, recall
         self._written = torch.ones_like(rows, dtype=torch.bool)  # the flags `write` sets
         self._hot, self._hot_key = None, None
         self._all, self._all_key = None, None
-        self.ranked = RankedRows()  # the step's joint hand-off of the requests that keep a ranked range
+        # the step's joint hand-off of the requests that keep a ranked range
+        self.ranked = RankedRows(memo)
 
     def rank(self, layers, q3: torch.Tensor, members) -> tuple[torch.Tensor | None, set]:
         """(ranking, ranked): the device-side ranking [n, Hkv, W] of every request among rows `members` whose
@@ -137,10 +141,9 @@ class PooledRows:
 
     def attend_recalled(self, layers, cache, plan, planned, q3, out, lse, scale: float) -> None:
         """The planned requests' device shares: each one's blocks planned to be copied in from its own host tier
-        (`RecallCache.fill_row`), then one attention over the cache's hits and copies for all rows, merged into
-        (out, lse) [n, Hq, D] / [n, Hq] (rows not planned attend nothing)."""
-        for b in sorted(planned):
-            cache.fill_row(b, layers[b].host, plan)
+        (`RecallCache.fill_rows`, one launch for all), then one attention over the cache's hits and copies for all
+        rows, merged into (out, lse) [n, Hq, D] / [n, Hq] (rows not planned attend nothing)."""
+        cache.fill_rows({b: layers[b].host for b in planned}, plan)
         n = q3.shape[0]
         keys, values, valid = cache.store()
         block_size = cache.block_size
@@ -206,7 +209,9 @@ class RankedRows:
     block), ranked_host its copy, out_host / lse_host the call's output, out_dev / lse_dev their copy on the device.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memo: dict | None = None) -> None:
+        # what `layout` worked out per request this step, shared with the batch's other layers (cleared per step)
+        self.memo = memo if memo is not None else {}
         self.members: list[int] = []  # this step's joined rows, in order
         self._layers, self._rankings, self._planned = {}, {}, {}
         self._key = self._call_key = None
@@ -328,17 +333,23 @@ class RankedRows:
         self._ranked_rows = list(self.ranked_host.split(1))  # row b as its own [1, Hkv, W] ranking
 
     def layout(self) -> None:
-        """This step's ranks and available rows per joined request (on the host, before the call)."""
+        """This step's ranks and available rows per joined request (on the host, before the call). A request's
+        layers move in lockstep, so what its first layer works out is kept for the others in `memo` (the step's,
+        shared by a batch's layers: `PooledRows`), keyed by what it depends on."""
         self._skips[:] = 0
         self._counts[:] = 0
         skips, counts, available, ranked = self._skips, self._counts, self._available, self._ranked_rows
+        memo, width = self.memo, self.ranked_host.shape[-1]
         for b in self.members:
             layer = self._layers[b]
             host = layer.host
             host.wait()
-            skip = 0 if self._planned[b] else layer.policy.device_share(layer)
-            skips[b], counts[b] = layer.policy.ranked_range(layer, ranked[b], skip)
-            available[b] = host.valid_total()
+            key = (b, self._planned[b], host.rows, width, id(layer.config))
+            known = memo.get(key)
+            if known is None:
+                skip = 0 if self._planned[b] else layer.policy.device_share(layer)
+                known = memo[key] = (*layer.policy.ranked_range(layer, ranked[b], skip), host.valid_total())
+            skips[b], counts[b], available[b] = known
 
     def finish(self) -> None:
         """Each joined request's statistics from the call's per-request counts."""

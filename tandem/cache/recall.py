@@ -90,6 +90,11 @@ class RecallCache:
             "gpu": torch.zeros((*grid, k_max + width), **index),
         }
         self.gpu_lengths = torch.full(grid, k_max + width, **index)
+        # `fill_rows`' table of the rows' host stores (CUDA), its staging in pinned memory, and what it was made for
+        pin = torch.device(device).type == "cuda"
+        self._table = torch.zeros(batch, 5, **index) if pin else None
+        self._table_host = torch.zeros(batch, 5, dtype=torch.long, pin_memory=pin) if pin else None
+        self._table_key = None
 
     @staticmethod
     def slots_for(gpu_cache: float, k_max: int, width: int) -> int:
@@ -175,14 +180,41 @@ class RecallCache:
         ops.recall_plan(ids.contiguous(), k, share, state, out, self.block_size)
         return RecallPlan(out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"])
 
-    def fill_row(self, row: int, host, plan: RecallPlan) -> None:
-        """`fill` of row `row` from its own host tier `host` (batch 1)."""
-        r = slice(row, row + 1)
-        ops.recall_blocks(
-            host.keys, host.values, host.valid, self.keys[r], self.values[r], self.valid[r],
-            plan.src[r], plan.dst[r], plan.counts[r], self.block_size, self.slots,
-            src_k_scale=host.key_scale, src_v_scale=host.value_scale,
+    def fill_rows(self, hosts: dict, plan: RecallPlan) -> None:
+        """`fill` of the first n rows of a `plan_rows` plan, row b from its own host tier hosts[b] (batch 1; rows
+        without one copy nothing): one launch for all of them where the tiers store the model's dtype (with Triton,
+        through a table of their addresses kept here, made again when one of them moves), else one per row."""
+        n = plan.src.shape[0]
+        if any(host.quant for host in hosts.values()):
+            for b, host in hosts.items():
+                r = slice(b, b + 1)
+                ops.recall_blocks(
+                    host.keys, host.values, host.valid, self.keys[r], self.values[r], self.valid[r],
+                    plan.src[r], plan.dst[r], plan.counts[r], self.block_size, self.slots,
+                    src_k_scale=host.key_scale, src_v_scale=host.value_scale,
+                )  # fmt: skip
+            return
+        stores = [(hosts[b].keys, hosts[b].values, hosts[b].valid) if b in hosts else None for b in range(n)]
+        ops.recall_blocks_rows(
+            stores, self.keys[:n], self.values[:n], self.valid[:n], plan.src, plan.dst, plan.counts,
+            self.block_size, self.slots, table=self._store_table(hosts, stores),
         )  # fmt: skip
+
+    def _store_table(self, hosts: dict, stores) -> torch.Tensor | None:
+        """The stores' table on the cache's device (CUDA only), made again when a host tier moves or the rows
+        change; None on CPU tensors."""
+        if self.keys.device.type != "cuda":
+            return None
+        key = tuple((b, id(host), host.generation) for b, host in sorted(hosts.items())) + (len(stores),)
+        if key != self._table_key:
+            from ..kernels.gpu import store_table
+
+            n = len(stores)
+            base = next(store for store in stores if store is not None)
+            self._table_host[:n] = store_table(stores, base)
+            self._table[:n].copy_(self._table_host[:n], non_blocking=True)
+            self._table_key = key
+        return self._table[: len(stores)]
 
 
 # share of the device's free memory that the default-sized caches of all layers may take together

@@ -77,6 +77,8 @@ class SlotPool:
         # (`recall_cache`), sized as the requests' own would be for a batch of `size`
         self.recalls: dict[int, RecallCache] = {}
         self._recall_budget = RecallBudget(len(layers))
+        # what the first layer of a step works out per request for the others (`RankedRows.layout`), per step
+        self.step_memo: dict = {}
         self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
 
     @classmethod
@@ -174,6 +176,7 @@ class SlotPool:
                 partial(self.mirror, i, n),
                 blocks,
                 partial(self.recall_cache, i),
+                self.step_memo,
             )  # fmt: skip
             for i in self.keys
         }
@@ -296,6 +299,7 @@ class SlotPool:
         """The step's rows, the slot each writes its token to and, per row up to the last one, the blocks its
         request's selection keeps from the pooled mirror (`step_blocks`; 0 where it keeps none), queued in stream
         order before the step."""
+        self.step_memo.clear()
         m = len(rows)
         self._staged[0, :m] = torch.tensor(rows)
         self._staged[1, :m] = torch.tensor(slots)

@@ -628,6 +628,28 @@ def recall_blocks(src_keys, src_values, src_valid, keys, values, valid, src_ids,
     return reference.recall_blocks(*args, src_k_scale, src_v_scale)
 
 
+def recall_blocks_rows(stores, keys, values, valid, src_ids, dst_ids, counts, block_size, slots, table=None):
+    """`recall_blocks` where cache row b copies from its own host store: stores[b] = (keys [1, Hkv, T_b, D],
+    values, valid [1, T_b]), or None (the row copies nothing). With Triton on the cache's device one launch for all
+    rows, reading the stores through `table` ([B, 5] int64 on that device, `gpu.store_table` of the stores,
+    relative to the first store given; the caller keeps it where a recorded graph reads it); otherwise the
+    reference, row by row (table unused)."""
+    if _triton_on(keys.device):
+        from . import gpu
+
+        _check(table is not None, "recall_blocks_rows on a Triton device needs the stores' table")
+        return gpu.recall_blocks_table(
+            stores, table, keys, values, valid, src_ids, dst_ids, counts, block_size, slots
+        )
+    for b, store in enumerate(stores):
+        if store is None:
+            continue
+        r = slice(b, b + 1)
+        reference.recall_blocks(
+            *store, keys[r], values[r], valid[r], src_ids[r], dst_ids[r], counts[r], block_size, slots
+        )
+
+
 def block_scores_matmul(q, key_min, key_max, block_valid):
     """Quest bounds of one decode query per request on the digests' device: q [B, Hq, D], key_min / key_max
     [B, Hkv, nblk, D] finite, block_valid [B, nblk] bool -> [B, Hkv, nblk] float32. See

@@ -117,6 +117,53 @@ def test_copy_kernel_matches_reference(dtype, block_size):
     assert torch.equal(actual[0].cpu()[untouched], keys[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_kernel_reads_each_rows_own_store(dtype):
+    """`recall_blocks_table`: each cache row copies from its own store (other capacities, other addresses, one row
+    with none), in one launch, as the reference does row by row; the rows' table names them by their offsets from
+    the first store."""
+    if not gpu.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("triton unavailable")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(8)
+    heads, dim, slots, width, block_size = 2, 40, 6, 4, 4
+    stores = []
+    for rows in (10 * block_size, None, 6 * block_size + 2, 13 * block_size):
+        if rows is None:
+            stores.append(None)
+            continue
+        keys = torch.randn(1, heads, rows, dim, generator=gen).to(dtype)
+        stores.append((keys, torch.randn(1, heads, rows, dim, generator=gen).to(dtype),
+                       torch.rand(1, rows, generator=gen) > 0.2))  # fmt: skip
+    batch, cache_rows = len(stores), heads * slots * block_size
+    cache = [torch.randn(batch, cache_rows, dim, generator=gen).to(dtype),
+             torch.randn(batch, cache_rows, dim, generator=gen).to(dtype), torch.zeros(batch, cache_rows, dtype=torch.bool)]  # fmt: skip
+    src_ids = torch.stack([torch.randperm(7, generator=gen)[:width] for _ in range(batch * heads)])
+    dst_ids = torch.stack([torch.randperm(slots, generator=gen)[:width] for _ in range(batch * heads)])
+    src_ids, dst_ids = src_ids.view(batch, heads, width), dst_ids.view(batch, heads, width)
+    counts = torch.tensor([[width, 1], [0, 0], [2, width], [3, 0]])
+    expected = [t.clone() for t in cache]
+    for b, store in enumerate(stores):
+        if store is not None:
+            r = slice(b, b + 1)
+            reference.recall_blocks(
+                *store, *(t[r] for t in expected), src_ids[r], dst_ids[r], counts[r], block_size, slots
+            )
+    on = [None if s is None else tuple(t.to(device) for t in s) for s in stores]
+    table = gpu.store_table(on, on[0]).to(device)
+    actual = [t.clone().to(device) for t in cache]
+    gpu.recall_blocks_table(
+        on, table, *actual, src_ids.to(device), dst_ids.to(device), counts.to(device), block_size, slots
+    )
+    assert torch.equal(actual[2].cpu(), expected[2])
+    live = expected[2]  # rows past a store hold whatever was there: only valid rows are ever read
+    assert live.sum() > 0
+    for got, want in zip(actual[:2], expected[:2], strict=True):
+        assert torch.equal(got.cpu()[live], want[live])
+    with pytest.raises(ValueError, match=r"stores must hold one entry per row of the cache \(4\)"):
+        gpu.recall_blocks_table(on[:3], table, *actual, src_ids, dst_ids, counts, block_size, slots)
+
+
 def test_copy_kernel_refuses_bad_input():
     if not gpu.triton_available(torch.device("cpu")):
         pytest.skip("triton's interpreter unavailable")

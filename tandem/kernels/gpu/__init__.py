@@ -14,7 +14,7 @@ from ._common import interpreted, triton_available
 from .attention import host_block_attention, hot_decode_attention, merge_lse_, prefill_attention
 from .certify import certify_histogram, sketch_bounds
 from .queue import claim_probe, queue_attention
-from .recall import recall_blocks, recall_plan
+from .recall import recall_blocks, recall_blocks_table, recall_plan, store_table
 from .selection import block_scores, top_blocks
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "claim_probe",
     "queue_attention",
     "recall_blocks",
+    "recall_blocks_table",
+    "store_table",
     "recall_plan",
     "sketch_bounds",
     "top_blocks",

@@ -145,11 +145,92 @@ def recall_blocks(
     with _guard(device):
         _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
             _as_codes(src_keys), _as_codes(src_values), src_valid.view(torch.uint8), keys, values,
-            valid.view(torch.uint8), src_ids, dst_ids, counts, src_k_scale, src_v_scale,
+            valid.view(torch.uint8), src_ids, dst_ids, counts, src_k_scale, src_v_scale, counts,
             num_rows, int(slots), scale_group,
             *src_keys.stride()[:3], *src_values.stride()[:3], src_valid.stride(0),
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), valid.stride(0),
             *src_ids.stride()[:2], *dst_ids.stride()[:2], *counts.stride(), *scale_strides,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), QUANT=quant,
-            RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, num_warps=4,
+            RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, TABLE=False, num_warps=4,
+        )  # fmt: skip
+
+
+def store_table(stores, base, out=None) -> torch.Tensor:
+    """[B, 5] int64 on the host: `recall_blocks_table`'s table of the stores (keys, values, valid) of B requests
+    (None: a request with none, which copies nothing), each [1, Hkv, T_b, D] / [1, T_b] contiguous, relative to
+    `base` (one of them)."""
+    table = out if out is not None else torch.zeros(len(stores), 5, dtype=torch.long)
+    size = base[0].element_size()
+    rows = []
+    for store in stores:
+        if store is None:
+            rows.append((0, 0, 0, 0, 0))
+            continue
+        keys, values, valid = store
+        rows.append((
+            (keys.data_ptr() - base[0].data_ptr()) // size,
+            (values.data_ptr() - base[1].data_ptr()) // size,
+            valid.data_ptr() - base[2].data_ptr(),
+            keys.stride(1),
+            keys.shape[2],
+        ))  # fmt: skip
+    table[: len(rows)] = torch.tensor(rows, dtype=torch.long)
+    return table
+
+
+def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, counts, block_size, slots):
+    """`recall_blocks` where request b reads its own host store: stores[b] = (keys [1, Hkv, T_b, D], values, valid
+    [1, T_b]) in pinned host memory (or on the cache's device), or None (it copies nothing), all of one dtype and
+    head_dim, contiguous; table [B, 5] int64 on the cache's device, `store_table(stores, base)` with base the
+    first store that is not None (the caller keeps it, so that a recorded graph reads the same). One launch for
+    all requests, where `recall_blocks` would be one per request."""
+    device = _run_device("keys", keys)
+    live = [s for s in stores if s is not None]
+    _check(live, "stores must hold at least one store")
+    base = live[0]
+    for b, store in enumerate(stores):
+        if store is None:
+            continue
+        k, v, m = store
+        _check_tensor(f"stores[{b}] keys", k, "[1, Hkv, T, D]", (1, base[0].shape[1], None, base[0].shape[3]),
+                      FLOAT_DTYPES)  # fmt: skip
+        _check(k.dtype == base[0].dtype, f"stores[{b}] keys must be {base[0].dtype}, got {k.dtype}")
+        _check_tensor(f"stores[{b}] values", v, "[1, Hkv, T, D]", tuple(k.shape), (k.dtype,))
+        _check_tensor(f"stores[{b}] valid", m, "[1, T]", (1, k.shape[2]), (torch.bool,))
+        for name, t in (("keys", k), ("values", v), ("valid", m)):
+            _check_readable(f"stores[{b}] {name}", t, device)
+            _check(t.is_contiguous(), f"stores[{b}] {name} must be contiguous")
+    batch, num_kv_heads, head_dim = keys.shape[0], base[0].shape[1], base[0].shape[3]
+    _check(
+        len(stores) == batch, f"stores must hold one entry per row of the cache ({batch}), got {len(stores)}"
+    )
+    _check_tensor("table", table, "[B, 5]", (batch, 5), (torch.int64,))
+    _check_on("table", table, device)
+    cache_rows = num_kv_heads * slots * block_size
+    layout = "[B, Hkv * slots * block_size, D]"
+    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), (base[0].dtype,))
+    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
+    _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
+    width = src_ids.shape[-1] if src_ids.dim() == 3 else None
+    _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
+    _check_tensor("dst_ids", dst_ids, "[B, Hkv, W]", (batch, num_kv_heads, width), (torch.int64,))
+    _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
+    for name, t in (("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
+                    ("counts", counts)):  # fmt: skip
+        _check_on(name, t, device)
+        _check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+    if batch == 0 or width == 0:
+        return
+    block_d = _block_d(head_dim)
+    block_r = min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
+    row_stride = base[0].stride(2)
+    with _guard(device):
+        _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
+            base[0], base[1], base[2].view(torch.uint8), keys, values, valid.view(torch.uint8), src_ids, dst_ids,
+            counts, counts, counts, table, 0, int(slots), 1,
+            0, 0, row_stride, 0, 0, row_stride, 0,
+            keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), valid.stride(0),
+            *src_ids.stride()[:2], *dst_ids.stride()[:2], *counts.stride(), 0, 0, 0, 0,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), QUANT=0,
+            RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, TABLE=True, num_warps=4,
         )  # fmt: skip

@@ -22,6 +22,7 @@ def recall_blocks_kernel(
     counts_ptr,  # [B, Hkv] int64: live entries
     src_k_scale_ptr,  # [B, Hkv, T // G] fp32, read only when QUANT
     src_v_scale_ptr,  # [B, Hkv, T // G] fp32
+    table_ptr,  # [B, 5] int64, read only when TABLE: request b's own store (see below)
     num_rows,
     slots,
     scale_group,  # G: rows per scale
@@ -53,13 +54,28 @@ def recall_blocks_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """Grid (B, Hkv, W): entry w < counts[b, h] copies host block src_ids[b, h, w] (rows past num_rows: not
     valid) into slot dst_ids[b, h, w] of head h, K, V and validity, BLOCK_R rows at a time. QUANT (see
-    `_load_rows`): 0 a source of the cache's dtype; 1 / 2 int8 / float8 codes, decoded to the cache's dtype."""
+    `_load_rows`): 0 a source of the cache's dtype; 1 / 2 int8 / float8 codes, decoded to the cache's dtype.
+    TABLE: each request b reads its own store (the requests of a pool, each with its own host tier):
+    table[b] = (its keys', values' and valid flags' element offsets from src_k / src_v / src_valid, its keys'
+    head stride, its rows T), with the row stride stride_skt shared; QUANT 0 only."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     w = tl.program_id(2)
+    if TABLE:
+        entry = table_ptr + b * 5
+        stride_h = tl.load(entry + 3)
+        src_k_row = src_k_ptr + tl.load(entry) + head * stride_h
+        src_v_row = src_v_ptr + tl.load(entry + 1) + head * stride_h
+        src_valid_row = src_valid_ptr + tl.load(entry + 2)
+        num_rows = tl.load(entry + 4)
+    else:
+        src_k_row = src_k_ptr + b * stride_skb + head * stride_skh
+        src_v_row = src_v_ptr + b * stride_svb + head * stride_svh
+        src_valid_row = src_valid_ptr + b * stride_smb
     count = tl.load(counts_ptr + b * stride_cb + head * stride_ch)
     if w < count:
         block = tl.load(src_ids_ptr + b * stride_ib + head * stride_ih + w).to(tl.int64)
@@ -76,18 +92,18 @@ def recall_blocks_kernel(
             dst_row = (head * slots + slot) * BLOCK_SIZE + r
             put = r_live[:, None] & d_live[None, :]
             k = _load_rows(
-                src_k_ptr + b * stride_skb + head * stride_skh, src_row, stride_skt, d, readable, d_live,
+                src_k_row, src_row, stride_skt, d, readable, d_live,
                 src_k_scale_ptr + b * stride_ksb + head * stride_ksh, scale_group,
                 dst_k_ptr.dtype.element_ty, QUANT, RNE_BF16,
             )  # fmt: skip
             tl.store(dst_k_ptr + b * stride_dkb + dst_row[:, None] * stride_dkt + d[None, :], k, mask=put)
             v = _load_rows(
-                src_v_ptr + b * stride_svb + head * stride_svh, src_row, stride_svt, d, readable, d_live,
+                src_v_row, src_row, stride_svt, d, readable, d_live,
                 src_v_scale_ptr + b * stride_vsb + head * stride_vsh, scale_group,
                 dst_v_ptr.dtype.element_ty, QUANT, RNE_BF16,
             )  # fmt: skip
             tl.store(dst_v_ptr + b * stride_dvb + dst_row[:, None] * stride_dvt + d[None, :], v, mask=put)
-            ok = tl.load(src_valid_ptr + b * stride_smb + src_row, mask=readable, other=0)
+            ok = tl.load(src_valid_row + src_row, mask=readable, other=0)
             tl.store(dst_valid_ptr + b * stride_dmb + dst_row, ok, mask=r_live)
 
 
