@@ -105,40 +105,23 @@ def recall_blocks(
     src_dtypes = FLOAT_DTYPES + tuple(QUANT_CODES)
     _check_tensor("src_keys", src_keys, "[B, Hkv, T, D]", (None, None, None, None), src_dtypes)
     batch, num_kv_heads, num_rows, head_dim = src_keys.shape
-    _check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
     _check_tensor("src_values", src_values, "[B, Hkv, T, D]", tuple(src_keys.shape), (src_keys.dtype,))
     _check_tensor("src_valid", src_valid, "[B, T]", (batch, num_rows), (torch.bool,))
-    if not (_positive_int(block_size) and _positive_int(slots)):
-        raise ValueError(f"block_size and slots must be positive ints, got {block_size!r} / {slots!r}")
-    cache_rows = num_kv_heads * slots * block_size
-    layout = "[B, Hkv * slots * block_size, D]"
     quant = QUANT_CODES.get(src_keys.dtype, 0)
     cache_dtypes = FLOAT_DTYPES if quant else (src_keys.dtype,)
-    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), cache_dtypes)
-    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
-    _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
-    width = src_ids.shape[-1] if src_ids.dim() == 3 else None
-    _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
-    _check_tensor("dst_ids", dst_ids, "[B, Hkv, W]", (batch, num_kv_heads, width), (torch.int64,))
-    _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
+    width = _check_cache(
+        keys, values, valid, src_ids, dst_ids, counts, (batch, num_kv_heads, head_dim), cache_dtypes, block_size,
+        slots, device,
+    )  # fmt: skip
     for name, t in (("src_keys", src_keys), ("src_values", src_values), ("src_valid", src_valid)):
         _check_readable(name, t, device)
+        _check(
+            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
     _, scale_group = _kv_scales(src_keys, src_k_scale, src_v_scale, device, ("src_k_scale", "src_v_scale"))
-    for name, t in (("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
-                    ("counts", counts)):  # fmt: skip
-        _check_on(name, t, device)
-    for name, t in (("src_keys", src_keys), ("src_values", src_values), ("keys", keys), ("values", values)):
-        _check(
-            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
-        )
-    for name, t in (("src_ids", src_ids), ("dst_ids", dst_ids), ("src_valid", src_valid), ("valid", valid)):
-        _check(
-            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
-        )
     if batch == 0 or width == 0:
         return
-    block_d = _block_d(head_dim)
-    block_r = min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
+    block_d, block_r = _copy_blocks(head_dim, block_size)
     if not quant:  # placeholders, never read
         src_k_scale = src_v_scale = counts
     scale_strides = (*src_k_scale.stride()[:2], *src_v_scale.stride()[:2]) if quant else (0, 0, 0, 0)
@@ -206,23 +189,13 @@ def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, co
     )
     _check_tensor("table", table, "[B, 5]", (batch, 5), (torch.int64,))
     _check_on("table", table, device)
-    cache_rows = num_kv_heads * slots * block_size
-    layout = "[B, Hkv * slots * block_size, D]"
-    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), (base[0].dtype,))
-    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
-    _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
-    width = src_ids.shape[-1] if src_ids.dim() == 3 else None
-    _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
-    _check_tensor("dst_ids", dst_ids, "[B, Hkv, W]", (batch, num_kv_heads, width), (torch.int64,))
-    _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
-    for name, t in (("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
-                    ("counts", counts)):  # fmt: skip
-        _check_on(name, t, device)
-        _check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+    width = _check_cache(
+        keys, values, valid, src_ids, dst_ids, counts, (batch, num_kv_heads, head_dim), (base[0].dtype,),
+        block_size, slots, device,
+    )  # fmt: skip
     if batch == 0 or width == 0:
         return
-    block_d = _block_d(head_dim)
-    block_r = min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
+    block_d, block_r = _copy_blocks(head_dim, block_size)
     row_stride = base[0].stride(2)
     with _guard(device):
         _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
@@ -234,3 +207,37 @@ def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, co
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_SIZE=int(block_size), QUANT=0,
             RNE_BF16=interpreted() and keys.dtype == torch.bfloat16, TABLE=True, num_warps=4,
         )  # fmt: skip
+
+
+def _check_cache(
+    keys, values, valid, src_ids, dst_ids, counts, shape, dtypes, block_size, slots, device
+) -> int:
+    """The copy's cache side and plan (`recall_blocks`' layouts) for (batch, Hkv, head_dim) = `shape`, on `device`,
+    contiguous in their last dimension; returns W."""
+    batch, num_kv_heads, head_dim = shape
+    _check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must lie in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if not (_positive_int(block_size) and _positive_int(slots)):
+        raise ValueError(f"block_size and slots must be positive ints, got {block_size!r} / {slots!r}")
+    cache_rows = num_kv_heads * slots * block_size
+    layout = "[B, Hkv * slots * block_size, D]"
+    _check_tensor("keys", keys, layout, (batch, cache_rows, head_dim), dtypes)
+    _check_tensor("values", values, layout, (batch, cache_rows, head_dim), (keys.dtype,))
+    _check_tensor("valid", valid, "[B, Hkv * slots * block_size]", (batch, cache_rows), (torch.bool,))
+    width = src_ids.shape[-1] if src_ids.dim() == 3 else None
+    _check_tensor("src_ids", src_ids, "[B, Hkv, W]", (batch, num_kv_heads, None), (torch.int64,))
+    _check_tensor("dst_ids", dst_ids, "[B, Hkv, W]", (batch, num_kv_heads, width), (torch.int64,))
+    _check_tensor("counts", counts, "[B, Hkv]", (batch, num_kv_heads), (torch.int64,))
+    tensors = (("keys", keys), ("values", values), ("valid", valid), ("src_ids", src_ids), ("dst_ids", dst_ids),
+               ("counts", counts))  # fmt: skip
+    for name, t in tensors:
+        _check_on(name, t, device)
+        _check(
+            t.stride(-1) == 1, f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
+    return width
+
+
+def _copy_blocks(head_dim: int, block_size: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_R) of `recall_blocks_kernel`: the head's lanes, and rows per pass of a block."""
+    block_d = _block_d(head_dim)
+    return block_d, min(triton.next_power_of_2(int(block_size)), max(1, 8192 // block_d))
