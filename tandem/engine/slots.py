@@ -19,7 +19,8 @@ recall cache read each request's own host tier, one launch each.
 
 The pool is sized when it is made: `size` rows x each global layer's `sink_tokens + (ceil(window / block_size) +
 1) * block_size` slots, on the model's device, the memory the same requests' own hot tiers would take at their
-longest; the mirrors and recall caches as the requests' own would be, made when the first host tier asks.
+longest; the mirrors and recall caches as the requests' own would be, made when the first host tier asks (a
+growth of the mirrors that would not fit `MIRROR_HEADROOM` of the free memory leaves the growing tier its own).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ import torch
 
 from ..attention.rows import PooledRows
 from ..cache.host import block_minmax
-from ..cache.recall import RecallBudget, RecallCache
+from ..cache.recall import RecallBudget, RecallCache, free_bytes
 from ..integrations.hf import layer_windows
 from ..models import attention_shape
+
+# share of the device's free memory that growing the pooled digest mirrors of every layer may take
+MIRROR_HEADROOM = 0.5
 
 
 class SlotPool:
@@ -337,8 +341,9 @@ class SlotPool:
     def _mirror_storage(self, row: int, layer: int, blocks: int, dtype, device):
         """Row `row` of layer `layer`'s digest mirrors, `blocks` wide, for its request's host tier
         (`HostTier.mirror_storage`): made at the first ask, grown (by half again, at least to `blocks`) when a
-        host tier outgrows them, the other rows' host tiers then pointed at the new tensors. None for a dtype or
-        device other than the pool's."""
+        host tier outgrows them, the other rows' host tiers then pointed at the new tensors. None (the tier keeps
+        its own mirror, and its request ranks alone) for a dtype or device other than the pool's, or where every
+        layer's mirrors grown alike would take more than MIRROR_HEADROOM of the device's free memory."""
         if dtype != self.dtype or torch.device(device) != self.device:
             return None
         mirror = self.mirrors.get(layer)
@@ -346,6 +351,10 @@ class SlotPool:
         if blocks > width:
             num_kv_heads, head_dim = self._kv_shape
             grown = max(blocks, width + width // 2)
+            per_block = self.size * (2 * num_kv_heads * head_dim * dtype.itemsize + 1)
+            free = free_bytes(self.device)
+            if free is not None and (grown - width) * per_block * len(self.keys) > MIRROR_HEADROOM * free:
+                return None  # every layer's mirrors grown alike would not fit: this tier keeps its own
             key_min = torch.zeros(self.size, num_kv_heads, grown, head_dim, dtype=dtype, device=self.device)
             key_max = torch.zeros_like(key_min)
             block_valid = torch.zeros(self.size, grown, dtype=torch.bool, device=self.device)

@@ -356,6 +356,26 @@ def test_a_freed_row_keeps_no_blocks_of_its_last_request(tiny, policy):
 
 
 @torch.inference_mode()
+def test_pooled_mirrors_that_would_not_fit_stay_each_requests_own(tiny, monkeypatch):
+    """Where the pool's digest mirrors of every layer would take more than their share of the free memory
+    (`slots.MIRROR_HEADROOM`), each host tier keeps its own mirror and its request ranks its blocks alone, decoding
+    what it decodes alone."""
+    from tandem.engine import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "free_bytes", lambda device: 1000)
+    cpu = torch.device("cpu")
+    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((71, 53))]
+    alone = [_alone(tiny, p, "quest+share", 4, cpu) for p in prompts]
+    runner = RowsRunner(tiny, config=_config("full"), slots=2)
+    rows = [_Row(tiny, p, "quest+share", cpu, runner) for p in prompts]
+    for _ in range(4):
+        _step(runner, rows)
+    assert not runner.pool.mirrors and not any(runner.pool.mirrored(r.cache, b) for b, r in enumerate(rows))
+    assert all(kv.host.key_min_dev is not None for r in rows for kv in r.cache.tandem_layers())
+    assert [r.tokens for r in rows] == [tokens for tokens, _ in alone]
+
+
+@torch.inference_mode()
 def test_rows_refuse_bad_batches(tiny):
     runner = RowsRunner(tiny)
     row = _Row(tiny, _prompt(tiny, 20, 0), "full", torch.device("cpu"))
