@@ -138,11 +138,10 @@ def recall_blocks(
         )  # fmt: skip
 
 
-def store_table(stores, base, out=None) -> torch.Tensor:
+def store_table(stores, base) -> torch.Tensor:
     """[B, 5] int64 on the host: `recall_blocks_table`'s table of the stores (keys, values, valid) of B requests
     (None: a request with none, which copies nothing), each [1, Hkv, T_b, D] / [1, T_b] contiguous, relative to
     `base` (one of them)."""
-    table = out if out is not None else torch.zeros(len(stores), 5, dtype=torch.long)
     size = base[0].element_size()
     rows = []
     for store in stores:
@@ -157,8 +156,7 @@ def store_table(stores, base, out=None) -> torch.Tensor:
             keys.stride(1),
             keys.shape[2],
         ))  # fmt: skip
-    table[: len(rows)] = torch.tensor(rows, dtype=torch.long)
-    return table
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, counts, block_size, slots):
