@@ -317,11 +317,7 @@ class RankedRows:
             self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
             self.ranked_host.fill_(-1)
         first = self._layers[self.members[0]]
-        stores = []
-        for host in hosts:
-            host = host if host is not None else first.host
-            scales = host.scales()
-            stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+        stores = _host_stores(hosts, first.host)
         self.call = ops.ranked_rows_call(
             self.q_host, stores, self.ranked_host, first.attention_scale, first.host.block_size, self.out_host,
             self.lse_host, first.config.host.threads,
@@ -410,17 +406,24 @@ class _RankedRowsPart:
         return rows
 
 
+def _host_stores(hosts, fallback) -> list[tuple]:
+    """Per row, its host tier's store as the compiled calls over several stores take it (keys, values, valid,
+    k_scale, v_scale); a row without one (None) points at `fallback`'s, which it never reads."""
+    stores = []
+    for host in hosts:
+        host = host if host is not None else fallback
+        scales = host.scales()
+        stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+    return stores
+
+
 def _every_row_call(hosts, q3: torch.Tensor, scale: float, threads: int | None):
     """(call, q, out, lse, lengths): `PooledRows.attend_every_row`'s prepared call over `hosts` (None: a row that
     attends nothing, given the first host tier's store to point at) with its own buffers; lengths [n, Hkv] is
     read at each call."""
     first = next(h for h in hosts if h is not None)
     num_kv_heads, block_size = first.num_kv_heads, first.block_size
-    stores = []
-    for host in hosts:
-        host = host if host is not None else first
-        scales = host.scales()
-        stores.append((host.keys, host.values, host.valid, scales.get("k_scale"), scales.get("v_scale")))
+    stores = _host_stores(hosts, first)
     width = max(host.capacity // block_size for host in hosts if host is not None)
     indices = torch.arange(width, dtype=torch.long).expand(q3.shape[0], num_kv_heads, width).contiguous()
     lengths = torch.zeros(q3.shape[0], num_kv_heads, dtype=torch.long)

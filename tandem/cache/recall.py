@@ -123,9 +123,7 @@ class RecallCache:
         """
         if not torch.is_tensor(k):
             k = torch.tensor([k], dtype=torch.long, device=ids.device)
-        ops.recall_plan(ids.contiguous(), k, share, self.state, self.out, self.block_size)
-        out = self.out
-        return RecallPlan(out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"])
+        return self.plan_rows(ids, k, share)
 
     def fill(self, host, plan: RecallPlan) -> None:
         """Copy the planned host blocks into their slots (the device reads pinned host memory in place)."""
@@ -173,9 +171,11 @@ class RecallCache:
             self.valid[row].zero_()
 
     def plan_rows(self, ids: torch.Tensor, k: torch.Tensor, share: float) -> RecallPlan:
-        """`plan` of the first n = ids.shape[0] rows, each with its own block count k [n] (the rows of a pool)."""
+        """`plan` of the first n = ids.shape[0] rows, with one block count k [1] for all or one each, [n] (the rows
+        of a pool)."""
         n = ids.shape[0]
-        state = {name: t[:n] if torch.is_tensor(t) else t for name, t in self.state.items()}
+        # every state tensor is per row but the summed counters [2] (without `per_request`)
+        state = {name: t[:n] if torch.is_tensor(t) and t.dim() > 1 else t for name, t in self.state.items()}
         out = {name: t[:n] for name, t in self.out.items()}
         ops.recall_plan(ids.contiguous(), k, share, state, out, self.block_size)
         return RecallPlan(out["cpu"], out["src"], out["dst"], out["counts"], out["gpu"])
