@@ -70,6 +70,8 @@ class PooledRows:
         "mirror",
         "blocks",
         "recall",
+        "uniform",
+        "recall_used",
     )
 
     def __init__(
@@ -82,6 +84,10 @@ class PooledRows:
         self._all, self._all_key = None, None
         # the step's joint hand-off of the requests that keep a ranked range
         self.ranked = RankedRows(memo)
+        # set by each `decode_rows`: every request of the rows ranked here and joined the hand-off (none decoded
+        # alone, handed off alone or without a part), and none read its own tensors on the device; and the recall
+        # cache that planned them (or None). A recorded step of such rows can then serve other requests (`rebind`)
+        self.uniform, self.recall_used = False, None
 
     def rank(self, layers, q3: torch.Tensor, members) -> tuple[torch.Tensor | None, set]:
         """(ranking, ranked): the device-side ranking [n, Hkv, W] of every request among rows `members` whose
@@ -152,15 +158,31 @@ class PooledRows:
         )
         ops.merge_lse_(out, lse, o_dev, lse_dev)
 
+    def rebind(self, layers, members: list[int]) -> None:
+        """Let a step recorded over these rows (`uniform`) serve the requests whose layers are `layers` (per row,
+        None where the row holds none) at rows `members`: their joint hand-off, their rows' counts of the recall
+        cache and its table of their host tiers (host side, and the table's copy queued before the replay)."""
+        self.ranked.rebind(layers, members)
+        cache = self.recall_used
+        if cache is not None:
+            for b in members:
+                layers[b].recall_row = (cache, b)
+            cache.table_for({b: layers[b].host for b in members}, self.keys.shape[0])
+
     def attend_every_row(self, layers, gathered, q3: torch.Tensor, scale: float, threads: int | None):
         """(out [n, Hq, D], lse [n, Hq]) float32 of q3 [n, Hq, D] over every live host row of the requests at
         rows `gathered` (their `LayerKV`s in `layers`), each over its own host tier, in one prepared compiled
-        call (`ops.stores_attention_call`, made again when a host tier moves); the other rows attend nothing
+        call (`ops.stores_attention_call`, made again when a row's store changes); the other rows attend nothing
         (out 0, lse -inf). On CPU tensors, with the compiled kernels."""
         n = q3.shape[0]
         hosts = [layers[b].host if b in gathered else None for b in range(n)]
-        key = (tuple((id(h), h.generation) if h is not None else None for h in hosts), tuple(q3.shape), q3.dtype,
-               scale, threads)  # fmt: skip
+        key = (
+            tuple(h.address() if h is not None else None for h in hosts),
+            tuple(q3.shape),
+            q3.dtype,
+            scale,
+            threads,
+        )
         if key != self._all_key:
             self._all, self._all_key = _every_row_call(hosts, q3, scale, threads), key
         call, q, out, lse, lengths = self._all
@@ -214,9 +236,11 @@ class RankedRows:
         self.memo = memo if memo is not None else {}
         self.members: list[int] = []  # this step's joined rows, in order
         self._layers, self._rankings, self._planned = {}, {}, {}
-        self._key = self._call_key = None
+        self._key = self._call_key = self._tiers = None
         self.call = None
         self._retired = []  # buffers replaced while a graph was recorded (freeing pinned memory breaks a capture)
+        self._params = None  # (softmax scale, block size, threads) of the joined requests, fixed at `publish`
+        self.last_part = None  # the part made last (`part`), which a recorded step replays
 
     def begin(self, layers) -> None:
         self.members, self._rankings, self._planned = [], {}, {}
@@ -252,6 +276,8 @@ class RankedRows:
         if key != self._key:
             self._buffers(q3, first.shape[1], width)
             self._key = key
+        layer = self._layers[self.members[0]]
+        self._params = (layer.attention_scale, layer.host.block_size, layer.config.host.threads)
         self._prepare_call()
         whole = set()
         for lists, rows in shared:
@@ -273,7 +299,20 @@ class RankedRows:
         self.ranked_host.copy_(self.ranked_dev, non_blocking=on_cuda)
 
     def part(self, wait_copy: bool, on_seconds):
-        return _RankedRowsPart(self, wait_copy, on_seconds)
+        self.last_part = RankedRowsPart(self, wait_copy, on_seconds)
+        return self.last_part
+
+    def rebind(self, layers, members: list[int]) -> None:
+        """Serve other requests with the same recorded step: `layers` per row, `members` the rows that join (each
+        planned as the recorded ones were); the compiled call follows their host tiers. Host side only."""
+        planned = self._planned[self.members[0]] if self.members else False
+        self._layers, self.members = layers, list(members)
+        self._planned = dict.fromkeys(self.members, planned)
+        if self.members:
+            self._prepare_call()
+        part = self.last_part
+        if part is not None:
+            part.members, part.layers, part.planned = list(self.members), self._layers, dict(self._planned)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse) of the part on the device (queued copies on CUDA)."""
@@ -308,21 +347,30 @@ class RankedRows:
 
     def _prepare_call(self) -> None:
         """The compiled call over the joined rows' host tiers (rows that did not join read the first one's store,
-        with no ranks), made again when one of them moves or the rows change. Rows that left keep -1 rankings."""
+        with no ranks), made when the buffers or the group's parameters change; where only the rows' tiers do (a
+        request joined, left, or its tier moved), the call's rows are re-pointed (`ops.ranked_rows_set_store`).
+        Rows that left keep -1 rankings."""
         hosts = [self._layers[b].host if b in self.members else None for b in range(self.q_host.shape[0])]
-        key = (self._key, tuple((id(h), h.generation) if h is not None else None for h in hosts))
-        if key == self._call_key:
+        tiers = tuple(h.address() if h is not None else None for h in hosts)
+        key = (self._key, self._params)
+        if key == self._call_key and tiers == self._tiers:
             return
-        if self._call_key is not None and self._call_key[1] != key[1]:
+        if self._call_key is not None and self._tiers != tiers:
             self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
             self.ranked_host.fill_(-1)
-        first = self._layers[self.members[0]]
-        stores = _host_stores(hosts, first.host)
+        first = self._layers[self.members[0]].host
+        stores = _host_stores(hosts, first)
+        if key == self._call_key:
+            for b, (tier, before) in enumerate(zip(tiers, self._tiers, strict=True)):
+                if tier != before:
+                    ops.ranked_rows_set_store(self.call, b, stores[b])
+            self._tiers = tiers
+            return
+        scale, block_size, threads = self._params
         self.call = ops.ranked_rows_call(
-            self.q_host, stores, self.ranked_host, first.attention_scale, first.host.block_size, self.out_host,
-            self.lse_host, first.config.host.threads,
+            self.q_host, stores, self.ranked_host, scale, block_size, self.out_host, self.lse_host, threads
         )  # fmt: skip
-        self._call_key = key
+        self._call_key, self._tiers = key, tiers
         # numpy views: the host side fills them per request at each step without a tensor op each
         self._skips, self._counts = self.call.skips.numpy(), self.call.counts.numpy()
         self._available, self._stats = self.available.numpy(), self.call.row_stats.numpy()
@@ -367,7 +415,7 @@ def _group(layer) -> tuple:
     )
 
 
-class _RankedRowsPart:
+class RankedRowsPart:
     """`RankedRows`' host side of one step, as `decode.CpuPart` is one request's: calling it waits for the copies
     (unless the step's hand-off already did) and runs the call from Python; `native()` lays it out as a task for
     the engine's hand-off server."""
@@ -570,6 +618,16 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if ranked_part is not None:
         ops.merge_lse_(out, lse, *ranked_rows.result())
     members = set(ranked_rows.members)
+    occupied = {b for b in range(n) if layers[b] is not None}
+    # a recorded step reads no request's own tensors where every row's device share went through the pool's
+    # recall cache or is empty, and no certificate is counted on the device
+    own_tensors = any(
+        layers[b].policy.certifier is not None or (b not in by_recall and share_width(layers[b], parts[b][1]))
+        for b in together
+    )
+    together_ranked = bool(occupied) and members == occupied and occupied <= by_pool
+    pooled.uniform = together_ranked and not (alone or host or own_tensors)
+    pooled.recall_used = recall if by_recall else None
     for b in together:
         layer, row = layers[b], slice(b, b + 1)
         layer.policy.after_attention(layer, out[row], lse[row])

@@ -402,6 +402,12 @@ class HostTier:
             )
         return self.keys[:, :, :n], self.values[:, :, :n], self.valid[:, :n]
 
+    def address(self) -> tuple:
+        """The store's tensors' addresses and capacity: what a table or prepared call that reads it in place holds
+        of it (equal exactly when they read the same memory the same way, whichever tier object owns it)."""
+        tensors = (self.keys, self.values, self.valid, *self.scales().values())
+        return (*(t.data_ptr() for t in tensors), self.keys.shape[2])
+
     def scales(self) -> dict:
         """The kernels' keyword arguments for this store: {"k_scale": ..., "v_scale": ...} with `quant`, else {}."""
         return {"k_scale": self.key_scale, "v_scale": self.value_scale} if self.quant else {}

@@ -94,7 +94,7 @@ class RecallCache:
         pin = torch.device(device).type == "cuda"
         self._table = torch.zeros(batch, 5, **index) if pin else None
         self._table_host = torch.zeros(batch, 5, dtype=torch.long, pin_memory=pin) if pin else None
-        self._table_key = None
+        self._table_rows: list = []  # what each row of the table names (`table_for`)
 
     @staticmethod
     def slots_for(gpu_cache: float, k_max: int, width: int) -> int:
@@ -194,27 +194,34 @@ class RecallCache:
                     src_k_scale=host.key_scale, src_v_scale=host.value_scale,
                 )  # fmt: skip
             return
-        stores = [(hosts[b].keys, hosts[b].values, hosts[b].valid) if b in hosts else None for b in range(n)]
+        stores = _stores(hosts, n)
         ops.recall_blocks_rows(
             stores, self.keys[:n], self.values[:n], self.valid[:n], plan.src, plan.dst, plan.counts,
-            self.block_size, self.slots, table=self._store_table(hosts, stores),
+            self.block_size, self.slots, table=self.table_for(hosts, n),
         )  # fmt: skip
 
-    def _store_table(self, hosts: dict, stores) -> torch.Tensor | None:
-        """The stores' table on the cache's device (CUDA only), made again when a host tier moves or the rows
-        change; None on CPU tensors."""
+    def table_for(self, hosts: dict, n: int) -> torch.Tensor | None:
+        """`fill_rows`' table of the first n rows' host stores (hosts[b]: row b's tier) on the cache's device
+        (CUDA only; None on CPU tensors): the rows whose tier changed or moved are laid out again, staged in pinned
+        memory, then copied in stream order (a recorded step that copies them reads the same buffer)."""
         if self.keys.device.type != "cuda":
             return None
-        key = tuple((b, id(host), host.generation) for b, host in sorted(hosts.items())) + (len(stores),)
-        if key != self._table_key:
+        rows = [hosts[b].address() if b in hosts else None for b in range(n)]
+        changed = [b for b in range(n) if b >= len(self._table_rows) or rows[b] != self._table_rows[b]]
+        if changed:
             from ..kernels.gpu import store_table
 
-            n = len(stores)
-            base = next(store for store in stores if store is not None)
-            self._table_host[:n] = store_table(stores, base)
+            stores = _stores(hosts, n)
+            base = (self.keys, self.values, self.valid)
+            self._table_host[changed] = store_table([stores[b] for b in changed], base)
             self._table[:n].copy_(self._table_host[:n], non_blocking=True)
-            self._table_key = key
-        return self._table[: len(stores)]
+            self._table_rows = rows
+        return self._table[:n]
+
+
+def _stores(hosts: dict, n: int) -> list:
+    """Per row of n, its host tier's (keys, values, valid), or None for a row without one."""
+    return [(hosts[b].keys, hosts[b].values, hosts[b].valid) if b in hosts else None for b in range(n)]
 
 
 # share of the device's free memory that the default-sized caches of all layers may take together

@@ -12,9 +12,11 @@ hot tier in one call and waits once for their CPU parts (`attention.rows.decode_
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
 with a hand-off per layer and request, one per layer for the pooled quest requests together) and replayed while it
-stays the same. The recording depends on the requests' cache addresses, so a request that joins or leaves ends
-it: the batch's composition, not only its size, keys the graph. The pool stages its requests' evicted blocks for
-all of them at once (`SlotPool.stage_evictions`).
+stays the same. A recording reads its requests' caches, so a request that joins or leaves ends it, except where
+every request of the recorded batch was a pooled one whose step is all the pool's (quest's joined path: the
+device reads only the pool's rows and tensors): then the batches that follow within its rows, of pooled requests
+of the same config, replay it, its host-side parts re-pointed at them (`_rebind`), with no eager step and no new
+recording. The pool stages its requests' evicted blocks for all of them at once (`SlotPool.stage_evictions`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import weakref
 import torch
 
 from ..attention.context import StepContext
+from ..attention.rows import RankedRowsPart
 from ..config import TandemConfig
 from ..integrations.hf import TandemCache, generate_cache_kwargs
 from ..integrations.rows import RowsCache
@@ -111,6 +114,11 @@ class RowsRunner:
         if slots and self.decoder is not None:
             self.pool = SlotPool.for_model(model, config if config is not None else TandemConfig(), slots)
         self._rows = None  # the step's layout by rows, with a pool (`_layout`)
+        # (rows, config, pool generation) of a recorded step that other requests of the pool may replay (`_rebind`),
+        # or None
+        self._bucket = None
+        self._mirrored = weakref.WeakKeyDictionary()  # what `_rebindable` found each cache's mirrors in
+        self.rebinds = 0  # batches served by a recorded step of other requests
         self._order = self._order_key = (
             None  # each caller's row, on the device, and as the list it was made from
         )
@@ -135,7 +143,8 @@ class RowsRunner:
             _check_row(cache, b)
         rows, order = self._layout(caches)
         if not self._same_batch(rows):
-            self._new_batch(rows, caches)
+            if not self._rebind(rows):
+                self._new_batch(rows, caches)
         else:
             self._steps_same += 1
         if order is not None:
@@ -207,7 +216,7 @@ class RowsRunner:
         requests' caches are freed)."""
         if self._step is not None:
             self._step.close()
-        self._step, self._batch, self._steps_same = None, [], 0
+        self._step, self._batch, self._steps_same, self._bucket = None, [], 0, None
         self._ids = self._positions = self._logits = None
 
     # ---- internals -------------------------------------------------------------------------------------------
@@ -224,6 +233,8 @@ class RowsRunner:
         if not pooled:
             return list(caches), None
         n = max(pooled.values()) + 1
+        if self.use_graphs and len(pooled) == len(caches):
+            n = self._width(n)  # a recording then serves the batches that follow within its rows (`_rebind`)
         rows, order = [None] * n, []
         for i, cache in enumerate(caches):
             if i in pooled:
@@ -233,6 +244,15 @@ class RowsRunner:
                 order.append(len(rows))
                 rows.append(cache)
         return rows, order
+
+    def _width(self, needed: int) -> int:
+        """The rows laid out for a step whose requests are all pooled, the last of them in row needed - 1: the
+        next power of two (at most the pool's rows), or the recorded step's rows while they are fewer than four
+        times that. A batch that shrinks a little replays its recording; one that shrank to a quarter records
+        anew, so that a few requests do not pay a wide step."""
+        width = min(1 << (needed - 1).bit_length(), self.pool.size)
+        recorded = self._bucket[0] if self._bucket is not None else 0
+        return recorded if width <= recorded < 4 * width else width
 
     def _same_batch(self, rows) -> bool:
         # a dead reference never matches: a row whose request was freed is not the empty row of a later step
@@ -257,9 +277,79 @@ class RowsRunner:
         self._positions = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
         self._order = self._order_key = None
         if pooled:
-            self._rows = (pooled, self.pool.layer_rows(pooled[-1] + 1, len(pooled)))
+            # as many step rows as rows (the requests' entries padded, `SlotPool.set_step`): a recording then
+            # serves any requests of up to that many rows
+            n = len(rows) if len(pooled) == len(caches) else pooled[-1] + 1
+            self._rows = (pooled, self.pool.layer_rows(n, n))
             for r in pooled:
                 self.pool.own_staging(rows[r])
+
+    def _rebind(self, rows) -> bool:
+        """Serve the batch laid out as `rows` with the recorded step of other requests (`_bucket`), where it can
+        (`_rebindable`): its hand-offs and the recall caches' tables then follow these requests (host side), and
+        the step replays without an eager step or a new recording. Returns whether it does."""
+        if self._step is None or not self._step.segments or not self._rebindable(rows):
+            return False
+        self._serve(rows)
+        self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
+        self._steps_same = self.record_after + 1
+        self._order = self._order_key = None
+        self.rebinds += 1
+        return True
+
+    def _rebindable(self, rows) -> bool:
+        """Whether the recorded step (`_bucket`) can serve the batch laid out as `rows`: that step's rows all
+        joined the pooled quest path (`PooledRows.uniform`: the device read only the pool's rows and tensors),
+        these are as many rows, of pooled requests of the same config whose digest mirrors are rows of the
+        pool's, and the pool's tensors have not moved since."""
+        if self._bucket is None:
+            return False
+        width, config, generation = self._bucket
+        if len(rows) != width or self.pool.generation != generation:
+            return False
+        for r, cache in enumerate(rows):
+            if cache is None:
+                continue
+            if not self._pooled(cache, r) or cache.tandem_layers()[0].config != config:
+                return False
+            # the mirrors' check, once per cache while its host tiers and the pool's tensors stay where they are
+            key = (generation, r, tuple(kv.host.generation for kv in cache.tandem_layers()))
+            if self._mirrored.get(cache) != key:
+                if not self.pool.mirrored(cache, r):
+                    return False
+                self._mirrored[cache] = key
+        return True
+
+    def _serve(self, rows) -> None:
+        """Point the recorded step's host-side parts at the requests in `rows` (`PooledRows.rebind`)."""
+        pooled = [r for r, cache in enumerate(rows) if cache is not None]
+        by_layer = {}
+        for r in pooled:
+            for kv in rows[r].tandem_layers():
+                by_layer.setdefault(kv.layer_idx, [None] * len(rows))[r] = kv
+            self.pool.own_staging(rows[r])
+        for i, pooled_rows in self._rows[1].items():
+            pooled_rows.rebind(by_layer[i], pooled)
+        self._rows = (pooled, self._rows[1])
+        self._step.generations = self._generations([rows[r] for r in pooled])
+
+    def _recorded(self, rows, caches):
+        """After a recording: the bucket (`_rebind`) it may serve, or None."""
+        step = self._step
+        if self._rows is None or step.flags is None or step.after or not self.pool.every_layer:
+            return None
+        if not all(cache is None or self._pooled(cache, r) for r, cache in enumerate(rows)):
+            return None
+        if not all(isinstance(action, RankedRowsPart) for action in step.actions):
+            return None
+        if not all(pooled_rows.uniform for pooled_rows in self._rows[1].values()):
+            return None
+        return len(rows), caches[0].tandem_layers()[0].config, self.pool.generation
+
+    @staticmethod
+    def _generations(caches) -> list:
+        """The host and hot tiers' buffer generations of `caches` (in row order), which a recording reads."""
+        return [(kv.host.generation, kv.hot.generation) for c in caches for kv in c.tandem_layers()]
 
     def _pooled(self, cache, row: int) -> bool:
         return self.pool is not None and row < self.pool.size and self.pool.row(cache) == row
@@ -292,17 +382,19 @@ class RowsRunner:
                 kv = rows[r].tandem_layers()[0]
                 if kv.policy.ranks_by_mirror and kv.host is not None and kv.host.key_min_dev is not None:
                     blocks[r] = kv.policy.blocks_this_step(kv)
-            self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled], blocks)
+            width = next(iter(self._rows[1].values())).keys.shape[0]  # the step rows `layer_rows` made
+            self.pool.set_step(pooled, [slots[id(rows[r])] for r in pooled], blocks, width)
         self._ids.copy_(tokens)
         self._positions.copy_(positions)
         if self.use_graphs and self._steps_same > self.record_after:
-            generations = [
-                (kv.host.generation, kv.hot.generation) for c in caches for kv in c.tandem_layers()
-            ]
-            if not step.segments or generations != step.generations:
+            generations = self._generations([cache for cache in rows if cache is not None])
+            if step.segments and generations != step.generations and self._rebindable(rows):
+                self._serve(rows)  # host tiers moved: the hand-offs' calls and the recall tables follow
+            elif not step.segments or generations != step.generations:
                 step.capture(lambda: self._body(rows, contexts, step))
                 step.generations = generations
                 self.recordings += 1
+                self._bucket = self._recorded(rows, caches)
             step.replay()
         else:
             self._body(rows, contexts, step)

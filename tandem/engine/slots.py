@@ -83,6 +83,10 @@ class SlotPool:
         self._recall_budget = RecallBudget(len(layers))
         # what the first layer of a step works out per request for the others (`RankedRows.layout`), per step
         self.step_memo: dict = {}
+        # bumped when the mirrors or recall caches are made anew (a recorded step holds their addresses)
+        self.generation = 0
+        # whether the pool holds every layer's hot tier (no sliding-window layer keeps per-request state)
+        self.every_layer = False
         self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
 
     @classmethod
@@ -98,7 +102,9 @@ class SlotPool:
         ring_blocks = math.ceil(config.window_tokens / config.block_size) + 1
         slots = config.sink_tokens + ring_blocks * config.block_size
         weight = next(model.parameters())
-        return cls(layers, num_kv_heads, head_dim, slots, size, weight.dtype, weight.device)
+        pool = cls(layers, num_kv_heads, head_dim, slots, size, weight.dtype, weight.device)
+        pool.every_layer = len(layers) == num_layers
+        return pool
 
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values(), *self.valid.values()]
@@ -218,6 +224,7 @@ class SlotPool:
                 f"not fit on {self.device}; pass a smaller gpu_cache, or gpu_cache=0 to turn it off"
             ) from err
         self.recalls[layer] = cache
+        self.generation += 1
         return cache
 
     def _fold_recall(self, cache: RecallCache) -> None:
@@ -299,11 +306,19 @@ class SlotPool:
         for kv in cache.tandem_layers():
             kv.stages_own_evictions = False
 
-    def set_step(self, rows: list[int], slots: list[int], blocks: list[int] | None = None) -> None:
+    def set_step(
+        self, rows: list[int], slots: list[int], blocks: list[int] | None = None, width: int | None = None
+    ) -> None:
         """The step's rows, the slot each writes its token to and, per row up to the last one, the blocks its
         request's selection keeps from the pooled mirror (`step_blocks`; 0 where it keeps none), queued in stream
-        order before the step."""
+        order before the step. `width`: a recorded step's count of rows and of requests, which the lists are
+        padded to: the last request's entry repeated (its token written twice into its slot), no blocks."""
         self.step_memo.clear()
+        if width is not None:
+            rows = rows + rows[-1:] * (width - len(rows))
+            slots = slots + slots[-1:] * (width - len(slots))
+            if blocks is not None:
+                blocks = blocks + [0] * (width - len(blocks))
         m = len(rows)
         self._staged[0, :m] = torch.tensor(rows)
         self._staged[1, :m] = torch.tensor(slots)
@@ -363,6 +378,7 @@ class SlotPool:
                 key_max[:, :, :width].copy_(mirror[1])
                 block_valid[:, :width].copy_(mirror[2])
             self.mirrors[layer] = (key_min, key_max, block_valid)
+            self.generation += 1
             if mirror is not None:
                 self._repoint(layer, row, mirror[0])
             mirror = self.mirrors[layer]

@@ -334,6 +334,44 @@ def ranked_rows_call(q, stores, ranked, scale: float, block_size: int, out, lse,
     return _native.RankedRowsAttention(q, stores, ranked, scale, block_size, out, lse, num_threads)
 
 
+def ranked_rows_set_store(call, b: int, store) -> None:
+    """Point request b of a prepared `ranked_rows_call` at another host store (k_store, v_store, key_mask, k_scale,
+    v_scale), checked as the call's own stores are: of their dtype, Hkv and D, with their rows per scale. The
+    requests of a recorded step then change without a new call over all of them."""
+    q, stores, _, _ = call.tensors
+    _check(
+        isinstance(b, int) and 0 <= b < call.batch,
+        f"b must be a request of the call, in [0, {call.batch}), got {b}",
+    )
+    _check(
+        isinstance(store, (list, tuple)) and len(store) == 5,
+        "store must be (k_store, v_store, key_mask, k_scale, v_scale)",
+    )
+    k_store, v_store, key_mask, k_scale, v_scale = store
+    first = stores[0][0]
+    _check(
+        isinstance(k_store, torch.Tensor)
+        and k_store.dim() == 4
+        and k_store.shape[0] == 1
+        and k_store.dtype == first.dtype
+        and k_store.shape[1] == first.shape[1]
+        and k_store.shape[3] == first.shape[3],
+        f"store must be one request's store [1, Hkv, cap, D] of the call's dtype, Hkv and D ({first.dtype}, "
+        f"{first.shape[1]}, {first.shape[3]})",
+    )
+    ranked = (("ranked", call.ranked[b : b + 1], "W"),)
+    _check_store_call(
+        q[b : b + 1, :, None], k_store, v_store, 1.0, key_mask, call.threads, k_scale, v_scale, ranked
+    )
+    rows = scale_rows(k_store, k_scale, v_scale)
+    _check(
+        k_scale is None or rows == call.scale_rows,
+        f"the store's 8-bit scales must cover {call.scale_rows} rows each, as the call's do, got {rows}",
+    )
+    _check_in_host_memory(k_store)
+    call.set_store(b, store)
+
+
 def _check_in_host_memory(k_store: torch.Tensor) -> None:
     # the prepared calls run only the compiled CPU kernels; every other tensor is on the store's device (checked)
     _check(

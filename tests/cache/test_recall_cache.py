@@ -121,7 +121,7 @@ def test_copy_kernel_matches_reference(dtype, block_size):
 def test_copy_kernel_reads_each_rows_own_store(dtype):
     """`recall_blocks_table`: each cache row copies from its own store (other capacities, other addresses, one row
     with none), in one launch, as the reference does row by row; the rows' table names them by their offsets from
-    the first store."""
+    the cache's own tensors."""
     if not gpu.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("triton unavailable")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,8 +150,8 @@ def test_copy_kernel_reads_each_rows_own_store(dtype):
                 *store, *(t[r] for t in expected), src_ids[r], dst_ids[r], counts[r], block_size, slots
             )
     on = [None if s is None else tuple(t.to(device) for t in s) for s in stores]
-    table = gpu.store_table(on, on[0]).to(device)
     actual = [t.clone().to(device) for t in cache]
+    table = gpu.store_table(on, actual).to(device)
     gpu.recall_blocks_table(
         on, table, *actual, src_ids.to(device), dst_ids.to(device), counts.to(device), block_size, slots
     )

@@ -174,7 +174,7 @@ def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
     decode what they decode alone, with the statistics they record alone; quest without a ranking (no device
     share on the CPU) hands its part off alone."""
     joined, ranked = [], []
-    part_call = rows_module._RankedRowsPart.__call__
+    part_call = rows_module.RankedRowsPart.__call__
     rank = rows_module.PooledRows.rank
 
     def counted(part):
@@ -186,7 +186,7 @@ def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
         ranked.append(len(rows))
         return ranking, rows
 
-    monkeypatch.setattr(rows_module._RankedRowsPart, "__call__", counted)
+    monkeypatch.setattr(rows_module.RankedRowsPart, "__call__", counted)
     monkeypatch.setattr(rows_module.PooledRows, "rank", counted_rank)
     runner = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS, slots=5)
     # rows 0, 2 and 3 have a device share: 2 joins at step 2, 3 at step 3, 0 leaves at step 4; their rankings
@@ -459,6 +459,61 @@ def test_rows_recorded_steps_decode_as_alone(handoff, slots):
     if slots:
         rows = [runner.pool.row(row.cache) for row in runner.test_rows]
         assert rows == ([0, None, 2, 3, 4] if slots == 5 else [0, None, 2, None, None])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("policy", ["quest", "quest+cache"])
+@torch.inference_mode()
+def test_a_recorded_step_serves_the_pools_next_requests(policy):
+    """Pooled quest requests (on CUDA: their rankings, recall plans and hand-offs joined): once a batch of them is
+    recorded, the batches that follow as requests leave are served by that recording, re-pointed at them
+    (`RowsRunner._rebind`), and every request still decodes the tokens and logits it decodes alone."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    runner = _check_joined_and_left(
+        model, torch.device("cuda"), policies=(policy,) * 5, use_graphs=True, handoff="memops", record_after=1,
+        slots=5,
+    )  # fmt: skip
+    assert runner.rebinds >= 2 and runner.recordings >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("policy", ["quest", "quest+cache"])
+@torch.inference_mode()
+def test_a_request_joins_a_recorded_step(policy):
+    """As the server runs them: a request ends (its row detached, its cache freed, the host tier that the recorded
+    step's recall table was laid out from gone with it) and a new one takes its row, its first decode step a
+    replay of the recording; then the other one ends and a fourth takes its row. One recording serves every
+    batch, and each request decodes the tokens and logits it decodes alone."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    cuda = torch.device("cuda")
+    prompts = [_prompt(model, n, seed) for seed, n in enumerate((60, 55, 50, 47))]
+    alone = [_alone(model, p, policy, STEPS, cuda) for p in prompts]
+    runner = RowsRunner(
+        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=2
+    )
+    rows = [_Row(model, prompts[0], policy, cuda, runner), _Row(model, prompts[1], policy, cuda, runner)]
+    running = list(rows)
+    for _ in range(3 * STEPS):
+        for i, row in enumerate(running):
+            if len(row.tokens) > (4 if row is rows[0] else STEPS) and len(rows) < len(prompts):
+                runner.detach(row.cache)
+                row.cache = None
+                gc.collect()
+                running[i] = _Row(model, prompts[len(rows)], policy, cuda, runner)
+                rows.append(running[i])
+        running = [row for row in running if len(row.tokens) <= STEPS]
+        if not running:
+            break
+        _step(runner, running)
+    assert [len(row.tokens) for row in rows] == [5] + [STEPS + 1] * 3
+    assert runner.rebinds >= 3 and runner.recordings < runner.rebinds
+    for row, (tokens, logits) in zip(rows, alone, strict=True):
+        assert row.tokens == tokens[: len(row.tokens)]
+        torch.testing.assert_close(
+            torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -607,3 +607,40 @@ def test_ranked_rows_attention_matches_each_request_over_its_own_ranks(isa, dtyp
     call.counts[0] = width + 1
     with pytest.raises(ValueError, match="skips / counts must satisfy"):
         call(available)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, kind", [(torch.bfloat16, None), (torch.bfloat16, "int8")])
+def test_ranked_rows_call_follows_a_replaced_store(dtype, kind):
+    """`ops.ranked_rows_set_store`: a request of a prepared call re-pointed at another store (of another capacity)
+    gives what a call built with that store gives; a store of another dtype, head count or layout is refused."""
+    gen = torch.Generator().manual_seed(9)
+    caps, num_kv_heads, head_dim, bs = (16 * 12, 16 * 30, 16 * 5), 2, 64, 16
+    stores = _own_stores(caps, num_kv_heads, head_dim, dtype, bs, gen, kind)
+    other = _own_stores((16 * 20,), num_kv_heads, head_dim, dtype, bs, gen, kind)[0]
+    width = 20
+    ranked = torch.stack([torch.randperm(width, generator=gen) for _ in range(3 * num_kv_heads)])
+    ranked = ranked.view(3, num_kv_heads, width).contiguous()
+    ranked[0, :, 12:] = -1
+    ranked[2, :, 5:] = -1
+    q = torch.randn(3, 8, head_dim, generator=gen).to(dtype if kind is None else torch.float32)
+    results = []
+    for given in (stores[:1] + [other] + stores[2:], stores):
+        out, lse = torch.empty(3, 8, head_dim), torch.empty(3, 8)
+        call = ops.ranked_rows_call(q, given, ranked, 0.125, bs, out, lse, 2)
+        if given is stores:
+            ops.ranked_rows_set_store(call, 1, other)
+        call.skips.copy_(torch.tensor([0, 1, 0]))
+        call.counts.copy_(torch.tensor([12, 20, 5]))
+        stats = call().clone()
+        results.append((out, lse, stats))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+    wrong = (other[0].float(), other[1].float(), other[2], None, None)
+    with pytest.raises(ValueError, match="of the call's dtype, Hkv and D"):
+        ops.ranked_rows_set_store(call, 1, wrong)
+    one_head = tuple(t[:, :1].contiguous() if t is not None and t.dim() == 4 else t for t in other)
+    with pytest.raises(ValueError, match="of the call's dtype, Hkv and D"):
+        ops.ranked_rows_set_store(call, 1, one_head)
+    with pytest.raises(ValueError, match=r"b must be a request of the call, in \[0, 3\)"):
+        ops.ranked_rows_set_store(call, 3, other)

@@ -417,7 +417,8 @@ class RankedRowsAttention:
         self.skips = torch.zeros(batch, dtype=torch.int64)
         self.counts = torch.zeros(batch, dtype=torch.int64)
         self.row_stats = torch.zeros(batch, 3, dtype=torch.int64)
-        self.tensors = (q, stores, out, lse)  # keeps the addresses alive
+        self.tensors = (q, list(stores), out, lse)  # keeps the addresses alive
+        self.scale_rows = scale_rows
         # the call converts q and sets the lists itself
         self.args = _stores_args(_ptr(q), q, stores, self.table, scale_rows, scale, block_size)
         self.call_args = (
@@ -427,6 +428,13 @@ class RankedRowsAttention:
         )  # fmt: skip
         self.outputs = (_ptr(self.row_stats), 1, _ptr(out), _ptr(lse), self.threads)
         self._task = None
+
+    def set_store(self, b: int, store) -> None:
+        """Request b reads `store` from the next call on, as if the call had been built with it (checked by
+        `ops.ranked_rows_set_store`)."""
+        table, _ = _store_table([store])
+        self.table[b] = table[0]
+        self.tensors[1][b] = store
 
     def __call__(self, available: torch.Tensor | None = None) -> torch.Tensor:
         """Attend each request's ranks [skips[b], counts[b]); `available`: [B] int64 contiguous, or None."""

@@ -141,7 +141,7 @@ def recall_blocks(
 def store_table(stores, base) -> torch.Tensor:
     """[B, 5] int64 on the host: `recall_blocks_table`'s table of the stores (keys, values, valid) of B requests
     (None: a request with none, which copies nothing), each [1, Hkv, T_b, D] / [1, T_b] contiguous, relative to
-    `base` (one of them)."""
+    `base`: the (keys, values, valid) of the cache they are copied into, of the stores' dtype."""
     size = base[0].element_size()
     rows = []
     for store in stores:
@@ -162,9 +162,10 @@ def store_table(stores, base) -> torch.Tensor:
 def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, counts, block_size, slots):
     """`recall_blocks` where request b reads its own host store: stores[b] = (keys [1, Hkv, T_b, D], values, valid
     [1, T_b]) in pinned host memory (or on the cache's device), or None (it copies nothing), all of one dtype and
-    head_dim, contiguous; table [B, 5] int64 on the cache's device, `store_table(stores, base)` with base the
-    first store that is not None (the caller keeps it, so that a recorded graph reads the same). One launch for
-    all requests, where `recall_blocks` would be one per request."""
+    head_dim, contiguous; table [B, 5] int64 on the cache's device, `store_table(stores, (keys, values, valid))`.
+    The kernel reads each store at its offset from the cache's own tensors, so a recorded launch serves other
+    stores once the table names them. One launch for all requests, where `recall_blocks` would be one per
+    request."""
     device = _run_device("keys", keys)
     live = [s for s in stores if s is not None]
     _check(live, "stores must hold at least one store")
@@ -197,7 +198,7 @@ def recall_blocks_table(stores, table, keys, values, valid, src_ids, dst_ids, co
     row_stride = base[0].stride(2)
     with _guard(device):
         _kernels.recall_blocks_kernel[(batch, num_kv_heads, width)](
-            base[0], base[1], base[2].view(torch.uint8), keys, values, valid.view(torch.uint8), src_ids, dst_ids,
+            keys, values, valid.view(torch.uint8), keys, values, valid.view(torch.uint8), src_ids, dst_ids,
             counts, counts, counts, table, 0, int(slots), 1,
             0, 0, row_stride, 0, 0, row_stride, 0,
             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), valid.stride(0),
