@@ -15,6 +15,7 @@ back and one merge), and on CPU tensors the requests whose policy attends every 
 from __future__ import annotations
 
 import time
+import weakref
 from functools import partial
 
 import torch
@@ -236,11 +237,13 @@ class RankedRows:
         self.memo = memo if memo is not None else {}
         self.members: list[int] = []  # this step's joined rows, in order
         self._layers, self._rankings, self._planned = {}, {}, {}
-        self._key = self._call_key = self._tiers = None
+        self._key = self._call_key = self._tiers = self._fallback = None
         self.call = None
         self._retired = []  # buffers replaced while a graph was recorded (freeing pinned memory breaks a capture)
         self._params = None  # (softmax scale, block size, threads) of the joined requests, fixed at `publish`
-        self.last_part = None  # the part made last (`part`), which a recorded step replays
+        # the part made last (`part`), which a recorded step replays: held weakly (the recording holds it, and a
+        # part holds this object: a cycle would leave the requests' host tiers to the garbage collector)
+        self.last_part = None
 
     def begin(self, layers) -> None:
         self.members, self._rankings, self._planned = [], {}, {}
@@ -299,8 +302,9 @@ class RankedRows:
         self.ranked_host.copy_(self.ranked_dev, non_blocking=on_cuda)
 
     def part(self, wait_copy: bool, on_seconds):
-        self.last_part = RankedRowsPart(self, wait_copy, on_seconds)
-        return self.last_part
+        part = RankedRowsPart(self, wait_copy, on_seconds)
+        self.last_part = weakref.ref(part)
+        return part
 
     def rebind(self, layers, members: list[int]) -> None:
         """Serve other requests with the same recorded step: `layers` per row, `members` the rows that join (each
@@ -310,7 +314,7 @@ class RankedRows:
         self._planned = dict.fromkeys(self.members, planned)
         if self.members:
             self._prepare_call()
-        part = self.last_part
+        part = self.last_part() if self.last_part is not None else None
         if part is not None:
             part.members, part.layers, part.planned = list(self.members), self._layers, dict(self._planned)
 
@@ -346,24 +350,32 @@ class RankedRows:
         self.call, self._call_key = None, None
 
     def _prepare_call(self) -> None:
-        """The compiled call over the joined rows' host tiers (rows that did not join read the first one's store,
-        with no ranks), made when the buffers or the group's parameters change; where only the rows' tiers do (a
-        request joined, left, or its tier moved), the call's rows are re-pointed (`ops.ranked_rows_set_store`).
-        Rows that left keep -1 rankings."""
+        """The compiled call over the joined rows' host tiers, made when the buffers or the group's parameters
+        change; where only the rows' tiers do (a request joined, left, or its tier moved), the call's rows are
+        re-pointed (`ops.ranked_rows_set_store`). Rows that did not join read one joined request's store (the
+        fallback, kept while it joins) with no ranks, so that the call holds no tier of a request that left. Rows
+        that left keep -1 rankings."""
         hosts = [self._layers[b].host if b in self.members else None for b in range(self.q_host.shape[0])]
-        tiers = tuple(h.address() if h is not None else None for h in hosts)
+        fallback = self._fallback
+        if fallback is None or not any(host is fallback for host in hosts):
+            fallback = self._fallback = self._layers[self.members[-1]].host
+        spare = ("fallback", fallback.address())
+        tiers = tuple(h.address() if h is not None else spare for h in hosts)
         key = (self._key, self._params)
         if key == self._call_key and tiers == self._tiers:
             return
         if self._call_key is not None and self._tiers != tiers:
             self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
             self.ranked_host.fill_(-1)
-        first = self._layers[self.members[0]].host
-        stores = _host_stores(hosts, first)
+        stores = _host_stores(hosts, fallback)
         if key == self._call_key:
             for b, (tier, before) in enumerate(zip(tiers, self._tiers, strict=True)):
-                if tier != before:
+                if tier == before:
+                    continue
+                if hosts[b] is not None:
                     ops.ranked_rows_set_store(self.call, b, stores[b])
+                else:
+                    self.call.set_store(b, stores[b])  # the fallback's store, checked as its own row's
             self._tiers = tiers
             return
         scale, block_size, threads = self._params

@@ -217,7 +217,7 @@ class RowsRunner:
         if self._step is not None:
             self._step.close()
         self._step, self._batch, self._steps_same, self._bucket = None, [], 0, None
-        self._ids = self._positions = self._logits = None
+        self._ids = self._positions = self._logits = self._rows = None
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _layout(self, caches):

@@ -168,6 +168,31 @@ QUEST_ROWS = ("quest+share", "quest", "quest+share", "quest+share", "full")
 
 
 @torch.inference_mode()
+def test_ended_requests_are_freed_without_the_garbage_collector(tiny):
+    """Once its requests have ended and the runner is released, their host tiers are freed by reference counting
+    alone: nothing a step kept (the joint hand-off's parts and calls, the pool's rows) holds them in a reference
+    cycle, which only the cyclic garbage collector frees (a server freezes its heap and collects the oldest
+    objects rarely, so their memory would stay taken)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        runner = _check_joined_and_left(tiny, torch.device("cpu"), policies=QUEST_ROWS, slots=5)
+        caches = [row.cache for row in runner.test_rows]
+        tiers = [
+            weakref.ref(kv.host) for cache in caches for kv in cache.tandem_layers() if kv.host is not None
+        ]
+        for cache in caches:
+            runner.detach(cache)
+        del runner.test_rows, caches, cache
+        runner.release()
+        assert tiers and [ref() for ref in tiers] == [None] * len(tiers)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@torch.inference_mode()
 def test_pooled_quest_rows_hand_off_together(tiny, monkeypatch):
     """The pooled requests whose policy keeps a range of the device's ranking (quest with a device share: on the CPU
     its ranking runs there too) hand their CPU parts to the host as one call per layer (`rows.RankedRows`), and
@@ -481,39 +506,45 @@ def test_a_recorded_step_serves_the_pools_next_requests(policy):
 @pytest.mark.parametrize("policy", ["quest", "quest+cache"])
 @torch.inference_mode()
 def test_a_request_joins_a_recorded_step(policy):
-    """As the server runs them: a request ends (its row detached, its cache freed, the host tier that the recorded
-    step's recall table was laid out from gone with it) and a new one takes its row, its first decode step a
-    replay of the recording; then the other one ends and a fourth takes its row. One recording serves every
-    batch, and each request decodes the tokens and logits it decodes alone."""
+    """As the server runs them: a request ends (its row detached, its cache dropped, the host tier that the
+    recorded step's rows without a request read gone with it) and a new one takes its row, its first decode step a
+    replay of the recording; later ones end and one more joins. One recording serves the batches in its rows, each
+    request decodes the tokens and logits it decodes alone, and no host tier of a request that left is kept once
+    a step has run without it."""
     torch.manual_seed(0)
     model = tiny_model("Llama").cuda()
     cuda = torch.device("cuda")
-    prompts = [_prompt(model, n, seed) for seed, n in enumerate((60, 55, 50, 47))]
+    prompts = [_prompt(model, n, seed) for seed, n in enumerate((60, 55, 50, 47, 52))]
     alone = [_alone(model, p, policy, STEPS, cuda) for p in prompts]
     runner = RowsRunner(
-        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=2
-    )
-    rows = [_Row(model, prompts[0], policy, cuda, runner), _Row(model, prompts[1], policy, cuda, runner)]
-    running = list(rows)
+        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=4
+    )  # fmt: skip
+    rows = [_Row(model, p, policy, cuda, runner) for p in prompts[:3]]  # rows 0-2 of a 4-row step
+    running, left, steps = list(rows), [], 0
     for _ in range(3 * STEPS):
         for i, row in enumerate(running):
-            if len(row.tokens) > (4 if row is rows[0] else STEPS) and len(rows) < len(prompts):
+            if len(row.tokens) > (4 if row is rows[2] else STEPS):
+                left.append((weakref.ref(row.cache.tandem_layers()[0].host), steps))
                 runner.detach(row.cache)
-                row.cache = None
-                gc.collect()
-                running[i] = _Row(model, prompts[len(rows)], policy, cuda, runner)
-                rows.append(running[i])
-        running = [row for row in running if len(row.tokens) <= STEPS]
+                row.cache = running[i] = None
+                if len(rows) < len(prompts):
+                    running[i] = _Row(model, prompts[len(rows)], policy, cuda, runner)
+                    rows.append(running[i])
+        running = [row for row in running if row is not None]
         if not running:
             break
+        gc.collect()
         _step(runner, running)
-    assert [len(row.tokens) for row in rows] == [5] + [STEPS + 1] * 3
-    assert runner.rebinds >= 3 and runner.recordings < runner.rebinds
+        steps += 1
+    assert [len(row.tokens) for row in rows] == [STEPS + 1] * 2 + [5] + [STEPS + 1] * 2
+    assert runner.rebinds >= 2 and runner.recordings <= runner.rebinds
     for row, (tokens, logits) in zip(rows, alone, strict=True):
         assert row.tokens == tokens[: len(row.tokens)]
         torch.testing.assert_close(
             torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
         )
+    gc.collect()
+    assert [ref() is None for ref, at in left if at < steps] == [True] * sum(at < steps for _, at in left)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
