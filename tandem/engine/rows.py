@@ -16,7 +16,7 @@ stays the same. A recording reads its requests' caches, so a request that joins 
 every request of the recorded batch was a pooled one whose step is all the pool's (quest's joined path: the
 device reads only the pool's rows and tensors): then the batches that follow within its rows, of pooled requests
 of the same config, replay it, its host-side parts re-pointed at them (`_rebind`), with no eager step and no new
-recording. The pool stages its requests' evicted blocks for all of them at once (`SlotPool.stage_evictions`).
+recording; such batches are laid out over a power-of-two count of rows (`_width`). The pool stages its requests' evicted blocks for all of them at once (`SlotPool.stage_evictions`).
 """
 
 from __future__ import annotations
