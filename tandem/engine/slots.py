@@ -145,15 +145,19 @@ class SlotPool:
         placed = self._placed.pop(cache, None)
         if row is None:
             return
-        for kv in cache.tandem_layers():
-            if kv.recall_row is not None:
-                kv.collect_statistics()  # its row's counts, before the row goes to another request
-                kv.recall_row = None
-        if placed is not False:
-            cache.mark_failed(
-                RuntimeError(f"its request ended: row {row} of the hot-tier pool went back (SlotPool.detach)")
-            )
-        self._release(row, self._holders.get(row))
+        try:
+            for kv in cache.tandem_layers():
+                if kv.recall_row is not None:
+                    kv.collect_statistics()  # its row's counts, before the row goes to another request
+                    kv.recall_row = None
+        finally:  # the row goes back even where the counts could not be read (a failed device)
+            if placed is not False:
+                cache.mark_failed(
+                    RuntimeError(
+                        f"its request ended: row {row} of the hot-tier pool went back (SlotPool.detach)"
+                    )
+                )
+            self._release(row, self._holders.get(row))
 
     def row(self, cache) -> int | None:
         """`cache`'s row where every one of its global layers keeps its hot tier there, else None (answered once

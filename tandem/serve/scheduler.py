@@ -341,7 +341,13 @@ class Scheduler:
                 seconds = time.perf_counter() - request.admitted
                 self.stats.request_seconds = 0.8 * self.stats.request_seconds + 0.2 * seconds
         if request.cache is not None:
-            self.runner.detach(request.cache)  # its row of hot tiers, for the next request
+            try:
+                self.runner.detach(request.cache)  # its row of hot tiers, for the next request
+            except (
+                Exception
+            ) as err:  # a failed device (a CUDA error stays): the client is answered all the same
+                if error is None and reason != "cancelled":
+                    error = f"its cache could not be freed: {_describe(err)}"
         request.cache = None  # the cache's tensors go with the last reference
         request.finish_reason = reason if error is None else "error"
         if self.stats.on_finish is not None:

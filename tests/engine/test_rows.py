@@ -164,6 +164,25 @@ def test_pooled_rows_decode_as_alone(tiny, slots, monkeypatch):
     assert sorted(runner.pool.free) == list(range(slots))  # a collected cache gives its row back
 
 
+@torch.inference_mode()
+def test_a_row_goes_back_when_its_counts_cannot_be_read(tiny, monkeypatch):
+    """Detaching a request whose recall-cache counts cannot be read (a failed device) still frees its row for
+    the next request, and raises the error."""
+    runner = RowsRunner(tiny, config=_config("full"), slots=2)
+    row = _Row(tiny, _prompt(tiny, 40, 0), "quest", torch.device("cpu"), runner)
+    kv = row.cache.tandem_layers()[0]
+
+    def failed():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    kv.recall_row = (None, 0)
+    monkeypatch.setattr(kv, "collect_statistics", failed)
+    assert runner.pool.row(row.cache) == 0 and 0 not in runner.pool.free
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        runner.detach(row.cache)
+    assert 0 in runner.pool.free
+
+
 QUEST_ROWS = ("quest+share", "quest", "quest+share", "quest+share", "full")
 
 

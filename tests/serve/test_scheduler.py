@@ -188,6 +188,31 @@ def test_shutdown_ends_running_requests_and_refuses_new_ones(model):
         scheduler.submit(_job(5, 4).request)
 
 
+def test_a_failed_device_still_answers_every_request(model, monkeypatch):
+    """A device that failed (a CUDA error stays: the step raises, and so does freeing a cache's row, which reads
+    its counts) ends the step's requests with its error, and the scheduler goes on: no request waits on a
+    scheduler that died freeing a cache."""
+    scheduler = _scheduler(model)
+    jobs = [_job(9, 1000, first=first) for first in (3, 4)]
+
+    def failed(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(scheduler.runner, "step", failed)
+    monkeypatch.setattr(scheduler.runner, "detach", failed)
+    scheduler.start()
+    try:
+        for job in jobs:
+            scheduler.submit(job.request)
+        assert all(job.done.wait(TIMEOUT) for job in jobs)
+        for job in jobs:
+            kind, message = job.events[-1]
+            assert kind == "error" and "illegal memory access" in message
+        assert scheduler.alive and scheduler.counts()["decoding"] == 0
+    finally:
+        scheduler.stop()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(model, monkeypatch):
     scheduler = _scheduler(model, max_batch=1)
