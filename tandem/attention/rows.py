@@ -159,14 +159,15 @@ class PooledRows:
         )
         ops.merge_lse_(out, lse, o_dev, lse_dev)
 
-    def rebind(self, layers, members: list[int]) -> None:
+    def rebind(self, layers, members: list[int], changed: set | None = None) -> None:
         """Let a step recorded over these rows (`uniform`) serve the requests whose layers are `layers` (per row,
         None where the row holds none) at rows `members`: their joint hand-off, their rows' counts of the recall
-        cache and its table of their host tiers (host side, and the table's copy queued before the replay)."""
-        self.ranked.rebind(layers, members)
+        cache and its table of their host tiers (host side, and the table's copy queued before the replay).
+        `changed`: the rows whose request or tiers changed since the step last served (None: every row)."""
+        self.ranked.rebind(layers, members, changed)
         cache = self.recall_used
         if cache is not None:
-            for b in members:
+            for b in members if changed is None else changed & set(members):
                 layers[b].recall_row = (cache, b)
             cache.table_for({b: layers[b].host for b in members}, self.keys.shape[0])
 
@@ -237,7 +238,7 @@ class RankedRows:
         self.memo = memo if memo is not None else {}
         self.members: list[int] = []  # this step's joined rows, in order
         self._layers, self._rankings, self._planned = {}, {}, {}
-        self._key = self._call_key = self._tiers = self._fallback = None
+        self._key = self._call_key = self._tiers = self._fallback = self._fallback_row = None
         self.call = None
         self._retired = []  # buffers replaced while a graph was recorded (freeing pinned memory breaks a capture)
         self._params = None  # (softmax scale, block size, threads) of the joined requests, fixed at `publish`
@@ -306,14 +307,15 @@ class RankedRows:
         self.last_part = weakref.ref(part)
         return part
 
-    def rebind(self, layers, members: list[int]) -> None:
+    def rebind(self, layers, members: list[int], changed: set | None = None) -> None:
         """Serve other requests with the same recorded step: `layers` per row, `members` the rows that join (each
-        planned as the recorded ones were); the compiled call follows their host tiers. Host side only."""
+        planned as the recorded ones were); the compiled call follows their host tiers (re-pointed in the rows
+        `changed`, or None: every row). Host side only."""
         planned = self._planned[self.members[0]] if self.members else False
         self._layers, self.members = layers, list(members)
         self._planned = dict.fromkeys(self.members, planned)
         if self.members:
-            self._prepare_call()
+            self._prepare_call(changed)
         part = self.last_part() if self.last_part is not None else None
         if part is not None:
             part.members, part.layers, part.planned = list(self.members), self._layers, dict(self._planned)
@@ -349,35 +351,55 @@ class RankedRows:
         self.available = torch.zeros(n, dtype=torch.long)
         self.call, self._call_key = None, None
 
-    def _prepare_call(self) -> None:
+    def _prepare_call(self, changed: set | None = None) -> None:
         """The compiled call over the joined rows' host tiers, made when the buffers or the group's parameters
         change; where only the rows' tiers do (a request joined, left, or its tier moved), the call's rows are
-        re-pointed (`ops.ranked_rows_set_store`). Rows that did not join read one joined request's store (the
-        fallback, kept while it joins) with no ranks, so that the call holds no tier of a request that left. Rows
-        that left keep -1 rankings."""
-        hosts = [self._layers[b].host if b in self.members else None for b in range(self.q_host.shape[0])]
+        re-pointed (`ops.ranked_rows_set_store`): the rows `changed` where the caller knows them, else every row
+        whose store differs. Rows that did not join read one joined request's store (the fallback, kept while it
+        joins) with no ranks, so that the call holds no tier of a request that left. Rows that left keep -1
+        rankings."""
+        members = set(self.members)
         fallback = self._fallback
-        if fallback is None or not any(host is fallback for host in hosts):
-            fallback = self._fallback = self._layers[self.members[-1]].host
+        if (
+            fallback is None
+            or self._fallback_row not in members
+            or self._layers[self._fallback_row].host is not fallback
+        ):
+            self._fallback_row = self.members[-1]
+            fallback = self._fallback = self._layers[self._fallback_row].host
+            changed = None  # every row without a request reads the new fallback
         spare = ("fallback", fallback.address())
-        tiers = tuple(h.address() if h is not None else spare for h in hosts)
         key = (self._key, self._params)
+        if key == self._call_key and changed is not None:
+            rows = sorted(changed)
+            tiers = list(self._tiers)
+            for b in rows:
+                host = self._layers[b].host if b in members else None
+                tiers[b] = host.address() if host is not None else spare
+            tiers = tuple(tiers)
+        else:
+            rows = range(self.q_host.shape[0])
+            hosts = [self._layers[b].host if b in members else None for b in rows]
+            tiers = tuple(h.address() if h is not None else spare for h in hosts)
         if key == self._call_key and tiers == self._tiers:
             return
         if self._call_key is not None and self._tiers != tiers:
             self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
             self.ranked_host.fill_(-1)
-        stores = _host_stores(hosts, fallback)
         if key == self._call_key:
-            for b, (tier, before) in enumerate(zip(tiers, self._tiers, strict=True)):
-                if tier == before:
+            for b in rows:
+                if tiers[b] == self._tiers[b]:
                     continue
-                if hosts[b] is not None:
-                    ops.ranked_rows_set_store(self.call, b, stores[b])
+                host = self._layers[b].host if b in members else None
+                store = _host_stores([host], fallback)[0]
+                if host is not None:
+                    ops.ranked_rows_set_store(self.call, b, store)
                 else:
-                    self.call.set_store(b, stores[b])  # the fallback's store, checked as its own row's
+                    self.call.set_store(b, store)  # the fallback's store, checked as its own row's
             self._tiers = tiers
             return
+        hosts = [self._layers[b].host if b in members else None for b in range(self.q_host.shape[0])]
+        stores = _host_stores(hosts, fallback)
         scale, block_size, threads = self._params
         self.call = ops.ranked_rows_call(
             self.q_host, stores, self.ranked_host, scale, block_size, self.out_host, self.lse_host, threads

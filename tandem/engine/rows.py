@@ -118,6 +118,7 @@ class RowsRunner:
         # or None
         self._bucket = None
         self._mirrored = weakref.WeakKeyDictionary()  # what `_rebindable` found each cache's mirrors in
+        self._served = None  # what the recorded step serves, per row (`_served_rows`)
         self.rebinds = 0  # batches served by a recorded step of other requests
         self._order = self._order_key = (
             None  # each caller's row, on the device, and as the list it was made from
@@ -216,7 +217,7 @@ class RowsRunner:
         requests' caches are freed)."""
         if self._step is not None:
             self._step.close()
-        self._step, self._batch, self._steps_same, self._bucket = None, [], 0, None
+        self._step, self._batch, self._steps_same, self._bucket, self._served = None, [], 0, None, None
         self._ids = self._positions = self._logits = self._rows = None
 
     # ---- internals -------------------------------------------------------------------------------------------
@@ -321,17 +322,30 @@ class RowsRunner:
         return True
 
     def _serve(self, rows) -> None:
-        """Point the recorded step's host-side parts at the requests in `rows` (`PooledRows.rebind`)."""
+        """Point the recorded step's host-side parts at the requests in `rows` (`PooledRows.rebind`): the rows
+        whose request changed, or whose tiers moved, since the step last served (`_served`)."""
         pooled = [r for r, cache in enumerate(rows) if cache is not None]
+        served = self._served_rows(rows)
+        before = self._served
+        changed = None
+        if before is not None and len(before) == len(rows):
+            changed = {r for r in range(len(rows)) if not _same_row(served[r], before[r])}
         by_layer = {}
         for r in pooled:
             for kv in rows[r].tandem_layers():
                 by_layer.setdefault(kv.layer_idx, [None] * len(rows))[r] = kv
-            self.pool.own_staging(rows[r])
+            if changed is None or r in changed:
+                self.pool.own_staging(rows[r])
         for i, pooled_rows in self._rows[1].items():
-            pooled_rows.rebind(by_layer[i], pooled)
+            pooled_rows.rebind(by_layer[i], pooled, changed)
         self._rows = (pooled, self._rows[1])
-        self._step.generations = self._generations([rows[r] for r in pooled])
+        self._served = served
+        self._step.generations = [g for r in pooled for g in served[r][1]]
+
+    def _served_rows(self, rows) -> list:
+        """Per row, (a weak reference to its request's cache, its tiers' generations), or None: what a recorded
+        step was made to serve, which `_serve` compares to re-point only what changed."""
+        return [None if cache is None else (weakref.ref(cache), self._generations([cache])) for cache in rows]
 
     def _recorded(self, rows, caches):
         """After a recording: the bucket (`_rebind`) it may serve, or None."""
@@ -395,6 +409,7 @@ class RowsRunner:
                 step.generations = generations
                 self.recordings += 1
                 self._bucket = self._recorded(rows, caches)
+                self._served = self._served_rows(rows) if self._bucket is not None else None
             step.replay()
         else:
             self._body(rows, contexts, step)
@@ -431,6 +446,13 @@ def choose_tokens(logits: torch.Tensor, temperature, top_p, seed, step) -> list[
         torch.tensor(list(step), dtype=torch.int64, **row),
         nucleus=any(p < 1 for p in top_p),
     ).tolist()
+
+
+def _same_row(now, before) -> bool:
+    """Whether a row of `_served_rows` holds what it held: the same request (alive), its tiers unmoved."""
+    if now is None or before is None:
+        return now is before
+    return now[0]() is before[0]() is not None and now[1] == before[1]
 
 
 def _by_row(values: torch.Tensor, order: list[int], rows: int) -> torch.Tensor:

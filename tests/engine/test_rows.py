@@ -187,6 +187,51 @@ QUEST_ROWS = ("quest+share", "quest", "quest+share", "quest+share", "full")
 
 
 @torch.inference_mode()
+def test_a_recorded_steps_host_side_follows_the_requests_it_serves(tiny):
+    """What a recording re-points to serve other requests (`RowsRunner._serve`; on CUDA before a replay, here on
+    the CPU's same host side): the joint hand-off's call reads each row's request's host tiers after a join and
+    after a leave, only the rows that changed are re-pointed, a row without a request reads a member's store, and
+    no tier of a request that left is held."""
+    cpu = torch.device("cpu")
+    runner = RowsRunner(tiny, config=_config("full"), slots=3)
+    a, b = (_Row(tiny, _prompt(tiny, n, seed), "quest+share", cpu, runner) for seed, n in ((0, 60), (1, 55)))
+    _step(runner, [a, b])
+    layer_rows = list(runner._rows[1].values())
+
+    def reads():  # per row, the keys each layer's call reads
+        return [[pooled.ranked.call.tensors[1][r][0] for pooled in layer_rows] for r in range(2)]
+
+    def keys(row):
+        return [kv.host.keys for kv in row.cache.tandem_layers()]
+
+    def same(got, want):
+        return all(x is y for x, y in zip(got, want, strict=True))
+
+    assert same(reads()[0], keys(a)) and same(reads()[1], keys(b))
+    runner._served = runner._served_rows([a.cache, b.cache])  # as a recording of the two leaves it
+    gone = weakref.ref(a.cache.tandem_layers()[0].host)
+    runner.detach(a.cache)
+    a.cache = None
+    c = _Row(tiny, _prompt(tiny, 50, 2), "quest+share", cpu, runner)
+    assert runner.pool.row(c.cache) == 0
+    set_store = rows_module.ops.ranked_rows_set_store
+    repointed = []
+
+    def counted(call, row, store):
+        repointed.append(row)
+        set_store(call, row, store)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rows_module.ops, "ranked_rows_set_store", counted)
+        runner._serve([c.cache, b.cache])
+    assert same(reads()[0], keys(c)) and same(reads()[1], keys(b))
+    assert repointed == [0] * len(layer_rows) and gone() is None
+    runner._serve([c.cache, None])  # b leaves: its row reads c's store (the fallback), and b's is not held
+    assert same(reads()[0], keys(c)) and same(reads()[1], keys(c))
+    assert all(pooled.ranked.members == [0] for pooled in layer_rows)
+
+
+@torch.inference_mode()
 def test_ended_requests_are_freed_without_the_garbage_collector(tiny):
     """Once its requests have ended and the runner is released, their host tiers are freed by reference counting
     alone: nothing a step kept (the joint hand-off's parts and calls, the pool's rows) holds them in a reference
