@@ -370,27 +370,22 @@ class RankedRows:
             changed = None  # every row without a request reads the new fallback
         spare = ("fallback", fallback.address())
         key = (self._key, self._params)
-        if key == self._call_key and changed is not None:
-            rows = sorted(changed)
-            tiers = list(self._tiers)
-            for b in rows:
-                host = self._layers[b].host if b in members else None
-                tiers[b] = host.address() if host is not None else spare
-            tiers = tuple(tiers)
-        else:
-            rows = range(self.q_host.shape[0])
-            hosts = [self._layers[b].host if b in members else None for b in rows]
-            tiers = tuple(h.address() if h is not None else spare for h in hosts)
+        incremental = key == self._call_key and changed is not None
+        rows = sorted(changed) if incremental else range(self.q_host.shape[0])
+        hosts = {b: self._layers[b].host if b in members else None for b in rows}
+        tiers = list(self._tiers) if incremental else [None] * len(rows)
+        for b, host in hosts.items():
+            tiers[b] = host.address() if host is not None else spare
+        tiers = tuple(tiers)
         if key == self._call_key and tiers == self._tiers:
             return
         if self._call_key is not None and self._tiers != tiers:
             self.ranked_dev.fill_(-1)  # a row that joined before and not now names no block
             self.ranked_host.fill_(-1)
         if key == self._call_key:
-            for b in rows:
+            for b, host in hosts.items():
                 if tiers[b] == self._tiers[b]:
                     continue
-                host = self._layers[b].host if b in members else None
                 store = _host_stores([host], fallback)[0]
                 if host is not None:
                     ops.ranked_rows_set_store(self.call, b, store)
@@ -398,8 +393,7 @@ class RankedRows:
                     self.call.set_store(b, store)  # the fallback's store, checked as its own row's
             self._tiers = tiers
             return
-        hosts = [self._layers[b].host if b in members else None for b in range(self.q_host.shape[0])]
-        stores = _host_stores(hosts, fallback)
+        stores = _host_stores(list(hosts.values()), fallback)
         scale, block_size, threads = self._params
         self.call = ops.ranked_rows_call(
             self.q_host, stores, self.ranked_host, scale, block_size, self.out_host, self.lse_host, threads

@@ -194,7 +194,7 @@ class RecallCache:
                     src_k_scale=host.key_scale, src_v_scale=host.value_scale,
                 )  # fmt: skip
             return
-        stores = _stores(hosts, n)
+        stores = _stores(hosts, range(n))
         ops.recall_blocks_rows(
             stores, self.keys[:n], self.values[:n], self.valid[:n], plan.src, plan.dst, plan.counts,
             self.block_size, self.slots, table=self.table_for(hosts, n),
@@ -211,17 +211,16 @@ class RecallCache:
         if changed:
             from ..kernels.gpu import store_table
 
-            stores = _stores(hosts, n)
             base = (self.keys, self.values, self.valid)
-            self._table_host[changed] = store_table([stores[b] for b in changed], base)
+            self._table_host[changed] = store_table(_stores(hosts, changed), base)
             self._table[:n].copy_(self._table_host[:n], non_blocking=True)
             self._table_rows = rows
         return self._table[:n]
 
 
-def _stores(hosts: dict, n: int) -> list:
-    """Per row of n, its host tier's (keys, values, valid), or None for a row without one."""
-    return [(hosts[b].keys, hosts[b].values, hosts[b].valid) if b in hosts else None for b in range(n)]
+def _stores(hosts: dict, rows) -> list:
+    """Per row of `rows`, its host tier's (keys, values, valid), or None for a row without one."""
+    return [(hosts[b].keys, hosts[b].values, hosts[b].valid) if b in hosts else None for b in rows]
 
 
 # share of the device's free memory that the default-sized caches of all layers may take together

@@ -314,7 +314,7 @@ class RowsRunner:
             if not self._pooled(cache, r) or cache.tandem_layers()[0].config != config:
                 return False
             # the mirrors' check, once per cache while its host tiers and the pool's tensors stay where they are
-            key = (generation, r, tuple(kv.host.generation for kv in cache.tandem_layers()))
+            key = (generation, r, self._generations([cache]))
             if self._mirrored.get(cache) != key:
                 if not self.pool.mirrored(cache, r):
                     return False

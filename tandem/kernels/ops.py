@@ -278,26 +278,39 @@ def _check_stores_call(q, stores, scale: float, num_threads, ids) -> None:
     )
     first = stores[0][0]
     for b, store in enumerate(stores):
-        _check(len(store) == 5, f"stores[{b}] must be (k_store, v_store, key_mask, k_scale, v_scale)")
-        k_store, v_store, key_mask, k_scale, v_scale = store
-        _check(
-            isinstance(k_store, torch.Tensor) and k_store.dim() == 4 and k_store.shape[0] == 1,
-            f"stores[{b}]'s k_store must be one request's store [1, Hkv, cap, D]",
-        )
-        _check(
-            k_store.dtype == first.dtype
-            and k_store.shape[1] == first.shape[1]
-            and k_store.shape[3] == first.shape[3],
-            f"stores[{b}] must match stores[0]'s dtype, Hkv and D ({first.dtype}, {first.shape[1]}, "
-            f"{first.shape[3]}), got {k_store.dtype}, {k_store.shape[1]}, {k_store.shape[3]}",
-        )
-        row = tuple((name, t[b : b + 1], width) for name, t, width in ids)
-        _check_store_call(
-            q[b : b + 1, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, row
-        )
+        _check_request_store(q, b, store, first, scale, num_threads, ids, f"stores[{b}]", "stores[0]")
     _check(
         len({scale_rows(store[0], store[3], store[4]) for store in stores if store[3] is not None}) <= 1,
         "stores' 8-bit scales must cover the same rows per scale",
+    )
+
+
+def _check_request_store(
+    q, b: int, store, first, scale: float, num_threads, ids, name: str, like: str
+) -> None:
+    """Request b's store of a call over several (`_check_stores_call`, `ranked_rows_set_store`): (k_store,
+    v_store, key_mask, k_scale, v_scale) with k_store one request's [1, Hkv, cap, D] of `first`'s dtype, Hkv and
+    D, checked as a one-request store call with row b of q and of the index tensors `ids`. Errors call it `name`
+    and `first` `like`."""
+    _check(
+        isinstance(store, (list, tuple)) and len(store) == 5,
+        f"{name} must be (k_store, v_store, key_mask, k_scale, v_scale)",
+    )
+    k_store, v_store, key_mask, k_scale, v_scale = store
+    _check(
+        isinstance(k_store, torch.Tensor) and k_store.dim() == 4 and k_store.shape[0] == 1,
+        f"{name}'s k_store must be one request's store [1, Hkv, cap, D]",
+    )
+    _check(
+        k_store.dtype == first.dtype
+        and k_store.shape[1] == first.shape[1]
+        and k_store.shape[3] == first.shape[3],
+        f"{name} must match {like}'s dtype, Hkv and D ({first.dtype}, {first.shape[1]}, {first.shape[3]}), got "
+        f"{k_store.dtype}, {k_store.shape[1]}, {k_store.shape[3]}",
+    )
+    row = tuple((name_, t[b : b + 1], width) for name_, t, width in ids)
+    _check_store_call(
+        q[b : b + 1, :, None], k_store, v_store, scale, key_mask, num_threads, k_scale, v_scale, row
     )
 
 
@@ -343,26 +356,10 @@ def ranked_rows_set_store(call, b: int, store) -> None:
         isinstance(b, int) and 0 <= b < call.batch,
         f"b must be a request of the call, in [0, {call.batch}), got {b}",
     )
-    _check(
-        isinstance(store, (list, tuple)) and len(store) == 5,
-        "store must be (k_store, v_store, key_mask, k_scale, v_scale)",
+    _check_request_store(
+        q, b, store, stores[0][0], 1.0, call.threads, (("ranked", call.ranked, "W"),), "store", "the call"
     )
-    k_store, v_store, key_mask, k_scale, v_scale = store
-    first = stores[0][0]
-    _check(
-        isinstance(k_store, torch.Tensor)
-        and k_store.dim() == 4
-        and k_store.shape[0] == 1
-        and k_store.dtype == first.dtype
-        and k_store.shape[1] == first.shape[1]
-        and k_store.shape[3] == first.shape[3],
-        f"store must be one request's store [1, Hkv, cap, D] of the call's dtype, Hkv and D ({first.dtype}, "
-        f"{first.shape[1]}, {first.shape[3]})",
-    )
-    ranked = (("ranked", call.ranked[b : b + 1], "W"),)
-    _check_store_call(
-        q[b : b + 1, :, None], k_store, v_store, 1.0, key_mask, call.threads, k_scale, v_scale, ranked
-    )
+    k_store, _, _, k_scale, v_scale = store
     rows = scale_rows(k_store, k_scale, v_scale)
     _check(
         k_scale is None or rows == call.scale_rows,

@@ -637,10 +637,10 @@ def test_ranked_rows_call_follows_a_replaced_store(dtype, kind):
     for got, want in zip(results[1], results[0], strict=True):
         assert torch.equal(got, want)
     wrong = (other[0].float(), other[1].float(), other[2], None, None)
-    with pytest.raises(ValueError, match="of the call's dtype, Hkv and D"):
+    with pytest.raises(ValueError, match="store must match the call's dtype, Hkv and D"):
         ops.ranked_rows_set_store(call, 1, wrong)
     one_head = tuple(t[:, :1].contiguous() if t is not None and t.dim() == 4 else t for t in other)
-    with pytest.raises(ValueError, match="of the call's dtype, Hkv and D"):
+    with pytest.raises(ValueError, match="store must match the call's dtype, Hkv and D"):
         ops.ranked_rows_set_store(call, 1, one_head)
     with pytest.raises(ValueError, match=r"b must be a request of the call, in \[0, 3\)"):
         ops.ranked_rows_set_store(call, 3, other)
