@@ -106,16 +106,37 @@ class HotTier:
             self.maw.index_fill_(2, slot, 0.0)
 
     def take_free_block(self) -> int:
-        if not self.free:
+        return self.take_free_blocks(1)[0]
+
+    def take_free_blocks(self, count: int) -> list[int]:
+        """The next `count` free blocks, oldest freed first (the ring grows as needed), their slots marked empty:
+        one fill per run of consecutive blocks (`block_runs`), so a prompt's ring costs a few device calls."""
+        while len(self.free) < count:
             self._grow()
-        block = self.free.pop(0)
-        event = self._reuse_after.pop(block, None)
-        if event is not None:
-            # the GPU (not the CPU) waits until the block's copy to the host has read it
-            torch.cuda.current_stream(self.keys.device).wait_event(event)
-        start = self.block_start(block)
-        self.valid[:, start : start + self.block_size] = False  # stale entries now live in the host tier
-        return block
+        blocks, self.free[:count] = self.free[:count], []
+        for block in blocks:
+            event = self._reuse_after.pop(block, None)
+            if event is not None:
+                # the GPU (not the CPU) waits until the block's copy to the host has read it
+                torch.cuda.current_stream(self.keys.device).wait_event(event)
+        for block, run in self.block_runs(blocks):
+            start = self.block_start(block)
+            self.valid[:, start : start + run * self.block_size] = (
+                False  # stale entries live in the host tier
+            )
+        return blocks
+
+    @staticmethod
+    def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+        """(first block, count) of each run of consecutive block indices in `blocks`, in order: blocks whose
+        slots are adjacent, read or written as one slice."""
+        runs: list[list[int]] = []
+        for block in blocks:
+            if runs and runs[-1][0] + runs[-1][1] == block:
+                runs[-1][1] += 1
+            else:
+                runs.append([block, 1])
+        return [(first, count) for first, count in runs]
 
     def _grow(self) -> None:
         """Double the ring's allocation (at most `ring_blocks`); the slots keep their indices."""
@@ -164,13 +185,13 @@ class HotTier:
 
     def ordered_ring(self):
         """(keys, values, valid, maw) of the ring's tokens in token order, as new tensors."""
-        parts = []
-        for i, block in enumerate(self.order):
-            start = self.block_start(block)
-            n = self.tail_fill if i == len(self.order) - 1 else self.block_size
-            parts.append(slice(start, start + n))
-        if not parts:
+        if not self.order:
             return None
+        parts, left = [], self.ring_tokens  # only the newest block, the last of the last run, may be partial
+        for block, run in self.block_runs(self.order):
+            start, n = self.block_start(block), min(run * self.block_size, left)
+            parts.append(slice(start, start + n))
+            left -= n
         keys = torch.cat([self.keys[:, :, s] for s in parts], dim=2)
         values = torch.cat([self.values[:, :, s] for s in parts], dim=2)
         valid = torch.cat([self.valid[:, s] for s in parts], dim=1)

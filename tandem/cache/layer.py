@@ -368,20 +368,28 @@ class LayerKV(Failable):
         hot.release([block], self.host.last_event)
 
     def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """The new tokens into the ring after its newest token: the newest block topped up, then as many free
+        blocks as the rest needs, written one run of adjacent blocks at a time (a prompt's window in a few
+        copies, not one per block)."""
         hot = self.hot
         bs = hot.block_size
         done, total = 0, keys.shape[2]
-        while done < total:
-            if not hot.order or hot.tail_fill == bs:
-                hot.order.append(hot.take_free_block())
-                hot.tail_fill = 0
-            n = min(bs - hot.tail_fill, total - done)
+        if hot.order and hot.tail_fill < bs and total:
+            done = min(bs - hot.tail_fill, total)
             slot = hot.block_start(hot.order[-1]) + hot.tail_fill
-            hot.write(
-                slot, keys[:, :, done : done + n], values[:, :, done : done + n], valid[:, done : done + n]
-            )
-            hot.tail_fill += n
+            hot.write(slot, keys[:, :, :done], values[:, :, :done], valid[:, :done])
+            hot.tail_fill += done
+        if done == total:
+            return
+        blocks = hot.take_free_blocks(-(-(total - done) // bs))
+        rest = total - done
+        for block, run in hot.block_runs(blocks):
+            n = min(run * bs, total - done)
+            span = slice(done, done + n)
+            hot.write(hot.block_start(block), keys[:, :, span], values[:, :, span], valid[:, span])
             done += n
+        hot.order.extend(blocks)
+        hot.tail_fill = rest - (len(blocks) - 1) * bs
 
     def _evict(self, keys, values, valid, maw, staged: bool = False) -> None:
         hot_counts = None
@@ -404,6 +412,40 @@ class LayerKV(Failable):
 
     def host_nbytes(self) -> int:
         return self.host.nbytes() if self.host is not None else 0
+
+
+def reserve_decode_slots(layers: list[LayerKV]) -> tuple[int, bool]:
+    """`LayerKV.reserve_decode_slot` of every layer of one cache, whose layers hold the same tokens: (the slot
+    they share, whether any layer did more than take the next slot of its newest ring block: filled a sink slot,
+    started a block, evicted or staged one). That common step is done here inline: a step over a batch of
+    requests reserves a slot in every layer of each. Layers that disagree on the slot leave the cache
+    inconsistent: RuntimeError."""
+    slots, moved = set(), False
+    for kv in layers:
+        hot = kv.hot
+        if (
+            kv.failed is None
+            and hot.sink_used >= hot.sink_slots
+            and hot.order
+            and hot.tail_fill < hot.block_size
+        ):
+            kv.seq_len += 1
+            hot.tail_fill += 1
+            slots.add(hot.sink_slots + hot.order[-1] * hot.block_size + hot.tail_fill - 1)
+            if kv.stages_own_evictions and kv.host is not None:
+                staged = kv.host.staged
+                try:
+                    kv._stage_next_eviction()
+                except BaseException as err:
+                    kv.mark_failed(err)
+                    raise
+                moved = moved or kv.host.staged != staged
+        else:
+            slots.add(kv.reserve_decode_slot())
+            moved = True
+    if len(slots) != 1:
+        raise RuntimeError(f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent")
+    return slots.pop(), moved
 
 
 def _check_hot_memory(layer, batch, num_kv_heads, head_dim, keys, sink_slots, ring_blocks) -> None:

@@ -144,7 +144,7 @@ class RowsRunner:
             _check_row(cache, b)
         rows, order = self._layout(caches)
         if not self._same_batch(rows):
-            if not self._rebind(rows):
+            if not self._rebind(rows) and not self._record_grown(rows):
                 self._new_batch(rows, caches)
         else:
             self._steps_same += 1
@@ -270,7 +270,8 @@ class RowsRunner:
         pooled = [r for r, cache in enumerate(rows) if cache is not None and self._pooled(cache, r)]
         flags = None
         if self.use_graphs and self.handoff == "memops":
-            flags = handoff_module.HostFlags(len(caches) * len(caches[0].tandem_layers()), self.device)
+            # a hand-off per request and layer at most, for as many requests as rows (`_record_grown`)
+            flags = handoff_module.HostFlags(len(rows) * len(caches[0].tandem_layers()), self.device)
         self._step = DecodeStep(self.device, flags)
         self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
         self._steps_same = 1
@@ -296,6 +297,39 @@ class RowsRunner:
         self._steps_same = self.record_after + 1
         self._order = self._order_key = None
         self.rebinds += 1
+        return True
+
+    def _record_grown(self, rows) -> bool:
+        """Record the batch laid out as `rows` now, with the step object of the batch before it: where that one ran
+        eagerly and was not recorded, over as many rows, and both are all pooled requests of one config. While
+        requests join a growing batch at every step no batch repeats, so none would be recorded, and each step
+        would run eagerly; once this one is recorded, the batches that follow within its rows replay it
+        (`_rebind`). Returns whether it does."""
+        step, before = self._step, self._rows
+        if (
+            not self.use_graphs
+            or step is None
+            or step.segments
+            or before is None
+            or len(rows) != len(self._batch)
+        ):
+            return False
+        held = [ref() for ref in self._batch if ref is not None]
+        if not held or any(cache is None for cache in held) or len(before[0]) != len(held):
+            return False  # a request of the last batch was freed, or it held requests outside the pool
+        config = held[0].tandem_layers()[0].config
+        for r, cache in enumerate(rows):
+            if cache is not None and (
+                not self._pooled(cache, r) or cache.tandem_layers()[0].config != config
+            ):
+                return False
+        pooled = [r for r, cache in enumerate(rows) if cache is not None]
+        for r in pooled:
+            self.pool.own_staging(rows[r])
+        self._rows = (pooled, before[1])
+        self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
+        self._steps_same = self.record_after + 1
+        self._order = self._order_key = None
         return True
 
     def _rebindable(self, rows) -> bool:

@@ -88,6 +88,7 @@ class SlotPool:
         # whether the pool holds every layer's hot tier (no sliding-window layer keeps per-request state)
         self.every_layer = False
         self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
+        self._by_period: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `_staging_candidates`
 
     @classmethod
     def for_model(cls, model, config, size: int) -> SlotPool | None:
@@ -253,7 +254,7 @@ class SlotPool:
         step, self._period = self._period, self._period + 1
         due: dict[tuple, list] = {}
         for cache in caches:
-            for kv in cache.tandem_layers():
+            for kv in self._staging_candidates(cache, step):
                 if kv.staging_due(step):
                     key = (
                         (kv.layer_idx, kv.hot.block_size, kv.host.dtype)
@@ -280,6 +281,23 @@ class SlotPool:
                     parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror
                 )
         return sum(len(kvs) for kvs, _ in staged)
+
+    def _staging_candidates(self, cache, step: int) -> list:
+        """The layers of `cache` that may stage at this step of the block period (`LayerKV.staging_due` picks a
+        layer's step by its index modulo the block size): a few of its layers rather than all of them."""
+        groups = self._by_period.get(cache)
+        if groups is None:
+            layers = cache.tandem_layers()
+            sizes = {kv.hot.block_size if kv.hot is not None else None for kv in layers}
+            if len(sizes) != 1 or None in sizes:
+                return layers  # not placed yet: every layer is asked
+            block_size = sizes.pop()
+            by_step: dict[int, list] = {}
+            for kv in layers:
+                by_step.setdefault(kv.layer_idx % block_size, []).append(kv)
+            groups = self._by_period[cache] = (block_size, by_step)
+        block_size, by_step = groups
+        return by_step.get(step % block_size, [])
 
     def _stage_batch(self, kvs, block_size: int):
         """(kvs, parts): the oldest ring blocks of `kvs` (one layer of several requests) gathered, digested and

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import torch
 
 from ..attention.context import StepContext
+from ..cache.layer import reserve_decode_slots
 from . import handoff as handoff_module
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -83,6 +85,8 @@ class DecodeStep(StepContext):
         self.generations: list[int] = []  # host tier buffer generations the segments were recorded with
         self._graph = None
         self._pool = None
+        self.captures = 0  # recordings made: a recording may make step tensors that `prepare` must fill
+        self._shares: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> `prepare`'s last
 
     def prepare(self, layers, context: StepContext | None = None, wait: bool = True) -> int:
         """Bookkeeping of one step in every layer of one cache (slot, evictions, device share) into `context`'s
@@ -94,26 +98,29 @@ class DecodeStep(StepContext):
         if not layers:  # only sliding-window layers: nothing tiered to keep
             return 0
         events = [layer.host.last_event if layer.host is not None else None for layer in layers]
-        slots = {layer.reserve_decode_slot() for layer in layers}
-        if len(slots) != 1:
-            raise RuntimeError(
-                f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent"
-            )
-        slot = slots.pop()
+        slot, moved = reserve_decode_slots(layers)
         context.slot.fill_(slot)
-        for layer in layers:
-            layer.policy.prepare_step(layer)
-        shares = {layer.policy.device_share(layer) for layer in layers}
-        if len(shares) != 1:
-            raise RuntimeError(
-                f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent"
-            )
-        share = shares.pop()
+        # The policies' step state and device share follow the host tiers' rows: where no layer did more than take
+        # its newest block's next slot since the last step, and no recording made new step tensors, they stand.
+        key, tokens = (self.captures, len(layers), _tier_key(layers[0])), layers[0].seq_len
+        known = self._shares.get(context)
+        if moved or known is None or known[0] != key or known[1] != tokens - 1:
+            for layer in layers:
+                layer.policy.prepare_step(layer)
+            shares = {layer.policy.device_share(layer) for layer in layers}
+            if len(shares) != 1:
+                raise RuntimeError(
+                    f"layers disagree on the device share ({sorted(shares)}); the cache is inconsistent"
+                )
+            share = shares.pop()
+            queued = any(layer.queue_split != "share" for layer in layers)  # its GPU side reads host rows
+        else:
+            share, queued = known[2:]
+        self._shares[context] = (key, tokens, share, queued)
         if share != context.device_blocks_value:
             context.device_blocks.fill_(share)
             context.device_blocks_value = share
-        queued = any(layer.queue_split != "share" for layer in layers)  # the queue's GPU side reads host rows
-        if (share or queued) and self.device.type == "cuda":
+        if moved and (share or queued) and self.device.type == "cuda":
             # the device reads host rows in place: rows evicted just now must have landed in host memory first
             stream = torch.cuda.current_stream(self.device)
             for layer, before in zip(layers, events, strict=True):
@@ -158,6 +165,7 @@ class DecodeStep(StepContext):
         torch.cuda.synchronize(self.device)
         stream = capture_stream(self.device)  # capture needs a stream other than the default one
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.captures += 1
         self.segments = []
         self.actions = []
         self.after = []
@@ -249,6 +257,15 @@ class DecodeStep(StepContext):
         self._graph.capture_end()
         self.segments.append((self._graph, after))
         self._graph = None
+
+
+def _tier_key(layer) -> tuple:
+    """What a layer's step state and device share are worked out from, besides its policy's own settings: its
+    host tier: which, how many rows, its buffers' generation, whether its digests are mirrored."""
+    host = layer.host
+    if host is None:
+        return None
+    return id(host), host.rows, host.generation, host.key_min_dev is None
 
 
 def _replay_on(graph, stream) -> None:

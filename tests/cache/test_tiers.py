@@ -375,6 +375,30 @@ def test_hot_tier_take_free_block_clears_only_that_block():
     assert hot.free == []
 
 
+def test_hot_tier_takes_blocks_by_runs():
+    """`take_free_blocks` gives the free blocks in their order and clears exactly their slots, one fill per run of
+    adjacent blocks; `ordered_ring` reads a ring laid over several runs in token order."""
+    assert HotTier.block_runs([]) == []
+    assert HotTier.block_runs([3, 4, 5, 0, 1, 7]) == [(3, 3), (0, 2), (7, 1)]
+    hot = HotTier(
+        BATCH, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"),
+        sink_slots=2, ring_blocks=4, block_size=BLOCK, keep_maw=False,
+    )  # fmt: skip
+    hot.free = [2, 3, 0, 1]
+    hot.valid[:] = True
+    assert hot.take_free_blocks(3) == [2, 3, 0] and hot.free == [1]
+    assert not hot.valid[:, 2 : 2 + BLOCK].any() and not hot.valid[:, 2 + 2 * BLOCK :].any()
+    assert hot.valid[:, :2].all() and hot.valid[:, 2 + BLOCK : 2 + 2 * BLOCK].all()
+    tokens = torch.arange(3 * BLOCK, dtype=torch.float32)
+    hot.order, hot.tail_fill = [2, 3, 0], BLOCK - 1
+    for i, block in enumerate(hot.order):
+        start = hot.block_start(block)
+        hot.keys[:, :, start : start + BLOCK, 0] = tokens[i * BLOCK : (i + 1) * BLOCK]
+    keys, _, valid, maw = hot.ordered_ring()
+    assert torch.equal(keys[0, 0, :, 0], tokens[: 3 * BLOCK - 1]) and maw is None
+    assert valid.shape == (BATCH, 3 * BLOCK - 1)
+
+
 # ---- layer cache ------------------------------------------------------------------------------------------
 
 SCHEDULES = {
@@ -382,6 +406,8 @@ SCHEDULES = {
     "bulk_then_single": [61] + [1] * 30 + [27] + [1] * 13 + [113] + [1] * 5,
     "single_from_start": [1] * 70,
     "short_prompt_then_bulk": [3, 1, 1, 50, 1, 9, 1, 61, 2],
+    # appends shorter than the ring once it wraps: its newest block topped up, then runs of free blocks
+    "chunks_under_the_ring": [30] + [1] * 5 + [5, 2, 7, 1, 9, 1, 6, 3],
 }
 
 

@@ -377,6 +377,75 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
                 )
 
 
+@pytest.mark.parametrize("own_staging", [True, False])
+@torch.inference_mode()
+def test_a_caches_layers_reserve_their_slots_together(tiny, own_staging):
+    """`reserve_decode_slots` (a cache's layers in one pass, the common step inline) leaves every layer as each
+    layer's own `reserve_decode_slot` does over 40 steps (sink slots, new blocks, evictions, staging), and says
+    `moved` exactly at the steps where some layer did more than take its newest block's next slot."""
+    from tandem.cache.layer import reserve_decode_slots
+
+    def state(kv):
+        hot, host = kv.hot, kv.host
+        return (kv.seq_len, hot.sink_used, hot.tail_fill, list(hot.order), host.rows, host.staged)
+
+    prompt = _prompt(tiny, 30, 4)  # 4 sinks, 16-token blocks: the ring fills, then evicts every 16 steps
+    caches = [_prefill(tiny, prompt, "quest+share", torch.device("cpu"))[0] for _ in range(2)]
+    for cache in caches:
+        for kv in cache.tandem_layers():
+            kv.stages_own_evictions = own_staging
+    together, alone = (cache.tandem_layers() for cache in caches)
+    moves = 0
+    for _ in range(40):
+        before = [state(kv) for kv in alone]
+        slots = {kv.reserve_decode_slot() for kv in alone}
+        slot, moved = reserve_decode_slots(together)
+        assert {slot} == slots
+        assert [state(kv) for kv in together] == [state(kv) for kv in alone]
+        inline = all(
+            (b[0] + 1, b[2] + 1, b[3:]) == (a[0], a[2], a[3:]) for b, a in zip(before, map(state, alone))
+        )
+        assert moved == (not inline)
+        moves += moved
+    assert 2 <= moves < 40
+    together[1].hot.tail_fill -= 1  # a layer one token behind: the cache is inconsistent
+    with pytest.raises(RuntimeError, match="disagree on the decode slot"):
+        reserve_decode_slots(together)
+
+
+@torch.inference_mode()
+def test_a_steps_device_share_is_worked_out_again_when_it_may_change(tiny):
+    """`DecodeStep.prepare` keeps a cache's device share and its policies' step state from the last step while no
+    layer moved; an eviction, or a recording (which may make new step tensors), works them out again."""
+    from tandem.engine.step import DecodeStep
+
+    cache, _ = _prefill(tiny, _prompt(tiny, 71, 5), "quest+share", torch.device("cpu"))
+    layers = cache.tandem_layers()
+    step = DecodeStep(torch.device("cpu"))
+    calls = []
+    for kv in layers:
+        original = kv.policy.prepare_step
+        kv.policy.prepare_step = lambda layer, original=original: (calls.append(layer), original(layer))[1]
+    for _ in range(40):
+        rows = layers[0].host.rows
+        calls.clear()
+        step.prepare(layers)
+        moved = layers[0].host.rows != rows
+        assert len(calls) in ((len(layers),) if moved else (0, len(layers)))
+        assert step.device_blocks_value == layers[0].policy.device_share(layers[0]) > 0
+        for kv in layers:
+            kv.policy.step_blocks(kv, torch.device("cpu"))  # the step tensor the device ranking reads
+    calls.clear()
+    step.prepare(layers)
+    assert calls == []  # nothing moved
+    for kv in layers:  # a recording makes its own step tensors, left for `prepare` to fill (`step_blocks`)
+        kv.policy._k, kv.policy._k_value = torch.zeros(1, dtype=torch.long), None
+    step.captures += 1
+    step.prepare(layers)
+    assert len(calls) == len(layers)
+    assert all(int(kv.policy._k) == kv.policy.blocks_this_step(kv) > 0 for kv in layers)
+
+
 @torch.inference_mode()
 def test_pooled_rows_follow_host_tiers_that_grow(tiny):
     """Host tiers that outgrow their first allocation while their requests decode pooled (4-token blocks: a tier
@@ -609,6 +678,40 @@ def test_a_request_joins_a_recorded_step(policy):
         )
     gc.collect()
     assert [ref() is None for ref, at in left if at < steps] == [True] * sum(at < steps for _, at in left)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("policy", ["quest", "quest+cache"])
+@torch.inference_mode()
+def test_a_batch_that_grows_at_every_step_is_recorded(policy):
+    """As a server's batch fills: a request joins at every step, so no batch repeats. Each width of rows runs one
+    eager step; the next batch in those rows is recorded (`RowsRunner._record_grown`), its newest request's first
+    step part of the recording, and the batches after it replay it; every request decodes as alone."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    cuda = torch.device("cuda")
+    prompts = [_prompt(model, 40 + 3 * i, i) for i in range(6)]
+    alone = [_alone(model, p, policy, STEPS, cuda) for p in prompts]
+    runner = RowsRunner(
+        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=8
+    )  # fmt: skip
+    rows = []
+    for t in range(STEPS + len(prompts)):
+        if t < len(prompts):
+            rows.append(_Row(model, prompts[t], policy, cuda, runner))
+        running = [row for row in rows if len(row.tokens) <= STEPS]
+        if not running:
+            break
+        recordings = runner.recordings
+        _step(runner, running)
+        if t in (3, 5):  # the second batch of 3-4 rows and of 5-8 rows: recorded, not run eagerly
+            assert runner.recordings == recordings + 1
+    assert runner.rebinds >= 2 and runner.recordings <= 4
+    for row, (tokens, logits) in zip(rows, alone, strict=True):
+        assert row.tokens == tokens[: len(row.tokens)]
+        torch.testing.assert_close(
+            torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
