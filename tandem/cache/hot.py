@@ -119,11 +119,9 @@ class HotTier:
             if event is not None:
                 # the GPU (not the CPU) waits until the block's copy to the host has read it
                 torch.cuda.current_stream(self.keys.device).wait_event(event)
-        for block, run in self.block_runs(blocks):
+        for block, run in self.block_runs(blocks):  # their stale entries live in the host tier
             start = self.block_start(block)
-            self.valid[:, start : start + run * self.block_size] = (
-                False  # stale entries live in the host tier
-            )
+            self.valid[:, start : start + run * self.block_size] = False
         return blocks
 
     @staticmethod
