@@ -377,6 +377,46 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
                 )
 
 
+@torch.inference_mode()
+def test_a_growing_batch_is_recorded_at_its_second_step_in_a_width(tiny, monkeypatch):
+    """The runner's orchestration of recordings, on the CPU (where a "recording" here keeps the step's body and a
+    "replay" runs it): while a request joins at every step, each new width of rows runs one eager step and the
+    next batch in those rows is recorded at once (`RowsRunner._record_grown`), not only a batch that repeats;
+    every request still decodes as alone."""
+    from tandem.engine.step import DecodeStep
+
+    def capture(step, body):
+        step.captures += 1
+        step.segments = [(body, None)]
+
+    monkeypatch.setattr(DecodeStep, "capture", capture)
+    monkeypatch.setattr(DecodeStep, "replay", lambda step: step.segments[0][0]())
+    cpu = torch.device("cpu")
+    prompts = [_prompt(tiny, 40 + 3 * i, i) for i in range(6)]
+    alone = [_alone(tiny, p, "quest+share", STEPS, cpu) for p in prompts]
+    runner = RowsRunner(tiny, config=_config("full"), slots=8)
+    runner.use_graphs = True  # the recording's orchestration, with the stand-ins above
+    rows, recorded_at = [], []
+    for t in range(STEPS + len(prompts)):
+        if t < len(prompts):
+            rows.append(_Row(tiny, prompts[t], "quest+share", cpu, runner))
+        running = [row for row in rows if len(row.tokens) <= STEPS]
+        if not running:
+            break
+        recordings = runner.recordings
+        _step(runner, running)
+        if runner.recordings > recordings:
+            recorded_at.append(t)
+    # widths 1, 2, 4, 4, 8, 8: the second batch in 4 rows and in 8 rows is recorded; the batch of all six then
+    # repeats its recording until the first request leaves
+    assert recorded_at[:2] == [3, 5]
+    for row, (tokens, logits) in zip(rows, alone, strict=True):
+        assert row.tokens == tokens[: len(row.tokens)]
+        torch.testing.assert_close(
+            torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
+        )
+
+
 @pytest.mark.parametrize("own_staging", [True, False])
 @torch.inference_mode()
 def test_a_caches_layers_reserve_their_slots_together(tiny, own_staging):
