@@ -16,7 +16,10 @@ stays the same. A recording reads its requests' caches, so a request that joins 
 every request of the recorded batch was a pooled one whose step is all the pool's (quest's joined path: the
 device reads only the pool's rows and tensors): then the batches that follow within its rows, of pooled requests
 of the same config, replay it, its host-side parts re-pointed at them (`_rebind`), with no eager step and no new
-recording; such batches are laid out over a power-of-two count of rows (`_width`). The pool stages its requests' evicted blocks for all of them at once (`SlotPool.stage_evictions`).
+recording; such batches are laid out over a power-of-two count of rows (`_width`). A batch of pooled requests that
+changed within the rows of an eager step not yet recorded is recorded at once (`_record_grown`): a filling
+server's batch changes at every step and would otherwise never be. The pool stages its requests' evicted blocks
+for all of them at once (`SlotPool.stage_evictions`).
 """
 
 from __future__ import annotations
@@ -293,9 +296,7 @@ class RowsRunner:
         if self._step is None or not self._step.segments or not self._rebindable(rows):
             return False
         self._serve(rows)
-        self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
-        self._steps_same = self.record_after + 1
-        self._order = self._order_key = None
+        self._take_batch(rows)
         self.rebinds += 1
         return True
 
@@ -317,20 +318,28 @@ class RowsRunner:
         held = [ref() for ref in self._batch if ref is not None]
         if not held or any(cache is None for cache in held) or len(before[0]) != len(held):
             return False  # a request of the last batch was freed, or it held requests outside the pool
-        config = held[0].tandem_layers()[0].config
-        for r, cache in enumerate(rows):
-            if cache is not None and (
-                not self._pooled(cache, r) or cache.tandem_layers()[0].config != config
-            ):
-                return False
+        if not self._pooled_of(rows, held[0].tandem_layers()[0].config):
+            return False
         pooled = [r for r, cache in enumerate(rows) if cache is not None]
         for r in pooled:
             self.pool.own_staging(rows[r])
         self._rows = (pooled, before[1])
+        self._take_batch(rows)
+        return True
+
+    def _take_batch(self, rows) -> None:
+        """The step object now serves the batch laid out as `rows`, recorded (or to be recorded) at its next run."""
         self._batch = [weakref.ref(cache) if cache is not None else None for cache in rows]
         self._steps_same = self.record_after + 1
         self._order = self._order_key = None
-        return True
+
+    def _pooled_of(self, rows, config) -> bool:
+        """Whether every request of the batch laid out as `rows` has its hot tier at its row of the pool and
+        `config`."""
+        return all(
+            cache is None or (self._pooled(cache, r) and cache.tandem_layers()[0].config == config)
+            for r, cache in enumerate(rows)
+        )
 
     def _rebindable(self, rows) -> bool:
         """Whether the recorded step (`_bucket`) can serve the batch laid out as `rows`: that step's rows all
@@ -340,13 +349,11 @@ class RowsRunner:
         if self._bucket is None:
             return False
         width, config, generation = self._bucket
-        if len(rows) != width or self.pool.generation != generation:
+        if len(rows) != width or self.pool.generation != generation or not self._pooled_of(rows, config):
             return False
         for r, cache in enumerate(rows):
             if cache is None:
                 continue
-            if not self._pooled(cache, r) or cache.tandem_layers()[0].config != config:
-                return False
             # the mirrors' check, once per cache while its host tiers and the pool's tensors stay where they are
             key = (generation, r, self._generations([cache]))
             if self._mirrored.get(cache) != key:

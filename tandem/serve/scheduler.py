@@ -343,9 +343,8 @@ class Scheduler:
         if request.cache is not None:
             try:
                 self.runner.detach(request.cache)  # its row of hot tiers, for the next request
-            except (
-                Exception
-            ) as err:  # a failed device (a CUDA error stays): the client is answered all the same
+            except Exception as err:
+                # a failed device (a CUDA error stays): the client is answered all the same
                 if error is None and reason != "cancelled":
                     error = f"its cache could not be freed: {_describe(err)}"
         request.cache = None  # the cache's tensors go with the last reference
