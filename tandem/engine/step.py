@@ -244,9 +244,14 @@ class DecodeStep(StepContext):
             action()
 
     def close(self) -> None:
-        """End the launcher thread, if any."""
+        """End the launcher thread, if any, and drop the recording. Its host-side parts hold their requests' layers
+        (and through them the host tiers), and each part's timing callback holds its request's context, which holds
+        this step: a cycle that, left to the garbage collector, kept ended requests' host tiers for as long as no
+        full collection came (a server after a load: hundreds of MB)."""
         if self.launcher is not None:
             self.launcher.close()
+        self.segments, self.actions, self.after = [], [], []
+        self._shares = weakref.WeakKeyDictionary()
 
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()

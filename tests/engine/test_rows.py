@@ -10,8 +10,10 @@ import torch
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.attention import rows as rows_module
 from tandem.config import QuestConfig
-from tandem.engine.rows import RowsRunner, choose_tokens
+from tandem.engine.handoff import HostFlags
+from tandem.engine.rows import RowContext, RowsRunner, choose_tokens
 from tandem.engine.sampling import sample, seed_key
+from tandem.engine.step import DecodeStep
 from tests.tiny import tiny_model
 
 POLICIES = ("full", "hgca", "quest", "certified", "streaming")
@@ -251,6 +253,30 @@ def test_ended_requests_are_freed_without_the_garbage_collector(tiny):
         del runner.test_rows, caches, cache
         runner.release()
         assert tiers and [ref() for ref in tiers] == [None] * len(tiers)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_closed_step_holds_none_of_its_requests():
+    """A recorded step's host-side parts hold their requests' layers, and each part's timing callback holds its
+    request's context, which holds the step: once the step is closed (`RowsRunner.release`), that cycle must not
+    keep the layers (and their host tiers) for the garbage collector to find."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        step = DecodeStep(torch.device("cpu"), HostFlags(1, None))
+        context = RowContext(step)
+        layer = torch.nn.Linear(2, 2)  # a request's layer, as a part keeps it
+        ranked = rows_module.RankedRows()
+        ranked.begin({0: layer})
+        context.host_work(ranked.part(False, context.add_host_seconds), wait=False)  # as a recording keeps it
+        held = weakref.ref(layer)
+        del layer, ranked
+        step.close()
+        del step, context
+        assert held() is None
     finally:
         if enabled:
             gc.enable()
@@ -726,32 +752,49 @@ def test_a_request_joins_a_recorded_step(policy):
 def test_a_batch_that_grows_at_every_step_is_recorded(policy):
     """As a server's batch fills: a request joins at every step, so no batch repeats. Each width of rows runs one
     eager step; the next batch in those rows is recorded (`RowsRunner._record_grown`), its newest request's first
-    step part of the recording, and the batches after it replay it; every request decodes as alone."""
+    step part of the recording, and the batches after it replay it; every request decodes as alone. Once they
+    have ended and the runner is released, their host tiers are freed without the garbage collector (a server's
+    memory after a load)."""
     torch.manual_seed(0)
     model = tiny_model("Llama").cuda()
     cuda = torch.device("cuda")
     prompts = [_prompt(model, 40 + 3 * i, i) for i in range(6)]
     alone = [_alone(model, p, policy, STEPS, cuda) for p in prompts]
-    runner = RowsRunner(
-        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=8
-    )  # fmt: skip
-    rows = []
-    for t in range(STEPS + len(prompts)):
-        if t < len(prompts):
-            rows.append(_Row(model, prompts[t], policy, cuda, runner))
-        running = [row for row in rows if len(row.tokens) <= STEPS]
-        if not running:
-            break
-        recordings = runner.recordings
-        _step(runner, running)
-        if t in (3, 5):  # the second batch of 3-4 rows and of 5-8 rows: recorded, not run eagerly
-            assert runner.recordings == recordings + 1
-    assert runner.rebinds >= 2 and runner.recordings <= 4
-    for row, (tokens, logits) in zip(rows, alone, strict=True):
-        assert row.tokens == tokens[: len(row.tokens)]
-        torch.testing.assert_close(
-            torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
-        )
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        runner = RowsRunner(
+            model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=8
+        )  # fmt: skip
+        rows = []
+        for t in range(STEPS + len(prompts)):
+            if t < len(prompts):
+                rows.append(_Row(model, prompts[t], policy, cuda, runner))
+            running = [row for row in rows if len(row.tokens) <= STEPS]
+            if not running:
+                break
+            recordings = runner.recordings
+            _step(runner, running)
+            if t in (3, 5):  # the second batch of 3-4 rows and of 5-8 rows: recorded, not run eagerly
+                assert runner.recordings == recordings + 1
+        assert runner.rebinds >= 2 and runner.recordings <= 4
+        for row, (tokens, logits) in zip(rows, alone, strict=True):
+            assert row.tokens == tokens[: len(row.tokens)]
+            torch.testing.assert_close(
+                torch.stack(row.logits), torch.stack(logits[: len(row.logits)]), atol=1e-4, rtol=1e-4
+            )
+        tiers = [
+            weakref.ref(kv.host) for row in rows for kv in row.cache.tandem_layers() if kv.host is not None
+        ]
+        for row in rows:
+            runner.detach(row.cache)
+        del rows, running, row
+        runner.release()
+        assert tiers and [ref() for ref in tiers] == [None] * len(tiers)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
