@@ -20,6 +20,7 @@ round trip, far more per step than the launches; docs/engine.md § Measured and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import weakref
@@ -51,9 +52,19 @@ def freeze_heap() -> None:
     garbage collector's later passes (`gc.freeze`). A long-running decode loop otherwise sets off full
     collections that walk the whole heap, and with a large model loaded one lasts many decode steps' time
     (docs/engine.md § Where a step's time goes). For processes that load a model once and decode for long (the
-    server, benchmarks)."""
+    server, benchmarks, `tandem generate`).
+
+    The frozen objects go back to the collector at exit: the interpreter's last collection skips frozen ones, and
+    Triton's bindings then report the cycles among their module objects as leaks (dozens of "nanobind: leaked"
+    lines after every `tandem generate`)."""
     gc.collect()
     gc.freeze()
+    if not _UNFREEZE_AT_EXIT:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_AT_EXIT.append(True)
+
+
+_UNFREEZE_AT_EXIT: list = []  # registered once per process
 
 
 class DecodeStep(StepContext):
