@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import weakref
 
@@ -59,12 +60,12 @@ def freeze_heap() -> None:
     lines after every `tandem generate`)."""
     gc.collect()
     gc.freeze()
-    if not _UNFREEZE_AT_EXIT:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT.append(True)
+    _unfreeze_at_exit()
 
 
-_UNFREEZE_AT_EXIT: list = []  # registered once per process
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)  # once per process
 
 
 class DecodeStep(StepContext):
