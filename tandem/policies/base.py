@@ -104,7 +104,12 @@ class Policy:
         return 0
 
     def prepare_step(self, layer) -> None:
-        return None
+        """Before a decode step, eagerly (never while a step records): make what the step adds to on the device.
+        A recorded step replays what it recorded, so a tensor first made inside it would be made again, zeroed,
+        at every replay (or not at all: a copy from pageable host memory refuses to record). A request whose
+        first decode step is part of a recording (`engine.rows.RowsRunner`, a batch that grows) needs this."""
+        if self.certifier is not None and layer.hot is not None:
+            self.certifier.prepare(layer.hot.keys.device)
 
     def ranked_range(self, layer, from_device: torch.Tensor | None, skip: int) -> tuple[int, int] | None:
         return None

@@ -222,12 +222,16 @@ class Certifier:
                 s.met.float().sum(), excess.max(), s.union.sum(-1).float().sum(),
                 (s.live.float() * layer.num_kv_heads).sum(),
             ])  # fmt: skip
-            if self._counters is None or self._counters.device != step.device:
-                # made in the eager warm-up steps, updated in place: a recorded step adds to the same tensor
-                self._counters = torch.zeros_like(step)
-                self._maxima = torch.tensor([n in _MAXIMA for n in CERT_COUNTERS], device=step.device)
+            self.prepare(step.device)  # (made already where a step may record: `Policy.prepare_step`)
             counters = self._counters
             counters.copy_(torch.where(self._maxima, torch.maximum(counters, step), counters + step))
+
+    def prepare(self, device: torch.device) -> None:
+        """The device counters a step adds to, on `device`: made once, eagerly, and updated in place, so that a
+        recorded step adds to the same tensor at every replay."""
+        if self._counters is None or self._counters.device != device:
+            self._counters = torch.zeros(len(CERT_COUNTERS), dtype=torch.float32, device=device)
+            self._maxima = torch.tensor([n in _MAXIMA for n in CERT_COUNTERS], device=device)
 
     def _count_all(self, layer, s: AllStep, lse: torch.Tensor) -> None:
         """An `attend_all` step: every head met epsilon with p = 0 and kept every live unit. It runs eagerly on

@@ -222,9 +222,18 @@ class FluxionPolicy(Policy):
             (per_size * working[..., None]).sum((0, 1)),
             (~working).float().sum()[None],
         ])  # fmt: skip
-        if self._counters is None or self._counters.device != step.device:
-            self._counters = torch.zeros_like(step)
+        self._make_counters(step.device)  # (made already where a step may record: `prepare_step`)
         self._counters += step
+
+    def prepare_step(self, layer) -> None:
+        super().prepare_step(layer)
+        if layer.hot is not None:
+            self._make_counters(layer.hot.keys.device)
+
+    def _make_counters(self, device: torch.device) -> None:
+        """The device counters a step adds to (`_count`), on `device`: made once, eagerly, updated in place."""
+        if self._counters is None or self._counters.device != device:
+            self._counters = torch.zeros(4 + len(SELECTION_BLOCKS), dtype=torch.float32, device=device)
 
     def statistics(self) -> dict:
         """Head-steps, streaming head-steps, the sum of per-head budgets, groups per block size and groups that
@@ -240,7 +249,8 @@ class FluxionPolicy(Policy):
         }
 
     def reset_statistics(self) -> None:
-        self._counters = None
+        if self._counters is not None:
+            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
 
 
 def hot_segments(hot):

@@ -66,18 +66,25 @@ class QuestPolicy(Policy):
     def step_blocks(self, layer, device) -> torch.Tensor:
         """[1] int64 on `device`: blocks_this_step, refreshed here unless a graph is being recorded (the
         engine's `DecodeStep.prepare` refreshes it through `prepare_step` before every step)."""
-        if self._k is None or self._k.device != device:
-            self._k, self._k_value = torch.zeros(1, dtype=torch.long, device=device), None
+        self._make_k(device)
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self.prepare_step(layer)
         return self._k
 
     def prepare_step(self, layer) -> None:
+        super().prepare_step(layer)
+        if layer.host is not None and layer.hot is not None:
+            # eagerly: made inside a recording, the block count would be zeroed again at every replay
+            self._make_k(layer.hot.keys.device)
         if self._k is not None:
             value = self.blocks_this_step(layer)
             if value != self._k_value:
                 self._k.fill_(value)
                 self._k_value = value
+
+    def _make_k(self, device) -> None:
+        if self._k is None or self._k.device != device:
+            self._k, self._k_value = torch.zeros(1, dtype=torch.long, device=device), None
 
     def blocks_this_step(self, layer) -> int:
         """Blocks each KV head attends this step: ceil(budget * host blocks)."""

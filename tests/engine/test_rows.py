@@ -799,6 +799,47 @@ def test_a_batch_that_grows_at_every_step_is_recorded(policy):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @torch.inference_mode()
+def test_a_requests_first_step_in_a_recording_counts_as_alone():
+    """A request that joins a growing batch has its first decode step in the batch's recording
+    (`RowsRunner._record_grown`). What its policy adds to at each step (here the default's certificate counters)
+    is made before the recording (`Policy.prepare_step`): the batch records, every request decodes the tokens it
+    decodes alone, and its certificates are counted at every step, as alone."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    cuda = torch.device("cuda")
+    prompts = [_prompt(model, 40 + 3 * i, i) for i in range(4)]
+    runner = RowsRunner(
+        model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=4
+    )
+    rows = []
+    for t in range(STEPS + len(prompts)):
+        if t < len(prompts):
+            rows.append(_Row(model, prompts[t], "certified", cuda, runner))
+        running = [row for row in rows if len(row.tokens) <= STEPS]
+        if not running:
+            break
+        _step(runner, running)
+    assert runner.recordings >= 2
+    for row, prompt in zip(rows, prompts, strict=True):
+        cache, token = _prefill(model, prompt, "certified", cuda)
+        tokens = [token]
+        for step in range(STEPS):
+            out = model(
+                input_ids=torch.tensor([[token]], device=cuda),
+                position_ids=torch.tensor([[prompt.shape[1] + step]], device=cuda),
+                use_cache=True, **generate_cache_kwargs(model, cache),
+            )  # fmt: skip
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+        assert row.tokens == tokens
+        for ours, alone in zip(row.cache.tandem_layers(), cache.tandem_layers(), strict=True):
+            got, expected = ours.policy.certifier.statistics(), alone.policy.certifier.statistics()
+            assert got["head_steps"] == expected["head_steps"] > 0
+            assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@torch.inference_mode()
 def test_pooled_rows_decode_eagerly_on_cuda():
     torch.manual_seed(0)
     model = tiny_model("Llama").cuda()

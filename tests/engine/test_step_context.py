@@ -10,7 +10,7 @@ import torch
 
 from tandem import TandemCache, TandemConfig
 from tandem.attention.context import StepContext
-from tandem.config import QuestConfig
+from tandem.config import FluxionConfig, QuestConfig
 from tandem.engine import TandemRunner
 from tandem.engine import runner as runner_module
 from tandem.engine.step import DecodeStep
@@ -67,3 +67,35 @@ def test_the_layers_read_only_the_step_contexts_contract(monkeypatch, device, po
     assert {"slot", "defers_host_work"} <= names  # the watch sees the layers' reads
     outside = sorted({(caller, name) for caller, name in WatchedStep.reads if name not in CONTRACT})
     assert not outside, outside
+
+
+@pytest.mark.parametrize("policy", ["certified", "quest", "fluxion"])
+def test_a_steps_preparation_makes_what_a_recording_adds_to(policy):
+    """`DecodeStep.prepare` (eager, before any recording) makes the device tensors a step adds to or reads as
+    its state: quest's block count, the certificate's and fluxion's counters. A request's first decode step may be
+    part of a recording (a server's growing batch): made inside it, such a tensor would be made again, zeroed, at
+    every replay, and a certified step refused to record at all (a copy from pageable host memory)."""
+    model = tiny_model("Llama", num_key_value_heads=2)
+    overrides = {
+        "quest": {"quest": QuestConfig(gpu_cache=0)},
+        "fluxion": {"fluxion": FluxionConfig(tau=0.0)},  # no profile needed
+    }.get(policy, {})
+    block = 16 if policy == "fluxion" else 4
+    config = TandemConfig(
+        policy=policy, sink_tokens=4, window_tokens=2 * block, block_size=block, **overrides
+    )
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache)
+    ids = torch.randint(0, 128, (1, 10 * block), generator=torch.Generator().manual_seed(1))
+    runner.prefill(ids, max_new_tokens=4)
+    layers = cache.tandem_layers()
+    with torch.inference_mode():
+        DecodeStep(torch.device("cpu")).prepare(layers)
+    for layer in layers:
+        policy_of = layer.policy
+        if policy_of.certifier is not None:
+            assert policy_of.certifier._counters is not None
+        if policy == "quest":
+            assert int(policy_of._k) == policy_of.blocks_this_step(layer) > 0
+        if policy == "fluxion":
+            assert policy_of._counters is not None

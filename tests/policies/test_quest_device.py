@@ -50,6 +50,7 @@ def _host(mirror: bool, batch=2, rows=61 * 16):
 class _Layer:
     def __init__(self, host):
         self.host = host
+        self.hot = None  # the policy reads only the host tier here
 
 
 @pytest.mark.parametrize("budget", [0.05, 0.3, 1.0])
