@@ -62,9 +62,9 @@ def _prefill(model, prompt: torch.Tensor, policy: str, device, runner=None):
     return cache, int(out.logits[0, -1].argmax())
 
 
-def _alone(model, prompt, policy, steps, device):
+def _alone(model, prompt, policy, steps, device, cache_out: list | None = None):
     """Greedy tokens of the request decoded alone through the drop-in (transformers' forward over its cache), and
-    each step's logits [V]."""
+    each step's logits [V]; its cache is appended to `cache_out` where given."""
     cache, token = _prefill(model, prompt, policy, device)
     tokens, logits = [token], []
     for step in range(steps):
@@ -76,6 +76,8 @@ def _alone(model, prompt, policy, steps, device):
         logits.append(out.logits[0, -1].float().cpu())
         token = int(logits[-1].argmax())
         tokens.append(token)
+    if cache_out is not None:
+        cache_out.append(cache)
     return tokens, logits
 
 
@@ -821,17 +823,9 @@ def test_a_requests_first_step_in_a_recording_counts_as_alone():
         _step(runner, running)
     assert runner.recordings >= 2
     for row, prompt in zip(rows, prompts, strict=True):
-        cache, token = _prefill(model, prompt, "certified", cuda)
-        tokens = [token]
-        for step in range(STEPS):
-            out = model(
-                input_ids=torch.tensor([[token]], device=cuda),
-                position_ids=torch.tensor([[prompt.shape[1] + step]], device=cuda),
-                use_cache=True, **generate_cache_kwargs(model, cache),
-            )  # fmt: skip
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-        assert row.tokens == tokens
+        caches = []
+        assert row.tokens == _alone(model, prompt, "certified", STEPS, cuda, caches)[0]
+        cache = caches[0]
         for ours, alone in zip(row.cache.tandem_layers(), cache.tandem_layers(), strict=True):
             got, expected = ours.policy.certifier.statistics(), alone.policy.certifier.statistics()
             assert got["head_steps"] == expected["head_steps"] > 0
