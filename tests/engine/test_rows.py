@@ -93,6 +93,23 @@ class _Row:
         return self.prompt.shape[1] + len(self.tokens) - 1
 
 
+def _grow(model, runner, prompts, policy, device):
+    """A batch that grows by one request a step, as a server's fills (request t joins at step t), each request
+    decoding STEPS tokens: (the rows, the steps at which the runner made a recording)."""
+    rows, recorded_at = [], []
+    for t in range(STEPS + len(prompts)):
+        if t < len(prompts):
+            rows.append(_Row(model, prompts[t], policy, device, runner))
+        running = [row for row in rows if len(row.tokens) <= STEPS]
+        if not running:
+            break
+        recordings = runner.recordings
+        _step(runner, running)
+        if runner.recordings > recordings:
+            recorded_at.append(t)
+    return rows, recorded_at
+
+
 def _step(runner, rows) -> None:
     logits = runner.step([r.cache for r in rows], [r.tokens[-1] for r in rows], [r.position for r in rows])
     for row, token, row_logits in zip(rows, logits.argmax(-1).tolist(), logits.float().cpu(), strict=True):
@@ -424,17 +441,7 @@ def test_a_growing_batch_is_recorded_at_its_second_step_in_a_width(tiny, monkeyp
     alone = [_alone(tiny, p, "quest+share", STEPS, cpu) for p in prompts]
     runner = RowsRunner(tiny, config=_config("full"), slots=8)
     runner.use_graphs = True  # the recording's orchestration, with the stand-ins above
-    rows, recorded_at = [], []
-    for t in range(STEPS + len(prompts)):
-        if t < len(prompts):
-            rows.append(_Row(tiny, prompts[t], "quest+share", cpu, runner))
-        running = [row for row in rows if len(row.tokens) <= STEPS]
-        if not running:
-            break
-        recordings = runner.recordings
-        _step(runner, running)
-        if runner.recordings > recordings:
-            recorded_at.append(t)
+    rows, recorded_at = _grow(tiny, runner, prompts, "quest+share", cpu)
     # widths 1, 2, 4, 4, 8, 8: the second batch in 4 rows and in 8 rows is recorded; the batch of all six then
     # repeats its recording until the first request leaves
     assert recorded_at[:2] == [3, 5]
@@ -769,17 +776,8 @@ def test_a_batch_that_grows_at_every_step_is_recorded(policy):
         runner = RowsRunner(
             model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=8
         )  # fmt: skip
-        rows = []
-        for t in range(STEPS + len(prompts)):
-            if t < len(prompts):
-                rows.append(_Row(model, prompts[t], policy, cuda, runner))
-            running = [row for row in rows if len(row.tokens) <= STEPS]
-            if not running:
-                break
-            recordings = runner.recordings
-            _step(runner, running)
-            if t in (3, 5):  # the second batch of 3-4 rows and of 5-8 rows: recorded, not run eagerly
-                assert runner.recordings == recordings + 1
+        rows, recorded_at = _grow(model, runner, prompts, policy, cuda)
+        assert {3, 5} <= set(recorded_at)  # the second batch of 3-4 rows and of 5-8 rows: recorded, not eager
         assert runner.rebinds >= 2 and runner.recordings <= 4
         for row, (tokens, logits) in zip(rows, alone, strict=True):
             assert row.tokens == tokens[: len(row.tokens)]
@@ -791,7 +789,7 @@ def test_a_batch_that_grows_at_every_step_is_recorded(policy):
         ]
         for row in rows:
             runner.detach(row.cache)
-        del rows, running, row
+        del rows, row
         runner.release()
         assert tiers and [ref() for ref in tiers] == [None] * len(tiers)
     finally:
@@ -813,14 +811,7 @@ def test_a_requests_first_step_in_a_recording_counts_as_alone():
     runner = RowsRunner(
         model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=4
     )
-    rows = []
-    for t in range(STEPS + len(prompts)):
-        if t < len(prompts):
-            rows.append(_Row(model, prompts[t], "certified", cuda, runner))
-        running = [row for row in rows if len(row.tokens) <= STEPS]
-        if not running:
-            break
-        _step(runner, running)
+    rows, _ = _grow(model, runner, prompts, "certified", cuda)
     assert runner.recordings >= 2
     for row, prompt in zip(rows, prompts, strict=True):
         caches = []
