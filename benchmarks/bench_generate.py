@@ -75,8 +75,8 @@ def steady_state(model, ids: torch.Tensor, args, policy: str) -> float:
 
     cli = build_parser().parse_args(["generate", "--prompt", "-", "--policy", policy, *args.extra])
     runner = TandemRunner(model, TandemCache.for_model(model, build_config(cli)))
-    runner.warm_up(ids.shape[1])
     skip = runner.warmup_steps + 4
+    runner.warm_up(ids.shape[1], skip + args.tokens)
     logits = runner.prefill(ids, max_new_tokens=skip + args.tokens)
     _, seconds = runner.decode(logits.argmax(-1), skip + args.tokens)
     steps = sorted(seconds[skip:])

@@ -14,6 +14,12 @@ from tandem.policies.certify import block_digest, key_sketch
 
 # the certified selection's per-row tensors on the bounds device (the other `_dev` tensors are per block)
 SKETCH_ROWS = ("key_codes_dev", "key_code_scale_dev", "key_code_error_dev", "row_valid_dev")
+# every buffer a tier may hold (`reserve`), each [B, H, rows or blocks, ...] or [B, rows or blocks]
+BUFFERS = (
+    "keys", "values", "valid", "key_scale", "value_scale", "key_min", "key_max", "maw", "key_min_dev",
+    "key_max_dev", "block_valid_dev", "key_centre_dev", "key_radius_dev", "value_norm_dev", "block_rows_dev",
+    *SKETCH_ROWS,
+)  # fmt: skip
 
 
 class HostMemoryError(MemoryError):
@@ -49,6 +55,9 @@ class HostTier:
     do, while the storage holds every rank's heads of this rank's requests: B = split.size, Hkv and Hq times
     split.world. Appends cross to that layout on the device (an all-to-all) before their copy to the host.
     """
+
+    # staged blocks' markers, copies' sources in flight, the live rows' count: the host's, read by no recording
+    layout_skips = ("_staged_markers", "_pending_sources", "_valid_count")
 
     def __init__(
         self,
@@ -181,19 +190,32 @@ class HostTier:
             raise HostMemoryError(
                 f"host memory exhausted growing the Tandem host tier to {new_cap} rows"
             ) from err
-        used_blocks = self.rows // bs
         for name, new in grown.items():
             old = getattr(self, name)
             if old is not None and self.rows:
-                per_block = name in ("key_min", "key_max", "key_scale", "value_scale") or (
-                    name.endswith("_dev") and name not in SKETCH_ROWS
-                )
-                used = used_blocks if per_block else self.rows
-                row_dim = 1 if new.dim() == 2 else 2
+                row_dim, used = _rows_of(name, new, self.rows, bs)
                 new.narrow(row_dim, 0, used).copy_(old.narrow(row_dim, 0, used))
             setattr(self, name, new)
         self.capacity = new_cap
         self.generation += 1
+
+    def clear(self) -> None:
+        """Empty, as a new tier would be, keeping every buffer where it is (the addresses a recorded step reads)
+        and the capacity: the rows written so far (live and staged) and their metadata zeroed; the rest was never
+        written. The caller has let the GPU finish the work that reads them."""
+        self.wait()
+        written = self.rows + self.staged
+        with torch.inference_mode():  # (a decode step may have made the device ones inference tensors)
+            for name in BUFFERS:
+                tensor = getattr(self, name)
+                if tensor is not None and written:
+                    row_dim, used = _rows_of(name, tensor, written, self.block_size)
+                    tensor.narrow(row_dim, 0, used).zero_()
+        self.rows = self.staged = 0
+        self._staged_markers = {}
+        self._valid_count = torch.zeros(self.batch, dtype=torch.long)
+        self._valid_total = self._counted = 0
+        self._pending_sources = []
 
     def move_mirror(self, key_min, key_max, block_valid) -> None:
         """The digests' mirror now lives in these tensors (its `mirror_storage` moved it, contents and all): a
@@ -479,6 +501,16 @@ class HostTier:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+def _rows_of(name: str, tensor: torch.Tensor, rows: int, block_size: int) -> tuple[int, int]:
+    """(dimension of rows or blocks, how many of them hold something) of the buffer `name` of a tier whose first
+    `rows` rows were written: per-block buffers count the blocks those rows begin."""
+    per_block = name in ("key_min", "key_max", "key_scale", "value_scale") or (
+        name.endswith("_dev") and name not in SKETCH_ROWS
+    )
+    used = -(-rows // block_size) if per_block else rows
+    return (1 if tensor.dim() == 2 else 2), used
 
 
 @contextlib.contextmanager

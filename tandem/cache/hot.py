@@ -80,6 +80,18 @@ class HotTier:
         self.free: list[int] = list(range(allocated))
         self._reuse_after: dict[int, torch.cuda.Event] = {}  # block -> event of its copy to the host
 
+    def clear(self) -> None:
+        """Empty, as a new tier of this shape would be: every slot zeroed and free, the storage (the addresses a
+        recorded step reads) and its allocation kept. The caller has waited for the copies that read the ring."""
+        with torch.inference_mode():  # (a decode step may have made them inference tensors)
+            for tensor in (self.keys, self.values, self.valid, self.maw):
+                if tensor is not None:
+                    tensor.zero_()
+        self.sink_used = 0
+        self.order, self.tail_fill = [], 0
+        self.free = list(range(self.allocated_blocks))
+        self._reuse_after = {}
+
     @property
     def ring_tokens(self) -> int:
         return (len(self.order) - 1) * self.block_size + self.tail_fill if self.order else 0

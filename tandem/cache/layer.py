@@ -48,6 +48,10 @@ class LayerKV(Failable):
         self.policy = make_policy(config)
         self.hot: HotTier | None = None
         self.host: HostTier | None = None
+        # the tiers of the request before `clear`, emptied, and the arguments they were made with: the next
+        # prompt's first append takes each where its own would be made alike (`initialize`)
+        self._spare: tuple = (None, None, None, None)
+        self._hot_made_with = self._host_made_with = None
         self.seq_len = 0  # slots stored (padding included), as the model counts positions
         self.failed = None  # see `Failable`
         self._side_streams = side_streams if side_streams is not None else {}
@@ -112,67 +116,100 @@ class LayerKV(Failable):
                 f"TandemConfig.quest.gpu_cache={cfg.quest.gpu_cache} needs a device share, and gpu_share is 0 with the hot tier "
                 f"on {keys.device.type}: pass gpu_share in (0, 1] (the default on CUDA is > 0), or gpu_cache=0"
             )
-        storage = None
-        if self.hot_storage is not None and batch == 1:
-            slots = cfg.sink_tokens + max_pad + ring_blocks * cfg.block_size
-            storage = self.hot_storage(slots, keys.dtype, keys.device, needs_maw)
-        if storage is None:
-            _check_hot_memory(
-                self, batch, num_kv_heads, head_dim, keys, cfg.sink_tokens + max_pad, ring_blocks
-            )
-        self.hot = HotTier(
-            batch,
-            num_kv_heads,
-            self.num_q_heads,
-            head_dim,
-            keys.dtype,
-            keys.device,
-            sink_slots=cfg.sink_tokens + max_pad,
-            ring_blocks=ring_blocks,
-            block_size=cfg.block_size,
-            keep_maw=needs_maw,
+        spare_hot, hot_made_with, spare_host, host_made_with = self._spare
+        self._spare = (None, None, None, None)
+        hot_args = dict(
+            batch=batch, num_kv_heads=num_kv_heads, num_q_heads=self.num_q_heads, head_dim=head_dim,
+            dtype=keys.dtype, device=keys.device, sink_slots=cfg.sink_tokens + max_pad, ring_blocks=ring_blocks,
+            block_size=cfg.block_size, keep_maw=needs_maw,
             # the ring is allocated for the tokens expected (the prompt, or the caller's capacity hint) and
             # grows from there; at most the window's blocks
             initial_blocks=-(
                 -max(0, max(prompt_len, self.capacity_hint) - cfg.sink_tokens - max_pad) // cfg.block_size
-            )
-            + 1,
-            storage=storage,
-        )
+            ) + 1,
+        )  # fmt: skip
+        if spare_hot is not None and _hot_fits(hot_made_with, hot_args, spare_hot.allocated_blocks):
+            self.hot = spare_hot  # emptied by `clear`; a ring that grew keeps its blocks
+        else:
+            storage = None
+            if self.hot_storage is not None and batch == 1:
+                slots = cfg.sink_tokens + max_pad + ring_blocks * cfg.block_size
+                storage = self.hot_storage(slots, keys.dtype, keys.device, needs_maw)
+            if storage is None:
+                _check_hot_memory(
+                    self, batch, num_kv_heads, head_dim, keys, cfg.sink_tokens + max_pad, ring_blocks
+                )
+            self.hot = HotTier(**hot_args, storage=storage)
+            if spare_hot is not None:
+                # new addresses: a step recorded over the spare's must be recorded again
+                self.hot.generation = spare_hot.generation + 1
+        self._hot_made_with = hot_args
         stream = None
         if keys.is_cuda:
             stream = self._side_streams.setdefault(keys.device, torch.cuda.Stream(keys.device))
         if cfg.distributed.host_split == "requests" and self.rank is not None and self.rank.world > 1:
             self.split = RequestSplit(self.rank, batch)
-        self.host = HostTier(
-            batch,
-            num_kv_heads,
-            self.num_q_heads,
-            head_dim,
-            keys.dtype,
-            cfg.block_size,
-            pin=keys.is_cuda,
-            keep_digest=self.policy.needs_digest,
-            keep_maw=needs_maw,
-            stream=stream,
+        host_args = dict(
+            batch=batch, num_kv_heads=num_kv_heads, num_q_heads=self.num_q_heads, head_dim=head_dim,
+            dtype=keys.dtype, block_size=cfg.block_size, pin=keys.is_cuda, keep_digest=self.policy.needs_digest,
+            keep_maw=needs_maw, stream=stream,
             # on the compute device; also on a CPU one when a device share is asked for, so that the split
             # decode path (attention.decode.device_part) runs, and is tested, without CUDA
             # (and with a request split: the device's ranking is what crosses to the ranks, on CPU as on CUDA)
             mirror_device=keys.device
             if keys.is_cuda or self.gpu_share > 0 or self.queue_split != "share" or self.split is not None
             else None,
-            huge_pages=cfg.host.huge_pages,
-            quant=cfg.host.dtype,
+            huge_pages=cfg.host.huge_pages, quant=cfg.host.dtype,
             bounds_device=keys.device if self.policy.needs_bounds_on(keys.device) else None,
-            keep_sketch=cfg.certified.bound == "sketch",
-            split=self.split,
-        )
+            keep_sketch=cfg.certified.bound == "sketch", split=self.split,
+        )  # fmt: skip
+        if spare_host is not None and self.split is None and host_made_with == host_args:
+            self.host = spare_host  # emptied by `clear`, its capacity kept
+        else:
+            self.host = HostTier(**host_args)
+            if spare_host is not None:
+                self.host.generation = spare_host.generation + 1
+        self._host_made_with = host_args
         if batch == 1 and self.split is None:
             self.host.mirror_storage = self.mirror_storage
         if self.capacity_hint > prompt_len:
             # one allocation up front: growing a pinned store by copying needs old + new at once
             host_rows = self.capacity_hint - cfg.sink_tokens
             self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size, headroom=False)
+
+    @torch.inference_mode()
+    def clear(self) -> None:
+        """Empty the layer for a new request, as a new layer of the same cache would be, keeping the buffers its
+        decode steps read where they are: the tiers (emptied, taken again by the next prompt's first append where
+        they fit it: `initialize`), the decode and queue buffers, the recall cache (emptied) and the policy's
+        device tensors (`Policy.clear`). A runner's recorded step over this layer then serves the next request
+        (`engine.TandemRunner`). A layer whose step failed keeps nothing."""
+        hot, host = self.hot, self.host
+        if hot is not None and hot.keys.is_cuda:
+            torch.cuda.synchronize(hot.keys.device)  # nothing queued may still read or write what is zeroed
+        if self.failed is not None or self.hot_storage is not None or self.mirror_storage is not None:
+            # a failed step's tiers may hold half of it; a pool's rows go to other requests (`engine.slots`)
+            self._spare = (None, None, None, None)
+        elif hot is not None:
+            host.clear()  # (waits for the copies that read the ring)
+            hot.clear()
+            self._spare = (hot, self._hot_made_with, host, self._host_made_with)
+        if self.failed is not None:
+            self.decode_buffers = self.queue_buffers = self.recall = None
+            self.policy = make_policy(self.config)
+        else:
+            if self.recall is not None:
+                self.recall.clear()
+            self.policy.clear()
+        self.hot = self.host = self.split = None
+        self.seq_len = 0
+        self.failed = None
+        self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
+        self.rows_available = self.decode_steps = 0
+        self.gpu_share = self.gpu_cache = 0.0
+        self.attention_scale = None
+        self.observe_appends = True
+        self.capacity_hint = 0
 
     def recall_cache(self, ranked: torch.Tensor, width: int) -> RecallCache | None:
         """The recall cache for this step's selection `ranked` [B, Hkv, K] and a device share `width` blocks
@@ -446,6 +483,13 @@ def reserve_decode_slots(layers: list[LayerKV]) -> tuple[int, bool]:
     if len(slots) != 1:
         raise RuntimeError(f"layers disagree on the decode slot ({sorted(slots)}); the cache is inconsistent")
     return slots.pop(), moved
+
+
+def _hot_fits(made_with: dict, wanted: dict, allocated: int) -> bool:
+    """Whether a hot tier made with the arguments `made_with`, its ring now `allocated` blocks, serves as one
+    made with `wanted`: the same arguments, and at least the ring blocks `wanted` allocates first."""
+    same = all(made_with[k] == v for k, v in wanted.items() if k != "initial_blocks")
+    return same and allocated >= min(wanted["initial_blocks"], wanted["ring_blocks"])
 
 
 def _check_hot_memory(layer, batch, num_kv_heads, head_dim, keys, sink_slots, ring_blocks) -> None:

@@ -170,6 +170,13 @@ class RecallCache:
                 self.state["counters"][row].zero_()
             self.valid[row].zero_()
 
+    def clear(self) -> None:
+        """Every row empty (`reset_row`) and nothing counted, in place: a recorded step keeps its addresses."""
+        for row in range(self.batch):
+            self.reset_row(row)
+        with torch.inference_mode():
+            self.state["counters"].zero_()
+
     def plan_rows(self, ids: torch.Tensor, k: torch.Tensor, share: float) -> RecallPlan:
         """`plan` of the first n = ids.shape[0] rows, with one block count k [1] for all or one each, [n] (the rows
         of a pool)."""

@@ -535,8 +535,8 @@ def _run(args) -> int:
 
         runner = TandemRunner(model, cache)
         if not args.no_warmup:
-            # the process's one-time costs (kernel builds, graph machinery) before the request, not inside it
-            warmup_seconds = runner.warm_up(prompt_tokens)
+            # the process's one-time costs (kernel builds, the step's recording) before the request, not inside it
+            warmup_seconds = runner.warm_up(prompt_tokens, args.max_new_tokens)
     start = time.perf_counter()
     if use_engine:
         from ..engine import SamplingParams

@@ -20,6 +20,7 @@ import contextlib
 import platform
 import sys
 import time
+import weakref
 
 import torch
 
@@ -30,7 +31,7 @@ from .forward import DecodeForward, unsupported_reason
 from .fused import FusedLayers
 from .prefill import chunk_end, observed_tokens, run_chunk
 from .sampling import Sampler
-from .step import DecodeStep
+from .step import DecodeStep, read_layout
 
 HANDOFFS = ("auto", "memops", "launches")
 FORWARDS = ("auto", "own", "hf")  # the decode step's layer code: Tandem's own (Llama family) or transformers'
@@ -157,6 +158,12 @@ class TandemRunner:
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
         self.prefill_seconds = 0.0
         self.host_seconds: list[float] = []  # per decode step: seconds in the CPU parts
+        # the decode step, its inputs and its recording, kept from one stream to the next (`_step_for`): a request
+        # that follows another in this runner's cache (`warm_up`, `TandemCache.reset`) replays its recording
+        self._step: DecodeStep | None = None
+        self._step_key = None  # (batch, token chooser) the step was made for
+        self._eager_left = 0  # eager steps before the step is recorded
+        self.recordings = 0  # steps recorded (CUDA graphs), over the runner's life
 
     @property
     def layers(self):
@@ -171,7 +178,10 @@ class TandemRunner:
         max_new_tokens sizes the host tier once for the prompt plus that many decode tokens.
         """
         if self.cache.get_seq_length():
-            raise ValueError("prefill runs on an empty cache; build a new TandemCache for a new prompt")
+            raise ValueError(
+                "prefill runs on an empty cache: for a new prompt, empty this one (runner.cache.reset(), which keeps "
+                "its buffers and the runner's recording) or build a new TandemCache"
+            )
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
                 f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}"
@@ -227,31 +237,40 @@ class TandemRunner:
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, prompt_tokens: int, steps: int | None = None) -> float:
-        """Run one throwaway request through a cache of this runner's configuration, so that the process's
-        one-time costs fall before the first real request: kernel builds (Triton's, from its on-disk cache or
-        from source), CUDA's lazy module loads, cuBLAS handles and workspaces. `prompt_tokens`
-        random tokens (at most `WARMUP_TOKENS`: the real prompt's length where shorter, so that its tiers take the
-        same shape), then `steps` decode steps (default: the eager ones, one recorded, one replayed). Returns the
-        seconds it took. The runner's own cache is not touched."""
+    def warm_up(self, prompt_tokens: int, max_new_tokens: int = 0, steps: int | None = None) -> float:
+        """Run one throwaway request through the runner's own cache, then empty it (`TandemCache.reset`), so that
+        the process's one-time costs fall before the first real request: kernel builds (Triton's, from its
+        on-disk cache or from source), CUDA's lazy module loads, cuBLAS handles and workspaces, and the decode
+        step's recording, which the next request in the cache replays from its first step where its tiers come
+        out as the throwaway's did (the same prompt length and `max_new_tokens`, up to `WARMUP_TOKENS` of prompt:
+        the tiers are sized for the request announced, whatever the throwaway's length). `prompt_tokens`
+        random tokens (at most `WARMUP_TOKENS`), then `steps` decode steps (default: the eager ones, one
+        recorded, one replayed). Returns the seconds it took."""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if self.cache.get_seq_length():
+            raise ValueError(
+                "warm_up runs before the runner's requests: its cache holds tokens (TandemCache.reset empties it)"
+            )
         start = time.perf_counter()
-        cache = TandemCache.for_model(self.model, self.cache.config, pool=self.cache.pool)
-        twin = TandemRunner(
-            self.model, cache, use_graphs=self.use_graphs, warmup_steps=self.warmup_steps,
-            handoff=self.handoff, fused=self.fused_layers is not None, forward=self.forward,
-        )  # fmt: skip
         steps = self.warmup_steps + 2 if steps is None else steps
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         tokens = min(prompt_tokens, WARMUP_TOKENS)
-        limit = cache.layers[0].max_positions
+        limit = self.cache.layers[0].max_positions
         if limit is not None:
             tokens = max(1, min(tokens, limit - steps))
         ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-        logits = twin.prefill(ids, max_new_tokens=steps)
-        twin.decode(logits.argmax(-1), steps)
-        self._sync()
+        # the tiers sized for the request announced (the host tier is allocated once, for the prompt and answer)
+        announced = max(steps, prompt_tokens + max_new_tokens - tokens)
+        try:
+            logits = self.prefill(ids, max_new_tokens=announced)
+            self.decode(logits.argmax(-1), steps)
+            self._sync()
+        finally:
+            self.cache.reset()
+            self.next_position = None
         return time.perf_counter() - start
 
     # ---- one request ---------------------------------------------------------------------------------------
@@ -344,15 +363,13 @@ class TandemRunner:
 
     def _stream(self, first_tokens: torch.Tensor, steps: int, seconds: list, sampler: Sampler | None = None):
         batch = self.next_position.shape[0]
-        self._ids = first_tokens.to(self.device, torch.long).reshape(batch, 1).clone()
-        self._positions = self.next_position.reshape(batch, 1).clone()
-        self._choose = sampler if sampler is not None else _argmax
+        step = self._step_for(batch, sampler if sampler is not None else _argmax)
+        with torch.inference_mode():
+            self._ids.copy_(first_tokens.to(self.device, torch.long).reshape(batch, 1))
+            self._positions.copy_(self.next_position.reshape(batch, 1))
         history = torch.empty(batch, steps, dtype=torch.long, device=self.device)
         self.host_seconds = []  # per step: seconds in the CPU parts
-        flags = None
-        if self.use_graphs and self.handoff == "memops":
-            flags = handoff_module.HostFlags(len(self.layers), self.device)
-        step = self.cache.step_context = DecodeStep(self.device, flags)
+        self.cache.step_context = step
         end = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         fused = self.fused_layers or contextlib.nullcontext()
         try:
@@ -368,9 +385,40 @@ class TandemRunner:
                 self.host_seconds.append(step.host_seconds)
                 yield history[:, t]
         finally:
-            step.close()
             self.cache.step_context = None
             self.next_position = self._positions[:, 0].clone()
+            if any(layer.failed is not None for layer in self.layers):
+                self.release()
+
+    def _step_for(self, batch: int, choose) -> DecodeStep:
+        """The step object of a stream of `batch` rows whose tokens `choose` picks: the one kept from the last
+        stream where it was made for the same, with its inputs and recording, else a new one. A kept recording
+        serves a new request in this cache (after `TandemCache.reset`) only where the request's layers hold
+        every tensor the recording reads where it read them (`step.read_layout`); the first step checks."""
+        if self._step is not None and self._step_key[0] == batch and self._step_key[1] is choose:
+            if self._step.segments and self._step.layout is not None:
+                self._step.check_layout = True
+            return self._step
+        self.release()
+        flags = None
+        if self.use_graphs and self.handoff == "memops":
+            flags = handoff_module.HostFlags(len(self.layers), self.device)
+        self._step = DecodeStep(self.device, flags)
+        # its launcher thread and recording end with the runner, if not before (`release`)
+        self._close_step = weakref.finalize(self, DecodeStep.close, self._step)
+        self._step_key = (batch, choose)
+        self._choose = choose
+        self._ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self._eager_left = self.warmup_steps
+        return self._step
+
+    def release(self) -> None:
+        """Drop the kept decode step and its recording (the graphs' memory, the launcher thread); the next
+        decode makes and records a new one. Also done when the runner is collected."""
+        if self._step is not None:
+            self._close_step()
+        self._step = self._step_key = None
 
     def _decode_step(self, step: DecodeStep, t: int) -> None:
         try:
@@ -392,15 +440,27 @@ class TandemRunner:
             self.decoder.check_weights()
         step.host_seconds = 0.0
         step.prepare(self.layers)
-        if self.use_graphs and t >= self.warmup_steps:
+        if step.check_layout:
+            # a new request's first step over a kept recording: replayed only if its layers hold what it reads
+            # where it read it; else the request starts as a new one would, with eager steps
+            step.check_layout = False
+            if read_layout(self.layers, self.device) != step.layout:
+                step.segments, step.layout = [], None
+                self._eager_left = self.warmup_steps
+        if self.use_graphs and self._eager_left <= 0:
             generations = [(layer.host.generation, layer.hot.generation) for layer in self.layers]
             if not step.segments or generations != step.generations:
                 # (re)record: a host tier that grew has moved the digest mirror the graphs read, a hot tier that
                 # grew has moved its storage
                 step.capture(self._step_body)
                 step.generations = generations
+                step.layout = None  # taken once the recording has run (what it made is then in place)
+                self.recordings += 1
             step.replay()
+            if step.layout is None:
+                step.layout = read_layout(self.layers, self.device)
         else:
+            self._eager_left -= 1
             self._step_body()
 
     def _step_body(self) -> None:

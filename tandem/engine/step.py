@@ -98,6 +98,10 @@ class DecodeStep(StepContext):
         self._graph = None
         self._pool = None
         self.captures = 0  # recordings made: a recording may make step tensors that `prepare` must fill
+        # what the recording read of its layers (`read_layout`), taken after its first replay; the runner
+        # compares a new request's layers to it before replaying the recording for them (`check_layout`)
+        self.layout: list | None = None
+        self.check_layout = False
         self._shares: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> `prepare`'s last
 
     def prepare(self, layers, context: StepContext | None = None, wait: bool = True) -> int:
@@ -274,6 +278,43 @@ class DecodeStep(StepContext):
         self._graph.capture_end()
         self.segments.append((self._graph, after))
         self._graph = None
+
+
+def read_layout(layers, device: torch.device) -> list:
+    """What a recorded step over `layers` reads of them, as addresses: each tensor on `device` or in host memory
+    (pinned or not: asking which costs a driver call per tensor) reachable from the layers through Tandem's objects
+    (tiers, policy, buffers) and the lists, tuples and dicts they hold, with its shape, strides and dtype, and each
+    such object's identity (the step's host-side parts hold the objects). Values are left out: two requests whose
+    layers give equal layouts can replay one recording. Depth first in attribute order, each object once; an
+    object's `layout_skips` names attributes that hold what a step leaves behind (its results, work queued for the
+    host), which no recording reads."""
+    out, seen, stack = [], set(), list(reversed(layers))
+    while stack:
+        obj = stack.pop()
+        kind = type(obj)
+        if kind in _SCALARS:
+            continue
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu" or obj.device == device:
+                out.append((obj.data_ptr(), obj.shape, obj.stride(), obj.dtype))
+            continue
+        if id(obj) in seen:
+            continue
+        if kind is dict:
+            seen.add(id(obj))
+            stack.extend(reversed(list(obj.values())))
+        elif kind is list or kind is tuple:
+            seen.add(id(obj))
+            stack.extend(reversed(obj))
+        elif kind.__module__.startswith("tandem.") and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            out.append((kind.__name__, id(obj)))
+            skips = getattr(obj, "layout_skips", ())
+            stack.extend(reversed([v for k, v in vars(obj).items() if k not in skips]))
+    return out
+
+
+_SCALARS = frozenset((type(None), bool, int, float, str, torch.dtype, torch.device))
 
 
 def _tier_key(layer) -> tuple:

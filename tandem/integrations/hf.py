@@ -111,11 +111,8 @@ class TandemLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        kv = self.kv
-        self.kv = LayerKV(
-            kv.config, kv.layer_idx, kv.num_q_heads, kv.num_kv_heads, kv.head_dim, kv._side_streams,
-            kv.recall_budget, kv.num_layers, kv.rank,
-        )  # fmt: skip
+        """Empty the layer for a new request, its buffers kept where they are (`LayerKV.clear`)."""
+        self.kv.clear()
         self.pending = False
 
     def offload(self) -> None:  # the host tier already is the offload; nothing to move

@@ -111,6 +111,12 @@ class Policy:
         if self.certifier is not None and layer.hot is not None:
             self.certifier.prepare(layer.hot.keys.device)
 
+    def clear(self) -> None:
+        """Forget the request (`LayerKV.clear`): what the next request's steps start from is a new policy's state,
+        while the device tensors a recorded step reads stay where they are (zeroed where they count)."""
+        if self.certifier is not None:
+            self.certifier.clear()
+
     def ranked_range(self, layer, from_device: torch.Tensor | None, skip: int) -> tuple[int, int] | None:
         return None
 

@@ -128,6 +128,8 @@ class Certifier:
         certifier.statistics()["met"]
     """
 
+    layout_skips = ("step", "last_certificate")  # a step's results (`engine.step.read_layout`)
+
     def __init__(self, config) -> None:
         self.config = config
         self.rows = certifies_rows(config)
@@ -255,7 +257,13 @@ class Certifier:
             counts[name] += value
         return counts
 
+    def clear(self) -> None:
+        """A new request's state (`Policy.clear`): no step in flight, no certificate, nothing counted."""
+        self.step = self.last_certificate = None
+        self.reset_statistics()
+
     def reset_statistics(self) -> None:
         self._all_counts = dict.fromkeys(ALL_COUNTERS, 0.0)
         if self._counters is not None:
-            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
+            with torch.inference_mode():  # (the decode loop may have made them an inference tensor)
+                self._counters.zero_()  # in place: a recorded step keeps adding to this tensor

@@ -248,9 +248,17 @@ class FluxionPolicy(Policy):
             "idle_groups": c[3 + n],
         }
 
+    def clear(self) -> None:
+        """A new request's state (`Policy.clear`): no anchor statistics, nothing counted; the profile and the
+        device constants, which depend on the config and the layer only, stay."""
+        super().clear()
+        self.anchor = self.scale = None
+        self.reset_statistics()
+
     def reset_statistics(self) -> None:
         if self._counters is not None:
-            self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
+            with torch.inference_mode():  # (the decode loop may have made them an inference tensor)
+                self._counters.zero_()  # in place: a recorded step keeps adding to this tensor
 
 
 def hot_segments(hot):

@@ -22,12 +22,19 @@ class HGCAPolicy(Policy):
     name = "hgca"
     needs_maw = True
     keeps_selection = True  # self.indices / self.lengths, extended in place (reallocated only to grow)
+    # the selection and the evictions queued for it, read on the host at each step (`engine.step.read_layout`)
+    layout_skips = ("indices", "lengths", "_evicted")
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.indices: torch.Tensor | None = None  # [B, Hkv, width] int64, host memory
         self.lengths: torch.Tensor | None = None  # [B, Hkv] int64
         self._evicted: list[tuple[int, int, torch.Tensor]] = []  # blocks not yet thresholded
+
+    def clear(self) -> None:
+        super().clear()
+        self.indices = self.lengths = None
+        self._evicted = []
 
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         self._threshold_evicted(layer)

@@ -395,7 +395,7 @@ def test_real_model_greedy_matches_dynamic_cache(smollm, prose):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_warm_up_leaves_the_runners_cache_alone_and_the_answer_unchanged(device):
+def test_warm_up_leaves_the_runners_cache_empty_and_the_answer_unchanged(device):
     model = _tiny(device=device)
     config = TandemConfig(
         policy="quest",
