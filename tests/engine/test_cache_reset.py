@@ -91,14 +91,18 @@ def test_the_layout_sees_a_buffer_moved_or_an_object_replaced():
     assert read_layout(layers, runner.device) != before
 
 
-def test_a_reset_layer_takes_its_tiers_again_only_where_they_fit():
+def _after_one_request():
+    """(runner, its cache's first layer, the prompt) once a quest request of a few tokens has run on CPU."""
     model = _tiny()
-    config = TandemConfig(**HOT, policy="quest")
-    other, ids = _prompts("cpu")
-    cache = TandemCache.for_model(model, config)
-    runner = TandemRunner(model, cache)
+    _, ids = _prompts("cpu")
+    runner = TandemRunner(model, TandemCache.for_model(model, TandemConfig(**HOT, policy="quest")))
     _request(runner, ids, 4)
-    layer = cache.tandem_layers()[0]
+    return runner, runner.cache.tandem_layers()[0], ids
+
+
+def test_a_reset_layer_takes_its_tiers_again_only_where_they_fit():
+    runner, layer, ids = _after_one_request()
+    cache = runner.cache
     hot, host = layer.hot, layer.host
     cache.reset()
     assert layer.hot is None and layer.host is None and layer.seq_len == 0
@@ -112,13 +116,8 @@ def test_a_reset_layer_takes_its_tiers_again_only_where_they_fit():
 
 
 def test_a_failed_layer_keeps_nothing_for_the_next_request():
-    model = _tiny()
-    config = TandemConfig(**HOT, policy="quest")
-    _, ids = _prompts("cpu")
-    cache = TandemCache.for_model(model, config)
-    runner = TandemRunner(model, cache)
-    _request(runner, ids, 4)
-    layer = cache.tandem_layers()[0]
+    runner, layer, ids = _after_one_request()
+    cache = runner.cache
     hot, policy = layer.hot, layer.policy
     cache.mark_failed(RuntimeError("half a step"))
     cache.reset()
