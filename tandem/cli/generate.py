@@ -278,8 +278,10 @@ class _Streamer:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.tokens.extend(value.reshape(-1).tolist())
+        if not self.enabled:  # (--json: the answer is decoded once, at the end)
+            return
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if self.enabled and not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
+        if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
             sys.stdout.write(text[self.printed :])
             sys.stdout.flush()
             self.printed = len(text)
