@@ -39,6 +39,8 @@ class DecodeBuffers:
               (`LayerKV.split`) every rank's heads of this rank's requests; B and Hq above are those of q_cpu
     """
 
+    layout_skips = ("q_cpu",)  # each step's own q, set as it runs (`engine.step.read_layout`)
+
     def __init__(self, batch: int, num_q_heads: int, head_dim: int, dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.pin = pin

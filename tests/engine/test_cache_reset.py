@@ -161,3 +161,81 @@ def test_the_warm_ups_recording_serves_the_request_that_follows(name):
     torch.testing.assert_close(logits, fresh_logits, rtol=1e-3, atol=1e-3)
     if name in REUSED:
         assert runner.recordings == 1
+
+
+@pytest.fixture
+def recorded_on_cpu(monkeypatch):
+    """The runner's recording logic on CPU: a "recording" keeps the step's body, a replay calls it. Returns the
+    list of what each decode step did ("eager", "record", "replay")."""
+    from tandem.engine.step import DecodeStep
+
+    done = []
+
+    def capture(step, body):
+        step.captures += 1
+        step.segments = [(body, None)]
+        done.append("record")
+
+    def replay(step):
+        done.append("replay")
+        step.segments[0][0]()
+
+    monkeypatch.setattr(DecodeStep, "capture", capture)
+    monkeypatch.setattr(DecodeStep, "replay", replay)
+    return done
+
+
+def _graphed_runner(model, config, done):
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    runner.use_graphs = True  # (the CPU stand-in above records and replays)
+    body = runner._step_body
+
+    def eager_or_recorded():
+        done.append("body")
+        body()
+
+    runner._step_body = eager_or_recorded
+    return runner
+
+
+def _kinds(done) -> list[str]:
+    """Each step's kind, from its events: "record" then "replay" (a step recorded, then run by its replay),
+    "replay" alone, or the body alone (an eager step); a replay's body is its own."""
+    kinds, i = [], 0
+    while i < len(done):
+        if done[i] == "record":
+            kinds.append("record")
+            i += 3  # record, replay, the replay's body
+        elif done[i] == "replay":
+            kinds.append("replay")
+            i += 2
+        else:
+            kinds.append("eager")
+            i += 1
+    return kinds
+
+
+@pytest.mark.parametrize("name", REUSED)
+def test_after_warm_up_a_request_replays_the_recording_from_its_first_step(recorded_on_cpu, name):
+    """The runner's own logic, on CPU: the request after `warm_up` runs no eager step and records nothing, and
+    decodes the tokens of a runner that records its own step; a request whose layers changed an object the
+    recording holds starts as a new one (an eager step, then its own recording)."""
+    done = recorded_on_cpu
+    model = _tiny()
+    config = TandemConfig(**HOT, **POLICIES[name])
+    _, ids = _prompts("cpu")
+    _, fresh = _request(_graphed_runner(model, config, done), ids, 12)
+    assert _kinds(done) == ["eager", "record"] + ["replay"] * 10
+    runner = _graphed_runner(model, config, done)
+    runner.warm_up(ids.shape[1], max_new_tokens=12)
+    done.clear()
+    _, tokens = _request(runner, ids, 12)
+    assert _kinds(done) == ["replay"] * 12 and runner.recordings == 1
+    assert torch.equal(tokens, fresh)
+    runner.cache.reset()
+    layer = runner.cache.tandem_layers()[-1]
+    layer.policy = type(layer.policy)(config)  # an object the recording's host side held is gone
+    done.clear()
+    _, tokens = _request(runner, ids, 12)
+    assert _kinds(done) == ["eager", "record"] + ["replay"] * 10 and runner.recordings == 2
+    assert torch.equal(tokens, fresh)
