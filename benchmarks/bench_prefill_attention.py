@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from tandem import manifest
 from tandem.kernels import gpu
+from tandem.tools.bench.bandwidth import event_seconds
 
 KERNELS = ("triton", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-no-lse")
 CHECK_ROWS = 64  # query rows compared with the float32 reference
@@ -53,18 +54,8 @@ def matmul_rate(device, dtype, size: int = 8192, repeats: int = 20) -> float:
 
 def timed(call, repeats: int) -> float:
     """Median seconds of `call()` on the GPU, after two untimed calls."""
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    times = sorted(event_seconds(call, repeats, torch.device("cuda"), warmups=2))
+    return times[len(times) // 2]
 
 
 def expanded(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -37,20 +37,27 @@ def _cuda_device(device) -> torch.device:
     return device
 
 
-def _best_event_seconds(fn, reps: int, device: torch.device) -> float:
-    """Fastest of `reps` calls of `fn()` after one warm-up, timed with CUDA events on the current stream."""
+def event_seconds(fn, reps: int, device: torch.device, warmups: int = 1) -> list[float]:
+    """Seconds of each of `reps` calls of `fn()` after `warmups` untimed ones, timed with CUDA events on the
+    current stream of `device`."""
     with torch.cuda.device(device):
-        fn()
+        for _ in range(warmups):
+            fn()
         torch.cuda.synchronize(device)
-        best = float("inf")
+        times = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+            times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _best_event_seconds(fn, reps: int, device: torch.device) -> float:
+    """Fastest of `reps` calls of `fn()` after one warm-up (`event_seconds`)."""
+    return min(event_seconds(fn, reps, device))
 
 
 def hbm_bandwidth(device="cuda", nbytes: int = 2 * GIB, reps: int = 10, mode: str = "read") -> float:
