@@ -95,18 +95,12 @@ class HostTier:
         self.pin, self.keep_digest, self.keep_maw = pin, keep_digest, keep_maw
         self.huge_pages = huge_pages
         self.stream = stream
-        self.rows = 0
-        self.staged = 0  # rows written past the live ones by `stage`, live at the next `append(staged=True)`
-        self._staged_markers: dict[str, torch.Tensor] = {}  # `_write_bounds`'s markers of the staged rows
-        self._valid_count = torch.zeros(batch, dtype=torch.long)  # non-padding rows among the first _counted
-        self._valid_total = 0  # their sum over the batch
-        self._counted = 0
+        self._no_rows()
         self.capacity = 0
         self.keys = self.values = self.valid = None
         self.key_scale = self.value_scale = None
         self.key_min = self.key_max = self.maw = None
         self.last_event: torch.cuda.Event | None = None
-        self._pending_sources: list[torch.Tensor] = []
         # digests mirrored on the compute device (quest scores blocks there; only block ids cross PCIe):
         # finite values (0 where a block is all padding) and block_valid [B, cap // block_size]
         self.mirror_device = mirror_device if keep_digest else None
@@ -211,11 +205,19 @@ class HostTier:
                 if tensor is not None and written:
                     row_dim, used = _rows_of(name, tensor, written, self.block_size)
                     tensor.narrow(row_dim, 0, used).zero_()
-        self.rows = self.staged = 0
-        self._staged_markers = {}
-        self._valid_count = torch.zeros(self.batch, dtype=torch.long)
-        self._valid_total = self._counted = 0
-        self._pending_sources = []
+        self._no_rows()
+
+    def _no_rows(self) -> None:
+        """No row live or staged, nothing counted, no copy's source kept."""
+        self.rows = 0
+        self.staged = 0  # rows written past the live ones by `stage`, live at the next `append(staged=True)`
+        self._staged_markers: dict[str, torch.Tensor] = {}  # `_write_bounds`'s markers of the staged rows
+        self._valid_count = torch.zeros(
+            self.batch, dtype=torch.long
+        )  # non-padding rows among the first _counted
+        self._valid_total = 0  # their sum over the batch
+        self._counted = 0
+        self._pending_sources: list[torch.Tensor] = []
 
     def move_mirror(self, key_min, key_max, block_valid) -> None:
         """The digests' mirror now lives in these tensors (its `mirror_storage` moved it, contents and all): a

@@ -74,10 +74,14 @@ class HotTier:
             self.values = torch.zeros_like(self.keys)
             self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=device)
             self.maw = torch.zeros(batch, num_q_heads, slots, device=device) if keep_maw else None
+        self._empty()
+
+    def _empty(self) -> None:
+        """No token held: every sink slot and ring block free."""
         self.sink_used = 0
         self.order: list[int] = []  # ring blocks holding tokens, oldest first
         self.tail_fill = 0  # tokens in the newest block
-        self.free: list[int] = list(range(allocated))
+        self.free: list[int] = list(range(self.allocated_blocks))
         self._reuse_after: dict[int, torch.cuda.Event] = {}  # block -> event of its copy to the host
 
     def clear(self) -> None:
@@ -87,10 +91,7 @@ class HotTier:
             for tensor in (self.keys, self.values, self.valid, self.maw):
                 if tensor is not None:
                     tensor.zero_()
-        self.sink_used = 0
-        self.order, self.tail_fill = [], 0
-        self.free = list(range(self.allocated_blocks))
-        self._reuse_after = {}
+        self._empty()
 
     @property
     def ring_tokens(self) -> int:

@@ -204,8 +204,7 @@ class LayerKV(Failable):
         self.hot = self.host = self.split = None
         self.seq_len = 0
         self.failed = None
-        self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
-        self.rows_available = self.decode_steps = 0
+        self._zero_counts()
         self.gpu_share = self.gpu_cache = 0.0
         self.attention_scale = None
         self.observe_appends = True
@@ -260,13 +259,16 @@ class LayerKV(Failable):
 
     def reset_statistics(self) -> None:
         self.collect_statistics()
-        self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
-        self.rows_available = self.decode_steps = 0
+        self._zero_counts()
         reset = getattr(self.policy, "reset_statistics", None)
         if reset is not None:
             reset()
         if self.policy.certifier is not None:
             self.policy.certifier.reset_statistics()
+
+    def _zero_counts(self) -> None:
+        self.rows_attended = self.rows_attended_device = self.rows_attended_cached = 0
+        self.rows_available = self.decode_steps = 0
 
     # ---- appends -------------------------------------------------------------------------------------------
     def check_continues(self, keys: torch.Tensor) -> None:
