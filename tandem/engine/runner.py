@@ -389,6 +389,9 @@ class TandemRunner:
             self.next_position = self._positions[:, 0].clone()
             if any(layer.failed is not None for layer in self.layers):
                 self.release()
+            elif step.segments and step.layout is None:
+                # what the last recording read (every step since replayed it), for the next request's check
+                step.layout = read_layout(self.layers, self.device)
 
     def _step_for(self, batch: int, choose) -> DecodeStep:
         """The step object of a stream of `batch` rows whose tokens `choose` picks: the one kept from the last
@@ -454,11 +457,9 @@ class TandemRunner:
                 # grew has moved its storage
                 step.capture(self._step_body)
                 step.generations = generations
-                step.layout = None  # taken once the recording has run (what it made is then in place)
+                step.layout = None  # taken when the stream ends (`_stream`)
                 self.recordings += 1
             step.replay()
-            if step.layout is None:
-                step.layout = read_layout(self.layers, self.device)
         else:
             self._eager_left -= 1
             self._step_body()

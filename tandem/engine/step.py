@@ -98,8 +98,8 @@ class DecodeStep(StepContext):
         self._graph = None
         self._pool = None
         self.captures = 0  # recordings made: a recording may make step tensors that `prepare` must fill
-        # what the recording read of its layers (`read_layout`), taken after its first replay; the runner
-        # compares a new request's layers to it before replaying the recording for them (`check_layout`)
+        # what the recording read of its layers (`read_layout`), taken when the stream that made it ends; the
+        # runner compares a new request's layers to it before replaying the recording for them (`check_layout`)
         self.layout: list | None = None
         self.check_layout = False
         self._shares: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> `prepare`'s last
