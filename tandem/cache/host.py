@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from contextlib import nullcontext
 
@@ -335,15 +336,15 @@ class HostTier:
             values, value_scale = quantize_blocks(values, valid, bs, self.quant)
         b0, b1 = first // bs, (first + n) // bs
         with self._side_stream(keys) as nb:
-            self.keys[:, :, first : first + n].copy_(keys, non_blocking=nb)
-            self.values[:, :, first : first + n].copy_(values, non_blocking=nb)
-            self.valid[:, first : first + n].copy_(valid, non_blocking=nb)
+            copy_to_host(self.keys[:, :, first : first + n], keys, nb)
+            copy_to_host(self.values[:, :, first : first + n], values, nb)
+            copy_to_host(self.valid[:, first : first + n], valid, nb)
             if digest is not None:
-                self.key_min[:, :, b0:b1].copy_(digest[0], non_blocking=nb)
-                self.key_max[:, :, b0:b1].copy_(digest[1], non_blocking=nb)
+                copy_to_host(self.key_min[:, :, b0:b1], digest[0], nb)
+                copy_to_host(self.key_max[:, :, b0:b1], digest[1], nb)
             if self.quant:
-                self.key_scale[:, :, b0:b1].copy_(key_scale, non_blocking=nb)
-                self.value_scale[:, :, b0:b1].copy_(value_scale, non_blocking=nb)
+                copy_to_host(self.key_scale[:, :, b0:b1], key_scale, nb)
+                copy_to_host(self.value_scale[:, :, b0:b1], value_scale, nb)
         self._keep_until_copied(keys, values, valid, *(digest or ()), key_scale, value_scale)
         return first
 
@@ -383,7 +384,7 @@ class HostTier:
         if self.keep_maw:
             src = maw if maw is not None else torch.zeros_like(self.maw[:, :, :n])
             with self._side_stream(src) as nb:
-                self.maw[:, :, first : first + n].copy_(src, non_blocking=nb)
+                copy_to_host(self.maw[:, :, first : first + n], src, nb)
             self._keep_until_copied(src)
         self.rows = first + n
 
@@ -528,6 +529,30 @@ def block_minmax(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
     kmin = keys.masked_fill(~mask, float("inf")).view(b, hkv, n // block_size, block_size, d).amin(dim=3)
     kmax = keys.masked_fill(~mask, float("-inf")).view(b, hkv, n // block_size, block_size, d).amax(dim=3)
     return kmin, kmax
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """`dst.copy_(src, non_blocking)` where dst is a view of rows of a pinned host store (e.g. rows [r0, r1) of a
+    [B, H, cap, D] store) and src a CUDA tensor: one contiguous DMA per index of dst's leading dims, down to the
+    dims whose slices are contiguous. torch copies into a strided host view through a pageable temporary, which
+    makes the copy synchronous: the CPU would wait for the GPU at every write of the host tier."""
+    if not (non_blocking and src.is_cuda) or dst.is_contiguous() or not dst.is_pinned():
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    lead = _contiguous_from(dst)
+    src = src.expand(dst.shape)
+    for index in itertools.product(*(range(n) for n in dst.shape[:lead])):
+        dst[index].copy_(src[index], non_blocking=True)
+
+
+def _contiguous_from(t: torch.Tensor) -> int:
+    """The first dim k such that every t[i0, .., ik-1] is contiguous (dims of size 1 never break it)."""
+    expected = 1
+    for k in range(t.dim() - 1, -1, -1):
+        if t.shape[k] != 1 and t.stride(k) != expected:
+            return k + 1
+        expected *= t.shape[k]
+    return 0
 
 
 def rows_to_device(store: torch.Tensor, k0: int, k1: int, device) -> torch.Tensor:

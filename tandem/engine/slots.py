@@ -127,15 +127,16 @@ class SlotPool:
         self.free.remove(row)
         self._rows[cache] = row
         self._holders[row] = weakref.ref(cache)
-        for kv in cache.tandem_layers():
-            kv.hot_storage = partial(self._storage, row, kv.layer_idx)
-            kv.mirror_storage = partial(self._mirror_storage, row, kv.layer_idx)
-            mirror = self.mirrors.get(kv.layer_idx)
-            if mirror is not None:
-                mirror[2][row].zero_()  # the last request's blocks are no blocks of this one
-            recall = self.recalls.get(kv.layer_idx)
-            if recall is not None:
-                recall.reset_row(row)
+        with torch.inference_mode():  # (the pool's tensors were made by inference-mode steps)
+            for kv in cache.tandem_layers():
+                kv.hot_storage = partial(self._storage, row, kv.layer_idx)
+                kv.mirror_storage = partial(self._mirror_storage, row, kv.layer_idx)
+                mirror = self.mirrors.get(kv.layer_idx)
+                if mirror is not None:
+                    mirror[2][row].zero_()  # the last request's blocks are no blocks of this one
+                recall = self.recalls.get(kv.layer_idx)
+                if recall is not None:
+                    recall.reset_row(row)
         weakref.finalize(cache, self._release, row, self._holders[row])
         return row
 

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tandem.cache import host as host_module
 from tandem.cache import memory
 from tandem.cache.host import HostMemoryError, HostTier
 from tandem.cache.hot import HotTier
@@ -620,3 +621,37 @@ def test_the_key_sketch_is_kept_only_for_the_sketch_bound(bound):
         )  # fmt: skip
         sketched.append(*Feeder([0, 3]).next(61))
         assert sketched.host.device_nbytes() - host.device_nbytes() == rows_bytes
+
+
+def test_contiguous_from_finds_where_slices_stop_being_strided():
+    store = torch.zeros(2, 3, 40, 8)
+    assert host_module._contiguous_from(store) == 0
+    assert host_module._contiguous_from(store[:, :, 5:9]) == 2  # rows of a [B, H, cap, D] store: per (b, h)
+    assert host_module._contiguous_from(store[:1, :1, 5:9]) == 0  # size-1 leading dims never break it
+    assert host_module._contiguous_from(torch.zeros(2, 40, dtype=torch.bool)[:, 3:7]) == 1
+    assert host_module._contiguous_from(store[:, :, :, 2:4]) == 3  # a slice of the last dim: per row
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_copies_into_rows_of_a_pinned_store_do_not_wait_for_the_gpu():
+    """torch copies into a strided host view through a pageable temporary, which blocks the CPU until the GPU has
+    run everything queued before the copy; `copy_to_host` copies each (request, head) slice asynchronously: the
+    stream is still busy when the call returns, and the rows land where a plain copy puts them."""
+    store = torch.zeros(2, 3, 64, 8, pin_memory=True)
+    src = torch.randn(2, 3, 16, 8, device="cuda")
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the GPU busy for a while (about 0.1 s)
+    host_module.copy_to_host(store[:, :, 10:26], src, non_blocking=True)
+    assert not stream.query()  # the CPU did not wait for the sleep
+    stream.synchronize()
+    expected = torch.zeros(2, 3, 64, 8)
+    expected[:, :, 10:26] = src.cpu()
+    assert torch.equal(store, expected)
+    valid = torch.zeros(2, 64, dtype=torch.bool, pin_memory=True)
+    host_module.copy_to_host(
+        valid[:, 4:8], torch.ones(2, 4, dtype=torch.bool, device="cuda"), non_blocking=True
+    )
+    stream.synchronize()
+    assert valid.sum().item() == 8 and valid[:, 4:8].all()

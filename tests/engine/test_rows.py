@@ -850,3 +850,21 @@ def test_a_batch_is_its_caches_not_their_addresses(tiny):
     assert not runner._same_batch([a.cache, c.cache])
     _step(runner, [a, c])
     assert runner._same_batch([a.cache, c.cache]) and runner._steps_same == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_a_cache_attaches_outside_inference_mode_after_pooled_steps():
+    """The pool's digest mirrors are made by inference-mode steps; attaching the next request from plain code (as
+    `RowsRunner`'s example does) empties its row of them all the same."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    cuda = torch.device("cuda")
+    runner = RowsRunner(model, config=_config("quest"), use_graphs=True, slots=2)
+    with torch.inference_mode():
+        row = _Row(model, _prompt(model, 60, 0), "quest", cuda, runner)
+        _step(runner, [row])
+    assert runner.pool.mirrors  # made by the step
+    runner.detach(row.cache)
+    cache = TandemCache.for_model(model, _config("quest"))
+    assert runner.attach(cache) is not None
