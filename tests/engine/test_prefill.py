@@ -86,8 +86,100 @@ def test_a_chunk_must_continue_its_prompt():
     rows, cache = RowsRunner(model), TandemCache.for_model(model, HGCA)
     ids = torch.arange(10)[None]
     rows.prefill_chunk(cache, ids[:, :6], 0, last=False)
-    with pytest.raises(ValueError, match=r"start must be the tokens the cache holds \(6\)"):
+    with pytest.raises(ValueError, match=r"starts\[0\] must be the tokens its cache holds \(6\)"):
         rows.prefill_chunk(cache, ids[:, 6:], 5, last=True)
-    with pytest.raises(ValueError, match="cache must be a TandemCache"):
+    with pytest.raises(ValueError, match=r"caches\[0\] must be a TandemCache"):
         rows.prefill_chunk(object(), ids, 0, last=True)
+    other = TandemCache.for_model(model, HGCA)
+    with pytest.raises(ValueError, match="chunks of one length"):
+        rows.prefill_chunks([cache, other], [ids[0, 6:], ids[0, :3]], [6, 0], [True, False])
+    with pytest.raises(ValueError, match="each TandemCache once"):
+        rows.prefill_chunks([other, other], [ids[0, :2], ids[0, 2:4]], [0, 2], [False, False])
+    assert other.get_seq_length() == 0  # refused before anything ran
     assert rows.prefill_chunk(cache, ids[:, 6:], 6, last=True).shape == (1, model.config.vocab_size)
+
+
+POLICIES = {
+    "full": TandemConfig(policy="full", sink_tokens=2, window_tokens=8, block_size=4),
+    "hgca": HGCA,
+    "quest": TandemConfig(policy="quest", sink_tokens=2, window_tokens=8, block_size=4),
+    "certified": TandemConfig(sink_tokens=2, window_tokens=8, block_size=4),
+    "streaming": TandemConfig(policy="streaming", sink_tokens=2, window_tokens=8, block_size=4),
+}
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [0, 4], ids=["own", "pooled"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_chunks_of_several_prompts_in_one_forward_leave_each_own_cache(policy, slots, device):
+    """Three prompts of 23, 31 and 17 tokens, prefilled in chunks of 6 where the rows whose next chunks have one
+    length share a forward (`RowsRunner.prefill_chunks`): each row's logits, and the greedy tokens of the decode
+    steps that follow (recorded and replayed on CUDA), equal those of the same prompt prefilled alone, chunk by
+    chunk."""
+    model, config = tiny_model("Llama").to(device), POLICIES[policy]
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (23, 31, 17)]
+    observed = observed_tokens(config)
+
+    def decode(runner, caches, first):
+        tokens = [[t] for t in first]
+        for _ in range(4):
+            positions = [len(p) + len(t) - 1 for p, t in zip(prompts, tokens, strict=True)]
+            logits = runner.step(caches, [t[-1] for t in tokens], positions)
+            for row, token in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+                row.append(token)
+        return tokens
+
+    alone_runner = RowsRunner(model, slots=slots, config=config)
+    alone, alone_first, alone_logits = [], [], []
+    for prompt in prompts:
+        cache, start = TandemCache.for_model(model, config), 0
+        alone_runner.attach(cache)
+        while start < len(prompt):
+            end = chunk_end(start, len(prompt), 6, observed)
+            logits = alone_runner.prefill_chunk(cache, prompt[start:end], start, last=end == len(prompt))
+            start = end
+        alone.append(cache)
+        alone_logits.append(logits[0])
+        alone_first.append(int(logits[0].argmax()))
+    expected = decode(alone_runner, alone, alone_first)
+
+    runner = RowsRunner(model, slots=slots, config=config)
+    caches = [TandemCache.for_model(model, config) for _ in prompts]
+    for cache in caches:
+        runner.attach(cache)
+    done, logits_of, shared = [0] * len(prompts), [None] * len(prompts), 0
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        ends = [
+            chunk_end(d, len(p), 6, observed) if d < len(p) else None
+            for d, p in zip(done, prompts, strict=True)
+        ]
+        by_length = {}
+        for b, end in enumerate(ends):
+            if end is not None:
+                by_length.setdefault(end - done[b], []).append(b)
+        for group in by_length.values():
+            logits = runner.prefill_chunks(
+                [caches[b] for b in group], [prompts[b][done[b] : ends[b]] for b in group],
+                [done[b] for b in group], [ends[b] == len(prompts[b]) for b in group],
+            )  # fmt: skip
+            shared += len(group) > 1
+            for row, b in enumerate(group):
+                logits_of[b], done[b] = logits[row], ends[b]
+    assert shared >= 2  # rows did share forwards
+    for got, want in zip(logits_of, alone_logits, strict=True):
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4
+        )  # float32 rows: a batched matmul's rounding
+    assert decode(runner, caches, [int(x.argmax()) for x in logits_of]) == expected
+    if policy == "hgca":
+        for cache, reference in zip(caches, alone, strict=True):
+            _assert_same(_state(cache), _state(reference))
