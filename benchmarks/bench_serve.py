@@ -10,17 +10,15 @@ Per request: time to first token (TTFT: the first chunk with a choice), the gaps
 server sends one chunk per token; the longest gap is the longest stall a stream saw, e.g. while another prompt
 prefilled), completion tokens from the usage chunk, errors (any non-200, error chunk or broken stream; target 0).
 From the server's /metrics: resident memory before the load (`--settle` seconds after the warm-up), right after
-it and `--settle` seconds later (target: back to the baseline within 5%), the prefill turns' time, the decode
+it and `--settle` seconds later (target: back to the baseline within 5%), the prefill chunks' time, the decode
 steps, and `tandem_live_caches` at the end (target 0).
 
 `--compare-sequential` then sends `--sequential-requests` of the same requests one at a time to the same server:
 batched throughput / sequential throughput, the sequential side weighted to the load's mix of prompt lengths, and
 the same ratio for the decode steps alone (from the server's step times, prefill left out). Both passes prefill the
-same prompts, so the end-to-end ratio stays below (prefill + decode one at a time) / prefill, however well decode
-batches: close to 1 where prefill dominates (the CPU; long prompts, few new tokens), unless the batched pass's
-prompts share forwards (`--prefill-tokens` above `--prefill-chunk`). Prompts are prefilled in order, one chunk per
-prompt a turn, so 16 prompts of 32K in 2,048-token chunks, four chunks a turn, fill a batch of 16 only if each
-generates more than about 3 x 16 tokens.
+same prompts, one chunk per scheduler turn, so the end-to-end ratio stays below (prefill + decode one at a time) /
+prefill, however well decode batches: close to 1 where prefill dominates (the CPU; long prompts, few new tokens). Prompts are prefilled in order, so 16 prompts of 32K in
+2,048-token chunks fill a batch of 16 only if each generates more than about 15 x 16 tokens.
 
     python benchmarks/bench_serve.py --concurrency 64 --requests 128 --prompt-tokens 128,512,2048 --max-tokens 32 \\
         --compare-sequential --sequential-requests 8
@@ -61,7 +59,7 @@ MEMORY_TOLERANCE = 0.05
 PROGRESS_EVERY = 30.0  # seconds between progress lines
 OTHER_LOAD = 0.05  # CPU-seconds per second that other processes may use before a pass's times are flagged
 SERVER_OPTIONS = ("model", "random_weights", "device", "dtype", "policy", "max_batch", "max_queue",
-                  "prefill_chunk", "prefill_tokens", "host_memory", "device_memory")  # fmt: skip
+                  "prefill_chunk", "host_memory", "device_memory")  # fmt: skip
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
@@ -242,13 +240,13 @@ async def run_load(base: str, model: str, prompts: list[list[int]], args, concur
 
 
 def server_side(before: dict, after: dict, summary: dict) -> dict:
-    """What the server's /metrics saw during a pass: prefill turns, decode steps, its own latencies."""
+    """What the server's /metrics saw during a pass: prefill chunks, decode steps, its own latencies."""
     steps = histogram(before, after, "tandem_decode_step_seconds")
     # every generated token but each request's first (its prefill's) came from a decode step
     decoded = summary["generated_tokens"] - (summary["requests"] - summary["errors"])
     step_seconds = steps["count"] * steps["mean_s"] if steps["count"] else 0.0
     return {
-        "prefill_turns": histogram(before, after, "tandem_prefill_turn_seconds"),
+        "prefill_chunks": histogram(before, after, "tandem_prefill_chunk_seconds"),
         "decode_steps": steps,
         "mean_decode_batch": decoded / steps["count"] if steps["count"] else None,
         "decode_tokens_per_step_second": decoded / step_seconds if step_seconds else None,
@@ -377,7 +375,7 @@ def _by_length(report: dict) -> list[str]:
 def markdown(report: dict) -> str:
     b, seq, mem = report["batched"], report.get("sequential"), report["memory"]
     mix = ", ".join(f"{n} tokens x {count}" for n, count in report["prompt_mix"].items())
-    pre, steps = b["server"]["prefill_turns"], b["server"]["decode_steps"]
+    pre, steps = b["server"]["prefill_chunks"], b["server"]["decode_steps"]
     lines = [
         "# `tandem serve` under load",
         "",
@@ -428,7 +426,7 @@ def markdown(report: dict) -> str:
         f"right after it, {_mb(mem['settled'])} {report['settle_s']:g} s later: {settled:+.1%} against before "
         f"(target within {MEMORY_TOLERANCE:.0%}: {'met' if abs(settled) <= MEMORY_TOLERANCE else 'missed'}); "
         f"{_mb(mem['end'])} at the end (as long after the sequential pass).",
-        f"Prefill turns during the load: {pre['count']}, mean {_ms(pre['mean_s'])}, max at most "
+        f"Prefill chunks during the load: {pre['count']}, mean {_ms(pre['mean_s'])}, max at most "
         f"{pre['max_at_most_s']} s (the histogram's bucket bound). Decode steps: {steps['count']}, mean "
         f"{_ms(steps['mean_s'])} (at most {steps['p50_at_most_s']} s at the median, {steps['p99_at_most_s']} s at p99, "
         f"{steps['max_at_most_s']} s at the max), mean batch {b['server']['mean_decode_batch'] or 0:.1f}, largest batch seen "
@@ -507,7 +505,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     server.add_argument("--max-batch", type=int)
     server.add_argument("--max-queue", type=int)
     server.add_argument("--prefill-chunk", type=int)
-    server.add_argument("--prefill-tokens", type=int)
     server.add_argument("--host-memory", type=float, metavar="GIB")
     server.add_argument("--device-memory", type=float, metavar="GIB")
     p.add_argument("--out", type=Path, default=None)

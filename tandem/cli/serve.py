@@ -56,16 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=None,
-        help="the longest piece of one prompt prefilled in a turn between decode steps (default 256 on CPU, "
-        "2048 on CUDA)",
-    )
-    p.add_argument(
-        "--prefill-tokens",
-        type=int,
-        default=None,
-        help="prompt tokens prefilled per turn between decode steps, in chunks of --prefill-chunk, at most one per "
-        "prompt; chunks of one length run in one forward. The longest pause a running stream sees is one turn's "
-        "prefill (default: one chunk on CPU, four on CUDA)",
+        help="prompt tokens prefilled per turn between decode steps: the longest pause a running stream sees "
+        "is one chunk (default 256 on CPU, 2048 on CUDA)",
     )
     p.add_argument(
         "--host-memory",
@@ -126,7 +118,6 @@ def _check(args) -> None:
         ("--max-batch", args.max_batch, 1),
         ("--max-queue", args.max_queue, 0),
         ("--prefill-chunk", args.prefill_chunk, 1),
-        ("--prefill-tokens", args.prefill_tokens, args.prefill_chunk or 1),
     ):
         if value is not None and value < low:
             raise ValueError(f"{flag}={value} is out of range: allowed >= {low}")
@@ -210,13 +201,7 @@ def build_server(args):
     else:
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
-    # on CUDA a small model's chunk costs mostly the forward's launches, which rows of one length share
-    tokens = args.prefill_tokens or (4 * chunk if device.type == "cuda" else chunk)
-    if tokens < chunk:
-        raise ValueError(
-            f"--prefill-tokens={tokens} is out of range: allowed >= the prefill chunk ({chunk}, --prefill-chunk)"
-        )
-    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu, tokens)
+    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
     scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.host.threads), runner=runner)
     name = args.served_model_name or (args.random_weights or model_name(args.model))
     server = Server(model, tokenizer, name, config, scheduler)
@@ -251,8 +236,7 @@ def run(args) -> int:
     budget = "unbounded" if lim.host_bytes is None else f"{lim.host_bytes / GIB:.1f} GiB"
     print(
         f"[tandem] serving '{server.model_name}' on http://{args.host}:{args.port}/v1 | policy {server.config.policy} "
-        f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill {lim.prefill_tokens} tokens a turn in chunks of {lim.prefill_chunk} "
-        f"| host budget "
+        f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk} | host budget "
         f"{budget}",
         file=sys.stderr,
     )

@@ -28,21 +28,14 @@ def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> i
     return end
 
 
-def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_mask=None, last=True):
+def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_mask=None, last: bool = True):
     """One chunk through the model into `cache`: input_ids and positions [B, t], attention_mask [B, tokens so far]
     (None: no padding); `cache_kwargs` passes the cache to the model (`generate_cache_kwargs`). Returns the last
     position's logits [B, V], float32 on the model's device. Only the last chunk's appends are observed (hgca).
-    An error leaves the cache refusing further use: some layers may hold the chunk and others not.
-
-    `cache` may be a `RowsCache` whose row b is request b's own cache (several requests' chunks of one length in one
-    forward); `last` is then one flag per row, or one for all."""
-    caches = getattr(cache, "caches", [cache])
-    lasts = [last] * len(caches) if isinstance(last, bool) else list(last)
-    if len(lasts) != len(caches):
-        raise ValueError(f"last must hold one flag per cache ({len(caches)}), got {len(lasts)}")
-    for each, flag in zip(caches, lasts, strict=True):
-        for layer in each.tandem_layers():
-            layer.observe_appends = flag
+    An error leaves the cache refusing further use: some layers may hold the chunk and others not."""
+    layers = cache.tandem_layers()
+    for layer in layers:
+        layer.observe_appends = last
     try:
         out = model(
             input_ids=input_ids,
@@ -53,13 +46,11 @@ def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_
             **cache_kwargs,
         )
     except BaseException as err:
-        for each in caches:
-            each.mark_failed(err)
+        cache.mark_failed(err)
         raise
     finally:
-        for each in caches:
-            for layer in each.tandem_layers():
-                layer.observe_appends = True
+        for layer in layers:
+            layer.observe_appends = True
     return out.logits[:, -1].float()
 
 

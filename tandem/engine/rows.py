@@ -197,56 +197,22 @@ class RowsRunner:
         start + t - 1 (`prefill.chunk_end` says where a chunk ends). Returns the last position's logits [1, V],
         float32 on the model's device. `last`: the prompt's final chunk (hgca observes its queries). An error leaves
         the cache refusing further use."""
-        return self.prefill_chunks([cache], [input_ids], [start], [last])
-
-    @torch.inference_mode()
-    def prefill_chunks(self, caches: list[TandemCache], input_ids, starts, lasts) -> torch.Tensor:
-        """One chunk of each of several requests' prompts in one forward: row b's tokens input_ids[b] (all of one
-        length t) go into its batch-1 cache caches[b] at positions starts[b] .. starts[b] + t - 1, each row
-        attending its own cache (`integrations.rows.RowsCache`), so the matmuls and the model's launches run once
-        for all of them. A row leaves the cache that a chunk of its own would. Returns the rows' last logits
-        [B, V], float32 on the model's device. lasts[b]: the row's chunk ends its prompt (hgca observes it). An
-        error leaves every cache of the call refusing further use."""
-        if not caches:
-            raise ValueError("caches must hold at least one TandemCache, got none")
-        if len({id(cache) for cache in caches}) != len(caches):
+        if not isinstance(cache, TandemCache):
+            raise ValueError(f"cache must be a TandemCache, got {type(cache).__name__}")
+        if start != cache.get_seq_length():
             raise ValueError(
-                "caches must hold each TandemCache once: a prompt's chunks run one after another"
+                f"start must be the tokens the cache holds ({cache.get_seq_length()}): a chunk continues its prompt, "
+                f"got {start}"
             )
-        if not len(input_ids) == len(starts) == len(lasts) == len(caches):
-            raise ValueError(
-                f"input_ids, starts and lasts need one entry per cache ({len(caches)}), got {len(input_ids)}, "
-                f"{len(starts)} and {len(lasts)}"
-            )
-        rows = [torch.as_tensor(ids, dtype=torch.long).reshape(-1) for ids in input_ids]
-        if len({row.numel() for row in rows}) != 1 or rows[0].numel() == 0:
-            raise ValueError(
-                f"input_ids must be chunks of one length, at least one token, got {[row.numel() for row in rows]}"
-            )
-        for b, (cache, start) in enumerate(zip(caches, starts, strict=True)):
-            if not isinstance(cache, TandemCache):
-                raise ValueError(f"caches[{b}] must be a TandemCache, got {type(cache).__name__}")
-            if start != cache.get_seq_length():
-                raise ValueError(
-                    f"starts[{b}] must be the tokens its cache holds ({cache.get_seq_length()}): a chunk continues "
-                    f"its prompt, got {start}"
-                )
-        t = rows[0].numel()
-        ids = torch.stack(rows).to(self.device)
-        positions = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None] + torch.arange(
-            t, device=self.device
-        )
-        target = caches[0] if len(caches) == 1 else RowsCache(caches)
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        positions = torch.arange(start, start + input_ids.shape[1], device=self.device)[None]
         try:
             with self.fused_layers or contextlib.nullcontext():
-                return run_chunk(
-                    self.model, target, {self.cache_arg: target}, ids, positions, last=list(lasts)
-                )
+                return run_chunk(self.model, cache, {self.cache_arg: cache}, input_ids, positions, last=last)
         except torch.OutOfMemoryError as err:
             raise device_memory_error(
-                err, self.device, f"a prefill of {len(caches)} chunks of {t} tokens",
-                "a smaller prefill chunk (--prefill-chunk), fewer prompt tokens a turn (--prefill-tokens) or "
-                "window_tokens",
+                err, self.device, f"a prefill chunk of {input_ids.shape[1]} tokens",
+                "a smaller prefill chunk (--prefill-chunk) or window_tokens",
             ) from err  # fmt: skip
 
     def release(self) -> None:

@@ -39,9 +39,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.prefill_turn = Histogram(
-            "tandem_prefill_turn_seconds",
-            "One turn's prompt chunks: the longest a running stream waits for other prompts",
+        self.prefill_chunk = Histogram(
+            "tandem_prefill_chunk_seconds",
+            "One prefill chunk: the longest a running stream waits for another prompt",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -74,7 +74,7 @@ class Metrics:
         budgets.labels("host").set(-1 if lim.host_bytes is None else lim.host_bytes)
         budgets.labels("device").set(-1 if lim.device_bytes is None else lim.device_bytes)
         stats = scheduler.stats
-        stats.on_prefill_turn = self.prefill_turn.observe
+        stats.on_prefill_chunk = self.prefill_chunk.observe
         stats.on_decode_step = lambda seconds, batch: self.decode_step.observe(seconds)
         stats.on_first_token = self.ttft.observe
         stats.on_token_gap = self.token_gap.observe

@@ -5,12 +5,10 @@ waiting prompt and one decode step of every running request.
   when the batch has room (`max_batch`) and the host and device budgets hold its bytes next to those of every
   admitted request; otherwise it waits in a FIFO queue of `max_queue`. A full queue refuses at once
   (`QueueFull`), and so does a request that could never fit (`TooLarge`): nothing waits forever.
-- **Prefill** runs in chunks of `prefill_chunk` tokens under a budget of `prefill_tokens` prompt tokens a turn:
-  the admitted prompts' next chunks in arrival order, one per prompt, while they fit (the first always runs), and
-  the chunks of one length share one forward (`RowsRunner.prefill_chunks`). A running stream therefore waits at
-  most one turn's prefill between two tokens (measured: `SchedulerStats.on_prefill_turn`, `/metrics`). The
-  chunks are the engine's (cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at least the
-  `observation_tokens` whose attention scores the prompt, as one whole prefill does.
+- **Prefill** runs `prefill_chunk` tokens at a time, one chunk per turn, so a running stream waits at most one
+  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). The chunks are the
+  engine's (`RowsRunner.prefill_chunk`, cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at
+  least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
 - **Decode.** Every request past its prefill decodes one token per step, all of them in one step of the engine
   (`engine.rows.RowsRunner`: one model forward, each row over its own cache, recorded as CUDA graphs while the
   batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it
@@ -103,27 +101,18 @@ class Limits:
     prefill_chunk: int = 512
     host_bytes: int | None = None
     device_bytes: int | None = None
-    prefill_tokens: int | None = None  # prompt tokens a turn, in chunks of prefill_chunk (None: one chunk)
-
-    def __post_init__(self) -> None:
-        if self.prefill_tokens is None:
-            self.prefill_tokens = self.prefill_chunk
-        if self.prefill_tokens < self.prefill_chunk:
-            raise ValueError(
-                f"prefill_tokens (prompt tokens a turn) must be >= prefill_chunk ({self.prefill_chunk}), got "
-                f"{self.prefill_tokens}"
-            )
 
 
 class SchedulerStats:
     """Counters and recent timings, read by `/metrics` (the callbacks run on the scheduler's thread)."""
 
     def __init__(self) -> None:
-        self.on_prefill_turn: Callable[[float], None] | None = None
+        self.on_prefill_chunk: Callable[[float], None] | None = None
         self.on_decode_step: Callable[[float, int], None] | None = None
         self.on_first_token: Callable[[float], None] | None = None
         self.on_token_gap: Callable[[float], None] | None = None
         self.on_finish: Callable[[Request, str], None] | None = None
+        self.max_prefill_chunk_seconds = 0.0
         self.request_seconds = 0.0  # moving average of a request's time from admission to its end
 
 
@@ -240,10 +229,9 @@ class Scheduler:
         for _ in range(self.limits.max_batch):
             cache = TandemCache.for_model(self.model, config, pool=self.pool)
             self.runner.attach(cache)
+            ids = torch.randint(0, vocab, (1, prompt_tokens), generator=draw)
+            self.runner.prefill_chunk(cache, ids, 0, last=True)
             caches.append(cache)
-        # their prompts in one forward, as a turn's chunks of one length run (`_prefill_chunks`)
-        ids = torch.randint(0, vocab, (len(caches), prompt_tokens), generator=draw)
-        self.runner.prefill_chunks(caches, list(ids), [0] * len(caches), [True] * len(caches))
         for batch in range(1, self.limits.max_batch + 1):
             rows = caches[:batch]
             ids = torch.randint(0, vocab, (batch,), generator=draw)
@@ -290,10 +278,10 @@ class Scheduler:
                             break
                         self._drop_cancelled()
                         self._admit()
-                        prefill = list(self._prefilling)
+                        prefill = self._prefilling[0] if self._prefilling else None
                         batch = list(self._decoding)
-                    if prefill:
-                        self._prefill_turn(prefill)
+                    if prefill is not None:
+                        self._prefill_chunk(prefill)
                     if batch:
                         self._decode_step(batch)
                     with self._cond:
@@ -381,71 +369,38 @@ class Scheduler:
         self._live_caches.add(cache)
         return cache
 
-    def _prefill_turn(self, prefilling: list[Request]) -> None:
-        """A turn's prefill: the next chunk of each admitted prompt, in arrival order, while their tokens fit
-        `prefill_tokens` (the first always runs); the chunks of one length share a forward."""
-        chunks, budget = [], self.limits.prefill_tokens
-        for request in prefilling:
+    def _prefill_chunk(self, request: Request) -> None:
+        try:
+            if request.cache is None:
+                request.cache = self._new_cache(request)
+                request.text = TextStream(self.tokenizer, request.stop)
+                # the draws' key: the request's seed, or a fresh one
+                request.draw_seed = seed_key(
+                    request.seed if request.seed is not None else secrets.randbits(63)
+                )
             total = len(request.prompt_ids)
             s = request.prefilled
             e = chunk_end(s, total, self.limits.prefill_chunk, observed_tokens(request.config))
-            if chunks and e - s > budget:
-                break
-            budget -= e - s
-            chunks.append((request, s, e))
-        start = time.perf_counter()
-        by_length: dict[int, list] = {}
-        for chunk in chunks:
-            by_length.setdefault(chunk[2] - chunk[1], []).append(chunk)
-        for group in by_length.values():
-            self._prefill_chunks(group)
-        seconds = time.perf_counter() - start
-        if self.stats.on_prefill_turn is not None:
-            self.stats.on_prefill_turn(seconds)
-
-    def _prefill_chunks(self, chunks: list[tuple[Request, int, int]]) -> None:
-        """One forward of (request, start, end) chunks of one length; a request whose prompt it ends takes its
-        first token and starts decoding. A request whose cache cannot be made ends alone; an error in the forward
-        ends every request it held (each cache may hold part of its chunk)."""
-        for chunk in list(chunks):
-            request = chunk[0]
-            if request.cache is not None:
-                continue
-            try:
-                request.cache = self._new_cache(request)
-            except Exception as err:  # its settings refused by the cache: this request alone ends
-                with self._cond:
-                    self._end(request, error=_describe(err))
-                chunks.remove(chunk)
-                continue
-            request.text = TextStream(self.tokenizer, request.stop)
-            # the draws' key: the request's seed, or a fresh one
-            request.draw_seed = seed_key(request.seed if request.seed is not None else secrets.randbits(63))
-        if not chunks:
-            return
-        requests = [request for request, _, _ in chunks]
-        try:
-            logits = self.runner.prefill_chunks(
-                [r.cache for r in requests], [r.prompt_ids[s:e] for r, s, e in chunks], [s for _, s, _ in chunks],
-                [e == len(r.prompt_ids) for r, _, e in chunks],
-            ).cpu()  # fmt: skip
-        except Exception as err:  # every cache of the forward may hold part of its chunk: end them all
-            with self._cond:
-                for request in requests:
-                    self._end(request, error=_describe(err))
-            return
-        for row, (request, _, e) in enumerate(chunks):
+            start = time.perf_counter()
+            logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
+            logits = logits[0].cpu()
             request.prefilled = e
-            if e < len(request.prompt_ids):
-                continue
+            seconds = time.perf_counter() - start
+            self.stats.max_prefill_chunk_seconds = max(self.stats.max_prefill_chunk_seconds, seconds)
+            if self.stats.on_prefill_chunk is not None:
+                self.stats.on_prefill_chunk(seconds)
+        except Exception as err:
             with self._cond:
-                if request in self._prefilling:
-                    self._prefilling.remove(request)
-                    self._decoding.append(request)
-            token = choose_token(
-                logits[row], request.temperature, request.top_p, request.draw_seed, request.generated
-            )
-            self._accept(request, token)
+                self._end(request, error=_describe(err))
+            return
+        if e < total:
+            return
+        with self._cond:
+            if request in self._prefilling:
+                self._prefilling.remove(request)
+                self._decoding.append(request)
+        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
+        self._accept(request, token)
 
     def _decode_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()

@@ -19,14 +19,7 @@ def test_serve_help(capsys):
         main(["serve", "--help"])
     assert caught.value.code == 0
     out = capsys.readouterr().out
-    for words in (
-        "/v1/chat/completions",
-        "--max-batch",
-        "--max-queue",
-        "--prefill-chunk",
-        "--prefill-tokens",
-        "--policy",
-    ):
+    for words in ("/v1/chat/completions", "--max-batch", "--max-queue", "--prefill-chunk", "--policy"):
         assert words in out
 
 
@@ -38,10 +31,6 @@ def test_serve_help(capsys):
         (["--max-batch", "0"], "--max-batch=0 is out of range: allowed >= 1"),
         (["--max-queue", "-1"], "--max-queue=-1 is out of range: allowed >= 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk=0 is out of range: allowed >= 1"),
-        (
-            ["--prefill-chunk", "64", "--prefill-tokens", "32"],
-            "--prefill-tokens=32 is out of range: allowed >= 64",
-        ),
         (["--random-weights", "nope"], "--random-weights='nope' is not a known shape: allowed "),
         (["--random-weights", "llama-3.1-8b", "--model", "m.gguf"], "exclude each other"),
         (["--device", "cpu", "--device-memory", "1"], "--device-memory applies to CUDA devices only"),
@@ -81,11 +70,7 @@ def test_build_server_from_flags(monkeypatch):
     assert server.scheduler.pool.num_threads == 1
     defaults = build_server(build_parser().parse_args(["serve", "--model", "/models/Qwen2-0.5B.gguf"]))
     assert defaults.model_name == "Qwen2-0.5B"
-    assert (
-        defaults.scheduler.limits.prefill_chunk == defaults.scheduler.limits.prefill_tokens == 256
-    )  # on a CPU
-    tokens = build_server(build_parser().parse_args([*argv, "--no-warmup", "--prefill-tokens", "96"]))
-    assert tokens.scheduler.limits.prefill_tokens == 96
+    assert defaults.scheduler.limits.prefill_chunk == 256  # on a CPU
     assert defaults.scheduler.limits.host_bytes is None or defaults.scheduler.limits.host_bytes > 0
 
 

@@ -138,40 +138,6 @@ def test_greedy_tokens_equal_one_prefill_for_any_chunk(model, config):
         assert [run.request.tokens for run in runs] == expected, f"prefill chunk {chunk}"
 
 
-@pytest.mark.parametrize(
-    "config",
-    [CONFIG, TandemConfig(policy="quest", sink_tokens=2, window_tokens=8, block_size=4)],
-    ids=["hgca", "quest"],
-)
-def test_a_turns_prompt_tokens_share_forwards_within_the_budget(model, config):
-    """With prefill_tokens 12 in chunks of 5, a turn runs the next chunk of up to three prompts (two when a last
-    chunk is longer), the chunks of one length in one forward; the greedy tokens equal one whole prefill's."""
-    jobs = [_job(n, 5, config, first=n) for n in (13, 29, 37, 17)]
-    expected = [_reference(model, job.request.prompt_ids, 5, config) for job in jobs]
-    scheduler = _scheduler(model, prefill_chunk=5, prefill_tokens=12, max_batch=4)
-    forwards, turns = [], []
-    prefill_chunks = scheduler.runner.prefill_chunks
-
-    def counted(caches, input_ids, starts, lasts):
-        forwards.append([len(ids) for ids in input_ids])
-        return prefill_chunks(caches, input_ids, starts, lasts)
-
-    scheduler.runner.prefill_chunks = counted
-    scheduler.stats.on_prefill_turn = lambda seconds: turns.append(len(forwards))
-    for job in jobs:
-        scheduler.submit(job.request)  # all admitted before the thread's first turn
-    scheduler.start()
-    try:
-        assert all(job.done.wait(TIMEOUT) for job in jobs)
-    finally:
-        scheduler.stop()
-    assert [job.request.tokens for job in jobs] == expected
-    assert max(len(rows) for rows in forwards) == 2 and len(set(map(len, forwards))) == 2  # rows shared
-    for a, b in zip([0, *turns], turns):  # each turn's forwards: within the budget, one per chunk length
-        lengths = [n for rows in forwards[a:b] for n in rows]
-        assert sum(lengths) <= 12 and len(set(lengths)) == b - a
-
-
 def test_cancelling_frees_a_running_and_a_waiting_request(model):
     scheduler = _scheduler(model, max_batch=1)
     running, waiting = _job(9, 1000), _job(9, 1000)
@@ -286,12 +252,7 @@ def test_warm_up_steps_every_batch_size_and_keeps_nothing(model, monkeypatch):
     monkeypatch.setattr(model, "forward", watched_forward)
     monkeypatch.setattr(scheduler.runner, "step", watched_step)
     assert scheduler.warm_up(CONFIG, prompt_tokens=5) > 0
-    assert prompts[:1] == [(4, 5)] and steps == [
-        1,
-        2,
-        3,
-        4,
-    ]  # four prompts in one forward, then steps of 1..4 rows
+    assert prompts[:4] == [(1, 5)] * 4 and steps == [1, 2, 3, 4]  # four prompts, then steps of 1..4 rows
     assert scheduler.counts()["live_caches"] == 0
     with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
         scheduler.warm_up(CONFIG, prompt_tokens=0)
