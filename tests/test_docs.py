@@ -1,6 +1,6 @@
 """The docs cite only what the repository holds: every results folder they name exists, no file outside the
 repository is referenced, and the results folders hold data and READMEs, not experiment patches (git history
-keeps those)."""
+keeps those), and the results index lists every folder."""
 
 import re
 from pathlib import Path
@@ -39,3 +39,15 @@ def test_no_file_outside_the_repository_is_cited(doc):
 
 def test_results_hold_no_patch_files():
     assert not sorted((ROOT / "benchmarks/results").rglob("*.patch"))
+
+
+def test_every_results_folder_is_indexed_in_order():
+    """`benchmarks/results/README.md` has a row for each results folder and for nothing else, sorted by name."""
+    results = ROOT / "benchmarks/results"
+    index = [
+        line.split("`")[1].rstrip("/")
+        for line in (results / "README.md").read_text().splitlines()
+        if line.startswith("| `")
+    ]
+    folders = sorted(path.name for path in results.iterdir() if path.is_dir())
+    assert index == folders
