@@ -140,8 +140,9 @@ def _append_exact_flash(layer, q, k_new, v_new, valid_new, scale):
 
 
 def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):
-    """(keys, values, valid) of the live host rows in the model's dtype, `key_chunk` rows at a time, on `device`."""
-    return layer.host.pieces(device, key_chunk)
+    """(keys, values, valid) of the live host rows in the model's dtype, `key_chunk` rows at a time, on `device`
+    (from the prompt's device copy where the layer keeps one, `LayerKV.keep_prompt_rows`)."""
+    return layer.host_pieces(device, key_chunk)
 
 
 def _host_rows_on_device(layer, q, outs, scale):

@@ -14,6 +14,10 @@ from .hot import HotTier
 from .recall import RecallBudget, RecallCache
 from .split import RequestSplit
 
+# the compute devices whose layers keep a device copy of a prompt's host rows while it prefills in chunks
+# (`LayerKV.keep_prompt_rows`): where the host tier lives in other memory, across PCIe
+PROMPT_ROWS_DEVICES = frozenset({"cuda"})
+
 
 class LayerKV(Failable):
     """Tiered KV of one attention layer.
@@ -83,6 +87,12 @@ class LayerKV(Failable):
         self.gpu_cache = 0.0  # its size in effect (config.quest.gpu_cache resolved once the device is known)
         self.observe_appends = True  # HGCA observation after appends (off for non-final prefill chunks)
         self.capacity_hint = 0  # tokens the caller expects to store: the host tier is sized once for them
+        # during a chunked prefill, a device copy of the rows this layer sent to the host tier, which the next
+        # chunks attend instead of streaming them back over PCIe (`keep_prompt_rows`): (keys, values, valid) of
+        # the host tier's capacity and the rows written, or None; and the most bytes a new one may take
+        self.prompt_rows = None
+        self.prompt_rows_count = 0
+        self.prompt_rows_bytes = 0
         # False: a runner stages this layer's next evicted ring block, with other requests' (`staging_due`)
         self.stages_own_evictions = True
         # None, or a callable (slots, dtype, device, keep_maw) -> the storage of a batch-1 hot tier of that many
@@ -209,6 +219,64 @@ class LayerKV(Failable):
         self.attention_scale = None
         self.observe_appends = True
         self.capacity_hint = 0
+        self.drop_prompt_rows()
+
+    def keep_prompt_rows(self, max_bytes: int) -> None:
+        """From the next eviction on, keep a device copy of the rows this layer sends to the host tier, if it can
+        hold all of them: a prompt's first eviction (no host row yet) makes one of the host tier's capacity where
+        that takes at most `max_bytes` (0: none is made; one already made keeps growing). A chunked prefill's
+        later chunks then attend those rows where they are (`host_pieces`) instead of copying every host row to
+        the device again for each chunk. Only for a device other than the host tier's, rows in the model's
+        dtype (no 8-bit host tier) and no request split. `drop_prompt_rows` frees it."""
+        self.prompt_rows_bytes = max_bytes
+
+    def drop_prompt_rows(self) -> None:
+        self.prompt_rows, self.prompt_rows_count, self.prompt_rows_bytes = None, 0, 0
+
+    def _copy_prompt_rows(self, first: int, keys, values, valid) -> None:
+        """The device copy of host rows [first, first + n) that `keep_prompt_rows` asked for, made or extended;
+        dropped where it cannot hold them (the host tier grew, or rows were written past it)."""
+        host, n = self.host, keys.shape[2]
+        if self.prompt_rows is None:
+            if (
+                not self.prompt_rows_bytes
+                or first != 0
+                or keys.device.type not in PROMPT_ROWS_DEVICES
+                or host.quant
+                or host.split is not None
+            ):
+                return
+            batch, heads, _, dim = keys.shape
+            nbytes = host.capacity * batch * (2 * heads * dim * keys.element_size() + 1)
+            if nbytes > self.prompt_rows_bytes:
+                return
+            shape = (batch, heads, host.capacity, dim)
+            self.prompt_rows = (
+                torch.empty(shape, dtype=keys.dtype, device=keys.device),
+                torch.empty(shape, dtype=values.dtype, device=keys.device),
+                torch.zeros(batch, host.capacity, dtype=torch.bool, device=keys.device),
+            )
+        stored_keys, stored_values, stored_valid = self.prompt_rows
+        if first != self.prompt_rows_count or first + n > stored_keys.shape[2]:
+            self.drop_prompt_rows()
+            return
+        stored_keys[:, :, first : first + n].copy_(keys)
+        stored_values[:, :, first : first + n].copy_(values)
+        stored_valid[:, first : first + n].copy_(valid)
+        self.prompt_rows_count = first + n
+
+    def host_pieces(self, device, chunk: int):
+        """(keys, values, valid) of the live host rows on `device` in the model's dtype, `chunk` rows at a time:
+        views of the prompt's device copy where it holds them all (`keep_prompt_rows`), else copied from the host
+        tier (`HostTier.pieces`). The same pieces either way, so the attention over them is the same."""
+        rows = self.prompt_rows
+        if rows is None or self.prompt_rows_count != self.host.rows or rows[0].device != torch.device(device):
+            yield from self.host.pieces(device, chunk)
+            return
+        keys, values, valid = rows
+        for k0 in range(0, self.host.rows, chunk):
+            k1 = min(self.host.rows, k0 + chunk)
+            yield keys[:, :, k0:k1], values[:, :, k0:k1], valid[:, k0:k1]
 
     def recall_cache(self, ranked: torch.Tensor, width: int) -> RecallCache | None:
         """The recall cache for this step's selection `ranked` [B, Hkv, K] and a device share `width` blocks
@@ -440,6 +508,8 @@ class LayerKV(Failable):
                     hot_counts, non_blocking=True
                 )
         first = self.host.append(keys, values, valid, maw, staged=staged)
+        if self.prompt_rows is not None or self.prompt_rows_bytes:
+            self._copy_prompt_rows(first, keys, values, valid)
         self.policy.on_evict(self, first, keys.shape[2], hot_counts)
 
     # ---- sizes ---------------------------------------------------------------------------------------------

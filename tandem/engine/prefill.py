@@ -7,6 +7,8 @@ leaves the same cache whichever of them prefilled it.
 
 from __future__ import annotations
 
+import torch
+
 
 def observed_tokens(config) -> int:
     """Prompt tokens whose queries score the prompt once it is cached: `hgca`'s `observation_tokens`, else 0."""
@@ -28,12 +30,36 @@ def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> i
     return end
 
 
+# of the device memory free when a chunked prefill starts, the most its layers' copies of the prompt's host rows
+# may take (`LayerKV.keep_prompt_rows`)
+PROMPT_ROWS_SHARE = 0.5
+
+
+def prompt_rows_budget(device: torch.device, num_layers: int) -> int:
+    """The bytes each of `num_layers` layers' copies of a prompt's host rows may take on `device`: their share of
+    PROMPT_ROWS_SHARE of its free memory; 0 off CUDA (the host tier is where the layers attend it)."""
+    if device.type != "cuda":
+        return 0
+    return int(PROMPT_ROWS_SHARE * torch.cuda.mem_get_info(device)[0] / num_layers)
+
+
 def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_mask=None, last: bool = True):
     """One chunk through the model into `cache`: input_ids and positions [B, t], attention_mask [B, tokens so far]
     (None: no padding); `cache_kwargs` passes the cache to the model (`generate_cache_kwargs`). Returns the last
     position's logits [B, V], float32 on the model's device. Only the last chunk's appends are observed (hgca).
-    An error leaves the cache refusing further use: some layers may hold the chunk and others not."""
+    An error leaves the cache refusing further use: some layers may hold the chunk and others not.
+
+    On CUDA, a prompt's first chunk that is not its last lets each layer keep a device copy of the rows it sends
+    to the host tier (`LayerKV.keep_prompt_rows`, within PROMPT_ROWS_SHARE of the free device memory over all
+    layers), so that the next chunks attend them without copying them back over PCIe; the last chunk frees them."""
     layers = cache.tandem_layers()
+    if layers and cache.get_seq_length() == 0 and not last:
+        budget = prompt_rows_budget(input_ids.device, len(layers))
+        for layer in layers:
+            layer.keep_prompt_rows(budget)
+    elif last:
+        for layer in layers:
+            layer.keep_prompt_rows(0)  # a copy made by earlier chunks serves this one, and none is made
     for layer in layers:
         layer.observe_appends = last
     try:
@@ -51,7 +77,9 @@ def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_
     finally:
         for layer in layers:
             layer.observe_appends = True
+            if last or layer.failed is not None:
+                layer.drop_prompt_rows()
     return out.logits[:, -1].float()
 
 
-__all__ = ["chunk_end", "observed_tokens", "run_chunk"]
+__all__ = ["chunk_end", "observed_tokens", "prompt_rows_budget", "run_chunk"]

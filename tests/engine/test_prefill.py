@@ -91,3 +91,61 @@ def test_a_chunk_must_continue_its_prompt():
     with pytest.raises(ValueError, match="cache must be a TandemCache"):
         rows.prefill_chunk(object(), ids, 0, last=True)
     assert rows.prefill_chunk(cache, ids[:, 6:], 6, last=True).shape == (1, model.config.vocab_size)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_later_chunks_attend_the_host_rows_from_the_layers_device_copy(device, monkeypatch):
+    """A prompt prefilled in chunks: each layer keeps a device copy of the rows it sends to the host tier
+    (`LayerKV.keep_prompt_rows`), and later chunks attend those instead of copying the host rows back. The logits
+    equal those of a prefill that copies them back, bit for bit (the same pieces), and so do the greedy tokens
+    after; the host tier's rows are never read during the prefill, and the last chunk frees every copy. On CPU
+    tensors the copy is switched on and the flash kernel runs under Triton's interpreter (CUDA's path)."""
+    from tandem.attention import hybrid
+    from tandem.cache import host as host_module
+    from tandem.cache import layer as layer_module
+    from tandem.engine import prefill as prefill_module
+    from tandem.kernels import gpu
+
+    if device == "cpu":
+        if not gpu.triton_available("cpu"):
+            pytest.skip("no Triton interpreter")
+        monkeypatch.setattr(layer_module, "PROMPT_ROWS_DEVICES", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(hybrid, "flash_prefill_available", lambda q: True)
+    model = tiny_model("Llama").to(device)
+    ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(5)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=16, block_size=4)
+    reads = []
+    pieces = host_module.HostTier.pieces
+
+    def counted(self, *args):
+        reads.append(self)
+        return pieces(self, *args)
+
+    monkeypatch.setattr(host_module.HostTier, "pieces", counted)
+    budget = prefill_module.prompt_rows_budget
+    runs = []
+    for keep in (True, False):
+        monkeypatch.setattr(
+            prefill_module, "prompt_rows_budget", (lambda d, n: 1 << 30) if keep else (lambda d, n: 0)
+        )
+        reads.clear()
+        runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=False)
+        first = runner.prefill(ids, mask, chunk_tokens=20, max_new_tokens=8)
+        layers = runner.cache.tandem_layers()
+        assert all(kv.host.rows > 0 and kv.prompt_rows is None for kv in layers)
+        assert bool(reads) is not keep  # with the copies, no host row crossed back during the prefill
+        tokens, _ = runner.decode(first.argmax(-1), 6)
+        runs.append((first, tokens))
+    monkeypatch.setattr(prefill_module, "prompt_rows_budget", budget)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
