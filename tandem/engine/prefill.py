@@ -33,6 +33,10 @@ def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> i
 # of the device memory free when a chunked prefill starts, the most its layers' copies of the prompt's host rows
 # may take (`LayerKV.keep_prompt_rows`)
 PROMPT_ROWS_SHARE = 0.5
+# the longest chunk whose prompt keeps them: the copies pay where each host row would cross PCIe again for many
+# chunks (8B shape on an H200: 2K chunks 0.72-0.85x the time), not with long chunks (16K chunks of a 128K prompt:
+# the same time, and 36 GB of peak device memory against 19; docs/engine.md § Chunked prefill)
+PROMPT_ROWS_MAX_CHUNK = 4096
 
 
 def prompt_rows_budget(device: torch.device, num_layers: int) -> int:
@@ -49,11 +53,12 @@ def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_
     position's logits [B, V], float32 on the model's device. Only the last chunk's appends are observed (hgca).
     An error leaves the cache refusing further use: some layers may hold the chunk and others not.
 
-    On CUDA, a prompt's first chunk that is not its last lets each layer keep a device copy of the rows it sends
-    to the host tier (`LayerKV.keep_prompt_rows`, within PROMPT_ROWS_SHARE of the free device memory over all
-    layers), so that the next chunks attend them without copying them back over PCIe; the last chunk frees them."""
+    On CUDA, a prompt's first chunk that is not its last, of at most PROMPT_ROWS_MAX_CHUNK tokens, lets each layer
+    keep a device copy of the rows it sends to the host tier (`LayerKV.keep_prompt_rows`, within PROMPT_ROWS_SHARE
+    of the free device memory over all layers), so that the next chunks attend them without copying them back over
+    PCIe; the last chunk frees them."""
     layers = cache.tandem_layers()
-    if layers and cache.get_seq_length() == 0 and not last:
+    if layers and cache.get_seq_length() == 0 and not last and input_ids.shape[1] <= PROMPT_ROWS_MAX_CHUNK:
         budget = prompt_rows_budget(input_ids.device, len(layers))
         for layer in layers:
             layer.keep_prompt_rows(budget)

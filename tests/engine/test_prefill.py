@@ -107,8 +107,9 @@ def test_later_chunks_attend_the_host_rows_from_the_layers_device_copy(device, m
     """A prompt prefilled in chunks: each layer keeps a device copy of the rows it sends to the host tier
     (`LayerKV.keep_prompt_rows`), and later chunks attend those instead of copying the host rows back. The logits
     equal those of a prefill that copies them back, bit for bit (the same pieces), and so do the greedy tokens
-    after; the host tier's rows are never read during the prefill, and the last chunk frees every copy. On CPU
-    tensors the copy is switched on and the flash kernel runs under Triton's interpreter (CUDA's path)."""
+    after; the host tier's rows are never read during the prefill, and the last chunk frees every copy. No copy
+    is kept without the memory for it or for chunks past PROMPT_ROWS_MAX_CHUNK. On CPU tensors the copy is
+    switched on and the flash kernel runs under Triton's interpreter (CUDA's path)."""
     from tandem.attention import hybrid
     from tandem.cache import host as host_module
     from tandem.cache import layer as layer_module
@@ -133,12 +134,11 @@ def test_later_chunks_attend_the_host_rows_from_the_layers_device_copy(device, m
         return pieces(self, *args)
 
     monkeypatch.setattr(host_module.HostTier, "pieces", counted)
-    budget = prefill_module.prompt_rows_budget
     runs = []
-    for keep in (True, False):
-        monkeypatch.setattr(
-            prefill_module, "prompt_rows_budget", (lambda d, n: 1 << 30) if keep else (lambda d, n: 0)
-        )
+    # kept; not kept without the memory; not kept for chunks longer than PROMPT_ROWS_MAX_CHUNK
+    for keep, room, longest in ((True, 1 << 30, 20), (False, 0, 20), (False, 1 << 30, 19)):
+        monkeypatch.setattr(prefill_module, "prompt_rows_budget", lambda d, n, room=room: room)
+        monkeypatch.setattr(prefill_module, "PROMPT_ROWS_MAX_CHUNK", longest)
         reads.clear()
         runner = TandemRunner(model, TandemCache.for_model(model, config), use_graphs=False)
         first = runner.prefill(ids, mask, chunk_tokens=20, max_new_tokens=8)
@@ -147,5 +147,5 @@ def test_later_chunks_attend_the_host_rows_from_the_layers_device_copy(device, m
         assert bool(reads) is not keep  # with the copies, no host row crossed back during the prefill
         tokens, _ = runner.decode(first.argmax(-1), 6)
         runs.append((first, tokens))
-    monkeypatch.setattr(prefill_module, "prompt_rows_budget", budget)
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for first, tokens in runs[1:]:
+        assert torch.equal(runs[0][0], first) and torch.equal(runs[0][1], tokens)
