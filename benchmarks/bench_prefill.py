@@ -1,10 +1,14 @@
 """Chunked prefill of a long prompt on a random-weight model of a real shape: Tandem's exact append path with the
-flash-style kernel (`gpu.prefill_attention`) against the reference kernel it replaced, and against Hugging Face's
-own chunked prefill into a `DynamicCache` (everything on the GPU), in one run (GPU host).
+flash-style kernel (`gpu.prefill_attention`; `streamed`: the same with the host rows copied back to the GPU for
+every chunk instead of attended from the layers' device copy, `LayerKV.keep_prompt_rows`) against the reference
+kernel it replaced, and against Hugging Face's own chunked prefill into a `DynamicCache` (everything on the GPU),
+in one run (GPU host).
 
-Per row: seconds, prompt tokens per second, GPU memory peak; for Tandem, the decode steps after it. Pairs of
-paths at the same context also report how far apart their last logits are (largest difference, cosine, same
-argmax): the flash path must give the reference's answer up to rounding, as HF's SDPA does. A row that does
+Per row: seconds, prompt tokens per second, the time the prompt's FLOPs take at the bf16 matmul rate measured in
+the same run (`shapes.prefill_flops`, `bandwidth.matmul_rate`) and the row's seconds as a multiple of it, the
+FLOP utilisation (FLOPs over seconds, against that rate), GPU memory peak; for Tandem, the decode steps after it.
+Pairs of paths at the same context also report how far apart their last logits are (largest difference, cosine,
+same argmax): the flash path must give the reference's answer up to rounding, as HF's SDPA does. A row that does
 not fit is reported as OOM.
 
     python benchmarks/bench_prefill.py --model llama-3.1-8b --contexts 32k,128k --paths flash,reference --out prefill
@@ -24,16 +28,20 @@ from torch.nn.attention import sdpa_kernel
 from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import hybrid
 from tandem.engine import TandemRunner
+from tandem.engine import prefill as prefill_module
 from tandem.integrations.hf import restore_attention
-from tandem.shapes import build_random_model
+from tandem.shapes import build_random_model, prefill_flops
+from tandem.tools.bench.bandwidth import matmul_rate
 from tandem.tools.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
 
-PATHS = ("flash", "reference", "hf-dynamic")
+PATHS = ("flash", "streamed", "reference", "hf-dynamic")
 
 
 def tandem_prefill(model, ids, path: str, chunk: int, decode_steps: int) -> tuple[dict, torch.Tensor | None]:
-    original = hybrid.flash_prefill_available
+    original, budget = hybrid.flash_prefill_available, prefill_module.prompt_rows_budget
     hybrid.flash_prefill_available = (lambda q: False) if path == "reference" else original
+    if path == "streamed":
+        prefill_module.prompt_rows_budget = lambda device, num_layers: 0
     device = ids.device
     torch.cuda.reset_peak_memory_stats(device)
     row = {"system": f"tandem-{path}"}
@@ -54,7 +62,7 @@ def tandem_prefill(model, ids, path: str, chunk: int, decode_steps: int) -> tupl
         row["status"] = "oom" if is_oom(err) else f"error: {str(err)[:200]}"
         return row, None
     finally:
-        hybrid.flash_prefill_available = original
+        hybrid.flash_prefill_available, prefill_module.prompt_rows_budget = original, budget
         cache = runner = None
         release_memory(device)
 
@@ -114,6 +122,7 @@ def main() -> None:
     model = build_random_model(args.model, "cuda", torch.bfloat16)
     model.config.max_position_embeddings = max(model.config.max_position_embeddings, 1 << 20)
     machine = {"gpu": torch.cuda.get_device_name(), "cpu": platform.processor(), "torch": torch.__version__}
+    machine["matmul_tflops"] = matmul_rate("cuda", torch.bfloat16)
     print(json.dumps(machine), flush=True)
     rows = []
     vocab = model.config.vocab_size
@@ -128,12 +137,22 @@ def main() -> None:
                 row, logits[path] = hf_prefill(model, ids, args.chunk_tokens)
             else:
                 row, logits[path] = tandem_prefill(model, ids, path, args.chunk_tokens, args.decode_steps)
-            row.update(context=context, chunk_tokens=args.chunk_tokens)
+            flops = prefill_flops(model.config, 0, context)["total"]
+            row.update(context=context, chunk_tokens=args.chunk_tokens, flops=flops)
+            row["flops_seconds"] = flops / (machine["matmul_tflops"] * 1e12)
             if "seconds" in row:
                 row["tokens_per_s"] = context / row["seconds"]
+                row["of_flops_time"] = row["seconds"] / row["flops_seconds"]
+                row["utilisation"] = flops / row["seconds"] / (machine["matmul_tflops"] * 1e12)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for first, second in (("flash", "reference"), ("flash", "hf-dynamic"), ("reference", "hf-dynamic")):
+        pairs = (
+            ("flash", "streamed"),
+            ("flash", "reference"),
+            ("flash", "hf-dynamic"),
+            ("reference", "hf-dynamic"),
+        )
+        for first, second in pairs:
             if logits.get(first) is None or logits.get(second) is None:
                 continue
             ours, theirs = logits[first], logits[second]
@@ -158,8 +177,12 @@ def main() -> None:
     lines = [
         f"# Prefill, {args.model} (random bf16 weights), {machine['gpu']}, chunks of {args.chunk_tokens} tokens",
         "",
-        "| system | context | seconds | tokens/s | GPU peak GB | TPOT after (ms) |",
-        "|---|---|---|---|---|---|",
+        f"bf16 matmul rate measured in this run: {machine['matmul_tflops']:.0f} TFLOP/s. FLOPs time: the prompt's "
+        "FLOPs (projections, LM head, causal attention) at that rate; utilisation: FLOPs over seconds, against it.",
+        "",
+        "| system | context | seconds | tokens/s | FLOPs time (s) | x FLOPs time | utilisation | GPU peak GB "
+        "| TPOT after (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "max_logit_diff" in r:
@@ -169,7 +192,9 @@ def main() -> None:
             str(r["context"]),
             f"{r['seconds']:.1f}" if "seconds" in r else r.get("status", ""),
         ]
-        cells += [f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "", f"{r.get('gpu_peak_gb', 0):.1f}"]
+        cells += [f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "", f"{r['flops_seconds']:.2f}"]
+        cells += [f"{r['of_flops_time']:.2f}x" if "of_flops_time" in r else ""]
+        cells += [f"{r['utilisation']:.0%}" if "utilisation" in r else "", f"{r.get('gpu_peak_gb', 0):.1f}"]
         cells += [f"{r['tpot_ms_after']:.2f}" if "tpot_ms_after" in r else ""]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from tandem import manifest
 from tandem.kernels import gpu
-from tandem.tools.bench.bandwidth import event_seconds
+from tandem.tools.bench.bandwidth import event_seconds, matmul_rate
 
 KERNELS = ("triton", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-no-lse")
 CHECK_ROWS = 64  # query rows compared with the float32 reference
@@ -42,14 +42,6 @@ CHECK_ROWS = 64  # query rows compared with the float32 reference
 def tokens(text: str) -> int:
     text = text.strip().lower()
     return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-
-
-def matmul_rate(device, dtype, size: int = 8192, repeats: int = 20) -> float:
-    """TFLOP/s of a square bf16 matmul on `device`: the hardware limit the kernels are held against."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = timed(lambda: a @ b, repeats)
-    return 2 * size**3 / seconds / 1e12
 
 
 def timed(call, repeats: int) -> float:

@@ -211,6 +211,32 @@ def param_count(config) -> int:
     return layers * per_layer + hidden + embeddings  # + final norm
 
 
+def prefill_flops(config, start: int, end: int, batch: int = 1) -> dict:
+    """FLOPs of prefilling prompt tokens [start, end) (the tokens before `start` already cached) with the last
+    position's logits only, for a Llama / Mistral / Qwen2 config: {"linear", "attention", "total"}. linear: two
+    per weight and token in the layers' projections, plus the LM head once per request; attention: causal, two
+    matmuls of 2 FLOPs per (query, key, head dim, query head), each new query over the keys before it and itself
+    (within `sliding_window` where the config has one). The work a prefill cannot avoid, whatever it pays on top."""
+    hidden, inter, layers, num_q_heads, num_kv_heads, head_dim, vocab = _dims(config)
+    text = config.get_text_config(decoder=True)
+    q_out, kv_out = num_q_heads * head_dim, num_kv_heads * head_dim
+    per_token = layers * (hidden * (q_out + 2 * kv_out) + q_out * hidden + 3 * hidden * inter)
+    linear = 2 * batch * ((end - start) * per_token + hidden * vocab)
+    attention = 4 * batch * layers * q_out * _causal_keys(start, end, getattr(text, "sliding_window", None))
+    return {"linear": linear, "attention": attention, "total": linear + attention}
+
+
+def _causal_keys(start: int, end: int, window: int | None) -> int:
+    """The keys the queries at positions [start, end) attend causally, summed: min(t + 1, window) for each t."""
+
+    def full(a: int, b: int) -> int:  # sum of (t + 1) for t in [a, b)
+        return (b * (b + 1) - a * (a + 1)) // 2 if b > a else 0
+
+    if not window:
+        return full(start, end)
+    return full(start, min(end, window)) + window * max(0, end - max(start, window))
+
+
 def param_bytes(config, dtype: torch.dtype) -> int:
     """Bytes of all weights in `dtype`, from the config alone (no model is built)."""
     return param_count(config) * _itemsize(dtype)

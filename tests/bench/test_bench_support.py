@@ -54,6 +54,24 @@ def test_param_count_equals_built_model(model_type):
         assert model.model.layers[0].self_attn.k_proj.bias is not None
 
 
+def test_prefill_flops_count_the_projections_and_causal_attention():
+    config = shapes.shape_config("llama-3.1-8b")
+    flops = shapes.prefill_flops(config, 0, 32768)
+    embeddings = 2 * 128256 * 4096  # input table and LM head, untied
+    per_token = shapes.param_count(config) - embeddings - 4096 * (2 * 32 + 1)  # less the norms
+    assert flops["linear"] == 2 * (32768 * per_token + 128256 * 4096)
+    assert flops["attention"] == 4 * 32 * 4096 * (32768 * 32769 // 2)
+    assert flops["total"] == flops["linear"] + flops["attention"]
+    # a second chunk counts its queries over every key before them; chunks add up to the whole
+    halves = [shapes.prefill_flops(config, a, b)["attention"] for a, b in ((0, 16384), (16384, 32768))]
+    assert sum(halves) == flops["attention"]
+    config.sliding_window = 1000
+    assert shapes.prefill_flops(config, 0, 3000)["attention"] == 4 * 32 * 4096 * (
+        1000 * 1001 // 2 + 2000 * 1000
+    )
+    assert shapes.prefill_flops(config, 2000, 3000)["attention"] == 4 * 32 * 4096 * 1000 * 1000
+
+
 def test_unknown_shape_lists_known_names():
     with pytest.raises(ValueError, match="llama-3.1-8b.*tiny-llama"):
         shapes.shape_config("llama-9")
@@ -297,3 +315,4 @@ def test_cuda_baselines_and_probes():
     assert rows["dynamic"]["tokens"] == rows["offloaded"]["tokens"]
     assert bandwidth.hbm_bandwidth("cuda", nbytes=256 << 20, reps=3) > 0
     assert bandwidth.pcie_h2d_bandwidth("cuda", nbytes=64 << 20, reps=3) > 0
+    assert bandwidth.matmul_rate("cuda", size=1024, reps=3) > 0

@@ -1,11 +1,13 @@
-"""The memory bandwidths a decode step is bound by, measured in the same run as the benchmark, and the
-machine they were measured on.
+"""The memory bandwidths a decode step is bound by and the matmul rate a prefill is bound by, measured in the same
+run as the benchmark, and the machine they were measured on.
 
 * `hbm_bandwidth`: GPU memory read (a decode step reads every weight once);
 * `host_read_bandwidth`: host memory read by the CPU kernels' threads (the CPU tier's attention reads);
-* `pcie_h2d_bandwidth`: pinned host memory to the GPU (what an offloading cache pays per byte).
+* `pcie_h2d_bandwidth`: pinned host memory to the GPU (what an offloading cache pays per byte);
+* `matmul_rate`: a large square matmul on the GPU (what a prefill's FLOPs run at, at best).
 
-All return GB/s (1e9 bytes per second), best of several timed runs after a warm-up.
+The bandwidths return GB/s (1e9 bytes per second), best of several timed runs after a warm-up; the matmul rate
+TFLOP/s, the median of its runs.
 
 >>> from tandem.bench import bandwidth
 >>> bandwidth.host_read_bandwidth(threads=4, nbytes=256 << 20)  # e.g. 40.2
@@ -53,6 +55,18 @@ def event_seconds(fn, reps: int, device: torch.device, warmups: int = 1) -> list
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+def matmul_rate(
+    device="cuda", dtype: torch.dtype = torch.bfloat16, size: int = 8192, reps: int = 20
+) -> float:
+    """TFLOP/s of a square `dtype` matmul of `size` on `device`, the median of `reps` runs after two untimed ones:
+    the hardware limit a prefill's FLOPs are held against."""
+    device = _cuda_device(device)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = sorted(event_seconds(lambda: a @ b, reps, device, warmups=2))
+    return 2 * size**3 / times[len(times) // 2] / 1e12
 
 
 def _best_event_seconds(fn, reps: int, device: torch.device) -> float:
