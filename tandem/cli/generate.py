@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    src.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a conversation in the model's chat template: each line read from standard input is a user turn, "
+        "answered before the next is read, until end of input; the cache keeps the conversation, so a turn "
+        "prefills only its own tokens",
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -293,10 +300,11 @@ class _Streamer:
             sys.stdout.flush()
 
 
-def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None):
+def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None, append: bool = False):
     """Tokens from Tandem's engine (`TandemRunner.generate`): chunked prefill, then decode steps (one CUDA graph
     each on a GPU), each token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as
-    they come, up to an end-of-sequence token (kept, as model.generate keeps it). Returns [n]."""
+    they come, up to an end-of-sequence token (kept, as model.generate keeps it). append: `ids` continue what the
+    runner's cache holds. Returns [n]."""
     from ..engine import Sampler
     from ..models import end_of_sequence_ids
 
@@ -304,10 +312,101 @@ def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None):
     sampler = Sampler(sampling, 1, runner.device) if sampling is not None else None
     streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
     tokens = runner.generate(
-        ids, max_new_tokens, sampler, end_of_sequence_ids(model), ENGINE_CHUNK_TOKENS, on_token=streamer.put
-    )
+        ids, max_new_tokens, sampler, end_of_sequence_ids(model), ENGINE_CHUNK_TOKENS, on_token=streamer.put,
+        append=append,
+    )  # fmt: skip
     streamer.end()
     return tokens
+
+
+def _conversation(args, model, tokenizer, config, lines) -> int:
+    """`--interactive`: each non-blank line of `lines` is a user turn. The conversation goes through the chat
+    template whole, and the tokens it starts with that the cache already holds (every earlier turn, and every
+    answer but its last token, which no step fed) are not prefilled again: the turn's own tokens are appended
+    (`TandemRunner.generate(append=True)`, or transformers' generate over the cache), exact for every policy.
+    Where the template writes an earlier answer back as other tokens than were generated, the cache is emptied
+    and the conversation prefilled whole. Each answer streams to stdout; a stats line per turn goes to stderr
+    (--json: one JSON line per turn instead)."""
+    import torch
+
+    from ..engine import SamplingParams, TandemRunner
+    from ..integrations.hf import TandemCache, generate_cache_kwargs
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--interactive: this model's tokenizer has no chat template")
+    device = next(model.parameters()).device
+    use_engine = uses_engine(args.engine, device.type)
+    cache = TandemCache.for_model(model, config)
+    runner = TandemRunner(model, cache) if use_engine else None
+    params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
+    sampling = (
+        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+        if args.do_sample
+        else dict(do_sample=False)
+    )
+    limit = getattr(model.config, "max_position_embeddings", None)
+    messages, held, turn = [], [], 0
+    torch.manual_seed(args.seed)
+    for line in lines:
+        if not line.strip():
+            continue
+        turn += 1
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"][0].tolist()
+        if limit is not None and len(ids) + args.max_new_tokens > limit:
+            raise ValueError(
+                f"turn {turn}: the conversation has {len(ids)} tokens; with --max-new-tokens={args.max_new_tokens} "
+                f"that exceeds the model's maximum context of {limit} tokens: start a new conversation"
+            )
+        reused = len(held) if held and len(ids) > len(held) and ids[: len(held)] == held else 0
+        if held and not reused:
+            cache.reset()
+        for kv in cache.tandem_layers():
+            kv.reset_statistics()
+        warmup = 0.0
+        if use_engine and turn == 1 and not args.no_warmup:
+            warmup = runner.warm_up(len(ids), args.max_new_tokens)
+        streamer = _Streamer(tokenizer, enabled=not args.json)
+        start = time.perf_counter()
+        if use_engine:
+            new = torch.tensor([ids[reused:]], device=device)
+            tokens = _engine_generate(runner, new, args.max_new_tokens, streamer, params, append=bool(reused))
+        else:
+            whole = torch.tensor([ids], device=device)
+            with torch.inference_mode():
+                out = model.generate(
+                    whole, attention_mask=torch.ones_like(whole), max_new_tokens=args.max_new_tokens,
+                    streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling,
+                    **generate_cache_kwargs(model, cache),
+                )  # fmt: skip
+            tokens = out[0, len(ids) :].cpu()
+        end = time.perf_counter()
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        held = ids + tokens.tolist()[:-1]
+        first = streamer.first_token_time or end
+        generated = int(tokens.numel())
+        rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
+        stats = dict(
+            cache.stats(),
+            turn=turn,
+            prompt_tokens=len(ids) - reused,
+            reused_tokens=reused,
+            generated_tokens=generated,
+            prefill_seconds=round(first - start, 3),
+            warmup_seconds=round(warmup, 3),
+            decode_tokens_per_s=round(rate, 2) if rate else None,
+            device=str(device),
+            engine=use_engine,
+        )
+        stats = explain_unread_host_tier(stats, config)
+        if args.json:
+            print(json.dumps({"turn": turn, "text": answer, "stats": stats}), flush=True)
+        else:
+            print(stats_line(stats), file=sys.stderr, flush=True)
+    return 0
 
 
 def _start_rank(args):
@@ -417,10 +516,13 @@ def explain_unread_host_tier(stats: dict, config: TandemConfig) -> dict:
 
 
 def stats_line(stats: dict) -> str:
-    """The line `tandem generate` ends with on stderr; fluxion adds its share of streaming heads and mean head
-    budget (a fraction of the host entries)."""
+    """The line `tandem generate` ends with on stderr (after each turn of a conversation); fluxion adds its share
+    of streaming heads and mean head budget (a fraction of the host entries)."""
+    # a conversation's turn (--interactive): its number, and the tokens kept in the cache from the turns before
+    turn = f"turn {stats['turn']} | " if "turn" in stats else ""
+    kept = f" (+{stats['reused_tokens']} kept)" if stats.get("reused_tokens") else ""
     line = (
-        f"[tandem] prompt {stats['prompt_tokens']} tok | generated {stats['generated_tokens']} tok | "
+        f"[tandem] {turn}prompt {stats['prompt_tokens']} tok{kept} | generated {stats['generated_tokens']} tok | "
         f"prefill {stats['prefill_seconds']:.2f} s | decode {stats['decode_tokens_per_s'] or 0:.2f} tok/s | "
         f"hot {stats['hot_bytes'] / 2**20:.1f} MiB | host {stats['host_bytes'] / 2**20:.1f} MiB | "
         + (
@@ -453,6 +555,8 @@ def run(args) -> int:
 
     if args.gpus > 1 and (args.do_sample or args.engine == "off"):
         raise ValueError("--gpus N decodes greedily with the engine: drop --do-sample and --engine off")
+    if args.gpus > 1 and args.interactive:
+        raise ValueError("--interactive runs on one device: drop --gpus")
     return launch.run_on_ranks(args, _run, "generate")
 
 
@@ -470,7 +574,7 @@ def _run(args) -> int:
         if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
             raise ValueError(f"--top-p={args.top_p} is out of range: allowed (0, 1]")
     config = build_config(args)
-    prompt = _read_prompt(args)
+    prompt = None if args.interactive else _read_prompt(args)
     rank = _start_rank(args)
     model_cache = False if args.no_model_cache else None
     if rank is None:
@@ -482,6 +586,8 @@ def _run(args) -> int:
     from ..engine import freeze_heap
 
     freeze_heap()  # the model lives as long as the process: out of the collector's passes during the decode
+    if args.interactive:
+        return _conversation(args, model, tokenizer, config, sys.stdin)
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")

@@ -171,16 +171,26 @@ class TandemRunner:
 
     # ---- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, input_ids, attention_mask=None, chunk_tokens: int = 8192, max_new_tokens: int = 0):
+    def prefill(
+        self, input_ids, attention_mask=None, chunk_tokens: int = 8192, max_new_tokens: int = 0, append=False
+    ):
         """Run the prompt through the model `chunk_tokens` at a time; returns the last position's logits [B, V].
 
         input_ids: [B, T] int64 (left-padded for ragged batches); attention_mask: [B, T] (1 = token, 0 = pad).
         max_new_tokens sizes the host tier once for the prompt plus that many decode tokens.
+        append: the tokens continue what the cache holds (a conversation's next turn after `generate`, `decode`
+        or `stream`): no padding, positions from each row's next one on, every token attending everything cached
+        exactly; the host tier grows where it must.
         """
-        if self.cache.get_seq_length():
+        held = self.cache.get_seq_length()
+        if append and (not held or self.next_position is None):
+            raise ValueError(
+                "append continues a cache that this runner prefilled: call prefill() without append first"
+            )
+        if held and not append:
             raise ValueError(
                 "prefill runs on an empty cache: for a new prompt, empty this one (runner.cache.reset(), which keeps "
-                "its buffers and the runner's recording) or build a new TandemCache"
+                "its buffers and the runner's recording) or build a new TandemCache; to continue it, append=True"
             )
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
@@ -190,14 +200,34 @@ class TandemRunner:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         input_ids = input_ids.to(self.device)
         batch, total = input_ids.shape
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device).long()
-        if tuple(mask.shape) != (batch, total):
-            raise ValueError(
-                f"attention_mask must be [batch, tokens] = {(batch, total)}, got {tuple(mask.shape)}"
+        if append:
+            if attention_mask is not None:
+                raise ValueError("append takes no attention_mask: a continuation has no padding")
+            if batch != self.next_position.shape[0]:
+                raise ValueError(
+                    f"input_ids must continue each of the cache's {self.next_position.shape[0]} rows, got {batch}"
+                )
+            limit = self.cache.layers[0].max_positions
+            if limit is not None and held + total + max_new_tokens > limit:
+                raise ValueError(
+                    f"the cache holds {held} tokens; {total} more and max_new_tokens={max_new_tokens} exceed the "
+                    f"model's maximum of {limit} positions"
+                )
+            mask = None
+            positions = self.next_position[:, None] + torch.arange(total, device=self.device)
+        else:
+            mask = (
+                torch.ones_like(input_ids)
+                if attention_mask is None
+                else attention_mask.to(self.device).long()
             )
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            if tuple(mask.shape) != (batch, total):
+                raise ValueError(
+                    f"attention_mask must be [batch, tokens] = {(batch, total)}, got {tuple(mask.shape)}"
+                )
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
         for layer in self.layers:
-            layer.capacity_hint = total + max_new_tokens
+            layer.capacity_hint = held + total + max_new_tokens
         start = time.perf_counter()
         try:
             with self.fused_layers or contextlib.nullcontext():
@@ -224,7 +254,7 @@ class TandemRunner:
             end = chunk_end(start, total, chunk_tokens, observed)
             logits = run_chunk(
                 self.model, self.cache, self.cache_kwargs, input_ids[:, start:end], positions[:, start:end],
-                mask[:, :end], last=end == total,
+                mask[:, :end] if mask is not None else None, last=end == total,
             )  # fmt: skip
             start = end
         return logits
@@ -283,17 +313,21 @@ class TandemRunner:
         stop_ids=(),
         chunk_tokens: int = 8192,
         on_token=None,
+        append: bool = False,
     ) -> torch.Tensor:
         """One prompt's new tokens [n] int64 on the CPU: prefill, then decode steps, each token greedy or drawn by
         `sampler` (one row), up to `max_new_tokens` or a token in `stop_ids`, which is kept (as model.generate
         keeps its end-of-sequence token). input_ids: [1, T]; on_token(token [1] on the CPU) is called as each
-        token comes (the caller prints it)."""
+        token comes (the caller prints it). append: the prompt continues what the cache holds (`prefill`): the
+        last answer's last token, which no step fed, leads the next turn's tokens."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, tokens] (one prompt), got {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stop = set(stop_ids)
-        logits = self.prefill(input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
+        logits = self.prefill(
+            input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, append=append
+        )
         token = (sampler if sampler is not None else _argmax)(logits)
         tokens = [token.cpu()]
         if on_token is not None:

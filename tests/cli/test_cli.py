@@ -1,14 +1,17 @@
 """`tandem generate` end to end on the default model, and its error paths (no tracebacks); without the model, its
 arguments into `TandemConfig` and its stats line."""
 
+import io
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import tandem.models
+from tandem import TandemCache, generate_cache_kwargs
 from tandem.cli import build_parser, generate, main
 from tandem.config import CertifiedConfig, QuestConfig, TandemConfig
 
@@ -108,6 +111,42 @@ def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, caps
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("engine", ["on", "off"])
+def test_a_conversation_prefills_each_turn_once(engine, smollm, monkeypatch, capsys):
+    """--interactive: the second turn prefills only its own tokens, the first turn and answer kept in the cache,
+    and answers as one prompt holding the whole conversation does (the same greedy text); blank lines are no
+    turns."""
+    turns = ["What is the capital of France? Answer in one sentence.", "", "And of Italy?"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(turns) + "\n"))
+    code, out = _run(
+        ["generate", "--interactive", "--max-new-tokens", "24", "--engine", engine, "--json"],
+        monkeypatch, smollm, capsys,
+    )  # fmt: skip
+    assert code == 0, out.err
+    first, second = (json.loads(line) for line in out.out.splitlines())
+    assert (first["turn"], second["turn"]) == (1, 2) and "Paris" in first["text"]
+    assert first["stats"]["reused_tokens"] == 0
+    held = first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"] - 1
+    assert second["stats"]["reused_tokens"] == held
+    tokenizer = smollm[1]
+    messages = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": first["text"]},
+        {"role": "user", "content": turns[2]},
+    ]
+    whole = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert second["stats"]["prompt_tokens"] == len(whole) - held
+    model, ids = smollm[0], torch.tensor([whole])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            **generate_cache_kwargs(model, TandemCache.for_model(model, TandemConfig())),
+        )  # fmt: skip
+    assert second["text"] == tokenizer.decode(out[0, len(whole) :], skip_special_tokens=True)
+
+
+@pytest.mark.model
 def test_engine_samples_inside_the_step_and_a_seed_repeats_its_text(smollm, monkeypatch, capsys):
     """--do-sample through the engine (eager on CPU): the same seed gives the same text, another seed another."""
     texts = []
@@ -147,6 +186,15 @@ def test_bad_input_gives_one_clear_error(args, message, smollm, monkeypatch, cap
     code, out = _run(["generate", *args], monkeypatch, smollm, capsys)
     assert code == 2
     assert message in out.err and "Traceback" not in out.err
+
+
+@pytest.mark.model
+def test_a_conversation_past_the_context_or_on_several_gpus_is_refused(smollm, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n"))
+    code, out = _run(["generate", "--interactive", "--max-new-tokens", "9000"], monkeypatch, smollm, capsys)
+    assert code == 2 and "turn 1: the conversation has" in out.err and "start a new conversation" in out.err
+    code, out = _run(["generate", "--interactive", "--gpus", "2"], monkeypatch, smollm, capsys)
+    assert code == 2 and "--interactive runs on one device" in out.err and "Traceback" not in out.err
 
 
 @pytest.mark.model

@@ -412,3 +412,30 @@ def test_warm_up_leaves_the_runners_cache_empty_and_the_answer_unchanged(device)
     assert torch.equal(runner.generate(ids, 10), cold)
     with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
         runner.warm_up(0)
+
+
+@pytest.mark.parametrize("policy", ["full", "quest", "certified", "hgca", "streaming"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_next_turn_appended_to_the_cache_answers_as_the_whole_conversation(device, policy):
+    """A conversation's second turn appended to the cache (`generate(append=True)`, led by the first answer's last
+    token, which no step fed) gives the tokens of one prompt holding the whole conversation; the cache then holds
+    every token but the last answer's last."""
+    model = _tiny(device=device)
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=4)
+    first = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(11)).to(device)
+    second = torch.randint(0, 128, (1, 23), generator=torch.Generator().manual_seed(12)).to(device)
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    answer = runner.generate(first, 9, chunk_tokens=20)
+    turn = torch.cat([answer[-1:].to(device)[None], second], dim=1)
+    reply = runner.generate(turn, 7, chunk_tokens=20, append=True)
+    held = runner.cache.get_seq_length()
+    assert held == 45 + 9 + 23 + 7 - 1
+    whole = torch.cat([first, answer[None].to(device), second], dim=1)
+    fresh = TandemRunner(model, TandemCache.for_model(model, config))
+    assert torch.equal(reply, fresh.generate(whole, 7, chunk_tokens=20))
+    with pytest.raises(ValueError, match="append=True"):
+        runner.prefill(second)
+    with pytest.raises(ValueError, match="no attention_mask"):
+        runner.prefill(second, torch.ones_like(second), append=True)
+    with pytest.raises(ValueError, match="without append first"):
+        TandemRunner(model, TandemCache.for_model(model, config)).prefill(second, append=True)
