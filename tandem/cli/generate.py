@@ -386,27 +386,39 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         held = ids + tokens.tolist()[:-1]
-        first = streamer.first_token_time or end
-        generated = int(tokens.numel())
-        rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
-        stats = dict(
-            cache.stats(),
-            turn=turn,
-            prompt_tokens=len(ids) - reused,
-            reused_tokens=reused,
-            generated_tokens=generated,
-            prefill_seconds=round(first - start, 3),
-            warmup_seconds=round(warmup, 3),
-            decode_tokens_per_s=round(rate, 2) if rate else None,
-            device=str(device),
-            engine=use_engine,
-        )
-        stats = explain_unread_host_tier(stats, config)
-        if args.json:
-            print(json.dumps({"turn": turn, "text": answer, "stats": stats}), flush=True)
-        else:
-            print(stats_line(stats), file=sys.stderr, flush=True)
+        stats = _answer_stats(
+            cache, config, tokens, streamer, start, end, warmup, device, use_engine,
+            turn=turn, prompt_tokens=len(ids) - reused, reused_tokens=reused,
+        )  # fmt: skip
+        _report(args, {"turn": turn, "text": answer}, stats)
     return 0
+
+
+def _answer_stats(cache, config, tokens, streamer, start, end, warmup, device, use_engine, **fields) -> dict:
+    """The stats of one answer as `tandem generate` prints them: the cache's, the answer's counts and rates from
+    the seconds at `start`, its first token (the streamer's) and `end`, and `fields` (the prompt's tokens...)."""
+    first = streamer.first_token_time or end
+    generated = int(tokens.numel())
+    rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
+    stats = dict(
+        cache.stats(),  # with --gpus, a rank's: its heads' tiers
+        **fields,
+        generated_tokens=generated,
+        prefill_seconds=round(first - start, 3),
+        warmup_seconds=round(warmup, 3),
+        decode_tokens_per_s=round(rate, 2) if rate else None,
+        device=str(device),
+        engine=use_engine,
+    )
+    return explain_unread_host_tier(stats, config)
+
+
+def _report(args, result: dict, stats: dict) -> None:
+    """One answer's stats: a JSON line with `result` on stdout under --json, else the stats line on stderr."""
+    if args.json:
+        print(json.dumps({**result, "stats": stats}), flush=True)
+    else:
+        print(stats_line(stats), file=sys.stderr, flush=True)
 
 
 def _start_rank(args):
@@ -667,25 +679,12 @@ def _run(args) -> int:
     if bar is not None:
         bar.close()
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
-    first = streamer.first_token_time or end
-    generated = int(new_tokens.numel())
-    decode_rate = (generated - 1) / (end - first) if generated > 1 and end > first else None
-    stats = dict(
-        cache.stats(),  # a rank's: its heads' tiers
+    stats = _answer_stats(
+        cache, config, new_tokens, streamer, start, end, warmup_seconds, device, use_engine,
         gpus=1 if rank is None else rank.world,
         # the split in effect: "requests" only where ranks divide the host work by requests (`cache.split`)
         host_split="requests" if any(kv.split is not None for kv in cache.tandem_layers()) else "heads",
         prompt_tokens=prompt_tokens,
-        generated_tokens=generated,
-        prefill_seconds=round(first - start, 3),
-        warmup_seconds=round(warmup_seconds, 3),
-        decode_tokens_per_s=round(decode_rate, 2) if decode_rate else None,
-        device=str(device),
-        engine=use_engine,
-    )
-    stats = explain_unread_host_tier(stats, config)
-    if args.json:
-        print(json.dumps({"text": text, "stats": stats}))
-    else:
-        print(stats_line(stats), file=sys.stderr)
+    )  # fmt: skip
+    _report(args, {"text": text}, stats)
     return 0
