@@ -323,7 +323,8 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
     """`--interactive`: each non-blank line of `lines` is a user turn. The conversation goes through the chat
     template whole, and the tokens it starts with that the cache already holds (every earlier turn, and every
     answer but its last token, which no step fed) are not prefilled again: the turn's own tokens are appended
-    (`TandemRunner.generate(append=True)`, or transformers' generate over the cache), exact for every policy.
+    (`TandemRunner.generate(append=True)`, or transformers' generate over the cache), each attending the whole
+    cache exactly, as a later chunk of one prompt does.
     Where the template writes an earlier answer back as other tokens than were generated, the cache is emptied
     and the conversation prefilled whole. Each answer streams to stdout; a stats line per turn goes to stderr
     (--json: one JSON line per turn instead)."""
