@@ -531,15 +531,28 @@ def block_minmax(keys: torch.Tensor, valid: torch.Tensor, block_size: int):
     return kmin, kmax
 
 
+# `copy_to_host` makes one DMA per contiguous slice where there are at most this many, or where each holds at least
+# SLICE_BYTES; else one copy through torch's pageable temporary (a wait, but one launch): a decode step's evicted
+# block of a large batch (16 rows x 128 (request, head) slices of a few KB) would cost more in launches than the
+# wait, where a prefill chunk's slices are long transfers
+MAX_SLICES = 16
+SLICE_BYTES = 256 << 10
+
+
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     """`dst.copy_(src, non_blocking)` where dst is a view of rows of a pinned host store (e.g. rows [r0, r1) of a
     [B, H, cap, D] store) and src a CUDA tensor: one contiguous DMA per index of dst's leading dims, down to the
     dims whose slices are contiguous. torch copies into a strided host view through a pageable temporary, which
-    makes the copy synchronous: the CPU would wait for the GPU at every write of the host tier."""
+    makes the copy synchronous: the CPU would wait for the GPU at every write of the host tier. Many small slices
+    (`MAX_SLICES`, `SLICE_BYTES`) take torch's copy."""
     if not (non_blocking and src.is_cuda) or dst.is_contiguous() or not dst.is_pinned():
         dst.copy_(src, non_blocking=non_blocking)
         return
     lead = _contiguous_from(dst)
+    slices = math.prod(dst.shape[:lead])
+    if slices > MAX_SLICES and dst.numel() // slices * dst.element_size() < SLICE_BYTES:
+        dst.copy_(src, non_blocking=True)
+        return
     src = src.expand(dst.shape)
     for index in itertools.product(*(range(n) for n in dst.shape[:lead])):
         dst[index].copy_(src[index], non_blocking=True)

@@ -637,7 +637,8 @@ def test_contiguous_from_finds_where_slices_stop_being_strided():
 def test_copies_into_rows_of_a_pinned_store_do_not_wait_for_the_gpu():
     """torch copies into a strided host view through a pageable temporary, which blocks the CPU until the GPU has
     run everything queued before the copy; `copy_to_host` copies each (request, head) slice asynchronously: the
-    stream is still busy when the call returns, and the rows land where a plain copy puts them."""
+    stream is still busy when the call returns, and the rows land where a plain copy puts them. More than
+    MAX_SLICES small slices take torch's copy instead."""
     store = torch.zeros(2, 3, 64, 8, pin_memory=True)
     src = torch.randn(2, 3, 16, 8, device="cuda")
     stream = torch.cuda.current_stream()
@@ -655,3 +656,8 @@ def test_copies_into_rows_of_a_pinned_store_do_not_wait_for_the_gpu():
     )
     stream.synchronize()
     assert valid.sum().item() == 8 and valid[:, 4:8].all()
+    # many small slices (a large batch's evicted block) take torch's one copy, which waits for the GPU
+    wide = torch.zeros(4, 8, 64, 8, pin_memory=True)
+    torch.cuda._sleep(200_000_000)
+    host_module.copy_to_host(wide[:, :, 16:32], torch.ones(4, 8, 16, 8, device="cuda"), non_blocking=True)
+    assert stream.query() and wide.sum().item() == 4 * 8 * 16 * 8
