@@ -112,7 +112,6 @@ class SchedulerStats:
         self.on_first_token: Callable[[float], None] | None = None
         self.on_token_gap: Callable[[float], None] | None = None
         self.on_finish: Callable[[Request, str], None] | None = None
-        self.max_prefill_chunk_seconds = 0.0
         self.request_seconds = 0.0  # moving average of a request's time from admission to its end
 
 
@@ -386,7 +385,6 @@ class Scheduler:
             logits = logits[0].cpu()
             request.prefilled = e
             seconds = time.perf_counter() - start
-            self.stats.max_prefill_chunk_seconds = max(self.stats.max_prefill_chunk_seconds, seconds)
             if self.stats.on_prefill_chunk is not None:
                 self.stats.on_prefill_chunk(seconds)
         except Exception as err:
