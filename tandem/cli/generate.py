@@ -320,14 +320,13 @@ def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None, 
 
 
 def _conversation(args, model, tokenizer, config, lines) -> int:
-    """`--interactive`: each non-blank line of `lines` is a user turn. The conversation goes through the chat
-    template whole, and the tokens it starts with that the cache already holds (every earlier turn, and every
-    answer but its last token, which no step fed) are not prefilled again: the turn's own tokens are appended
-    (`TandemRunner.generate(append=True)`, or transformers' generate over the cache), each attending the whole
-    cache exactly, as a later chunk of one prompt does.
-    Where the template writes an earlier answer back as other tokens than were generated, the cache is emptied
-    and the conversation prefilled whole. Each answer streams to stdout; a stats line per turn goes to stderr
-    (--json: one JSON line per turn instead)."""
+    """`--interactive`: each non-blank line of `lines` (a text stream) is a user turn. The conversation goes
+    through the chat template whole, and the tokens it starts with that the cache already holds (every earlier
+    turn, and every answer but its last token, which no step fed) are not prefilled again: the turn's own tokens
+    are appended (`TandemRunner.generate(append=True)`, or transformers' generate over the cache), each attending
+    the whole cache exactly, as a later chunk of one prompt does. Where the template writes an earlier answer
+    back as other tokens than were generated, the cache is emptied and the conversation prefilled whole. Each
+    answer streams to stdout; a stats line per turn goes to stderr (--json: one JSON line per turn instead)."""
     import torch
 
     from ..engine import SamplingParams, TandemRunner
@@ -348,7 +347,7 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
     limit = getattr(model.config, "max_position_embeddings", None)
     messages, held, turn = [], [], 0
     torch.manual_seed(args.seed)
-    for line in lines:
+    for line in _turns(lines):
         if not line.strip():
             continue
         turn += 1
@@ -393,6 +392,19 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
         )  # fmt: skip
         _report(args, {"turn": turn, "text": answer}, stats)
     return 0
+
+
+def _turns(lines):
+    """The lines of `lines` (a text stream) as they are read, a "> " prompt on stderr before each where it is a
+    terminal."""
+    terminal = lines.isatty()
+    while True:
+        if terminal:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = lines.readline()
+        if not line:
+            return
+        yield line
 
 
 def _answer_stats(cache, config, tokens, streamer, start, end, warmup, device, use_engine, **fields) -> dict:

@@ -111,21 +111,25 @@ def test_engine_path_matches_generate_and_stops_at_eos(smollm, monkeypatch, caps
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("engine", ["on", "off"])
-def test_a_conversation_prefills_each_turn_once(engine, smollm, monkeypatch, capsys):
-    """--interactive: the second turn prefills only its own tokens, the first turn and answer kept in the cache,
-    and answers as one prompt holding the whole conversation does (the same greedy text); blank lines are no
-    turns."""
+@pytest.mark.parametrize(
+    "engine, policy", [("on", "certified"), ("off", "certified"), ("on", "fluxion"), ("off", "quest")]
+)
+def test_a_conversation_prefills_each_turn_once(engine, policy, smollm, monkeypatch, capsys):
+    """--interactive: the second turn prefills only its own tokens, the first turn and answer kept in the cache
+    (a window of 16 puts most of them in the host tier; fluxion keeps its profile's window), and answers as one
+    prompt holding the whole conversation does (the same greedy text); blank lines are no turns."""
     turns = ["What is the capital of France? Answer in one sentence.", "", "And of Italy?"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(turns) + "\n"))
+    window = {} if policy == "fluxion" else {"sink_tokens": 4, "window_tokens": 16}
+    small = ["--policy", policy, *(f"--{k.replace('_', '-')}={v}" for k, v in window.items())]
     code, out = _run(
-        ["generate", "--interactive", "--max-new-tokens", "24", "--engine", engine, "--json"],
+        ["generate", "--interactive", "--max-new-tokens", "24", "--engine", engine, "--json", *small],
         monkeypatch, smollm, capsys,
     )  # fmt: skip
     assert code == 0, out.err
     first, second = (json.loads(line) for line in out.out.splitlines())
     assert (first["turn"], second["turn"]) == (1, 2) and "Paris" in first["text"]
-    assert first["stats"]["reused_tokens"] == 0
+    assert first["stats"]["reused_tokens"] == 0 and (second["stats"]["host_rows"] > 0 or not window)
     held = first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"] - 1
     assert second["stats"]["reused_tokens"] == held
     tokenizer = smollm[1]
@@ -141,7 +145,9 @@ def test_a_conversation_prefills_each_turn_once(engine, smollm, monkeypatch, cap
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-            **generate_cache_kwargs(model, TandemCache.for_model(model, TandemConfig())),
+            **generate_cache_kwargs(
+                model, TandemCache.for_model(model, TandemConfig(policy=policy, **window))
+            ),
         )  # fmt: skip
     assert second["text"] == tokenizer.decode(out[0, len(whole) :], skip_special_tokens=True)
 
