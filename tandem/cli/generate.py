@@ -300,23 +300,38 @@ class _Streamer:
             sys.stdout.flush()
 
 
-def _engine_generate(runner, ids, max_new_tokens: int, streamer, sampling=None, append: bool = False):
-    """Tokens from Tandem's engine (`TandemRunner.generate`): chunked prefill, then decode steps (one CUDA graph
-    each on a GPU), each token greedy or, with `sampling` (a SamplingParams), drawn inside the step; printed as
-    they come, up to an end-of-sequence token (kept, as model.generate keeps it). append: `ids` continue what the
-    runner's cache holds. Returns [n]."""
-    from ..engine import Sampler
+def _answer(args, model, tokenizer, cache, runner, ids, cached: int, streamer):
+    """One answer to `ids` [1, T], its text printed as it comes (`streamer`), up to an end-of-sequence token (kept,
+    as model.generate keeps it) or --max-new-tokens; greedy, or drawn per --do-sample, --temperature, --top-p and
+    --seed. With `runner` (a TandemRunner over `cache`), Tandem's engine: chunked prefill of the tokens past the
+    first `cached` (which the cache holds: `append`), then decode steps (one CUDA graph each on a GPU), each token
+    chosen inside the step; else transformers' generate over `cache`, which skips the tokens it holds. Returns the
+    new tokens [n] on the CPU."""
+    import torch
+
+    from ..engine import Sampler, SamplingParams
+    from ..integrations.hf import generate_cache_kwargs
     from ..models import end_of_sequence_ids
 
-    model = runner.model
-    sampler = Sampler(sampling, 1, runner.device) if sampling is not None else None
-    streamer.put(ids)  # the prompt, which the streamer skips (as model.generate hands it over first)
-    tokens = runner.generate(
-        ids, max_new_tokens, sampler, end_of_sequence_ids(model), ENGINE_CHUNK_TOKENS, on_token=streamer.put,
-        append=append,
-    )  # fmt: skip
-    streamer.end()
-    return tokens
+    if runner is not None:
+        params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
+        sampler = Sampler(params, 1, runner.device) if params is not None else None
+        new = ids[:, cached:]
+        streamer.put(new)  # the prompt, which the streamer skips (as model.generate hands it over first)
+        tokens = runner.generate(
+            new, args.max_new_tokens, sampler, end_of_sequence_ids(model), ENGINE_CHUNK_TOKENS,
+            on_token=streamer.put, append=cached > 0,
+        )  # fmt: skip
+        streamer.end()
+        return tokens
+    sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else {}
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id, do_sample=args.do_sample, **sampling,
+            **generate_cache_kwargs(model, cache),
+        )  # fmt: skip
+    return out[0, ids.shape[1] :].cpu()
 
 
 def _conversation(args, model, tokenizer, config, lines) -> int:
@@ -329,8 +344,8 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
     answer streams to stdout; a stats line per turn goes to stderr (--json: one JSON line per turn instead)."""
     import torch
 
-    from ..engine import SamplingParams, TandemRunner
-    from ..integrations.hf import TandemCache, generate_cache_kwargs
+    from ..engine import TandemRunner
+    from ..integrations.hf import TandemCache
 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("--interactive: this model's tokenizer has no chat template")
@@ -338,12 +353,6 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
     use_engine = uses_engine(args.engine, device.type)
     cache = TandemCache.for_model(model, config)
     runner = TandemRunner(model, cache) if use_engine else None
-    params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
-    sampling = (
-        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
-        if args.do_sample
-        else dict(do_sample=False)
-    )
     limit = getattr(model.config, "max_position_embeddings", None)
     messages, held, turn = [], [], 0
     torch.manual_seed(args.seed)
@@ -370,18 +379,8 @@ def _conversation(args, model, tokenizer, config, lines) -> int:
             warmup = runner.warm_up(len(ids), args.max_new_tokens)
         streamer = _Streamer(tokenizer, enabled=not args.json)
         start = time.perf_counter()
-        if use_engine:
-            new = torch.tensor([ids[reused:]], device=device)
-            tokens = _engine_generate(runner, new, args.max_new_tokens, streamer, params, append=bool(reused))
-        else:
-            whole = torch.tensor([ids], device=device)
-            with torch.inference_mode():
-                out = model.generate(
-                    whole, attention_mask=torch.ones_like(whole), max_new_tokens=args.max_new_tokens,
-                    streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling,
-                    **generate_cache_kwargs(model, cache),
-                )  # fmt: skip
-            tokens = out[0, len(ids) :].cpu()
+        whole = torch.tensor([ids], device=device)
+        tokens = _answer(args, model, tokenizer, cache, runner, whole, reused, streamer)
         end = time.perf_counter()
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
@@ -588,7 +587,7 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from ..integrations.hf import TandemCache, generate_cache_kwargs
+    from ..integrations.hf import TandemCache
     from ..models import load_model
 
     if args.max_new_tokens < 1:
@@ -656,13 +655,9 @@ def _run(args) -> int:
                 cache.on_prefill_layer = None
 
         cache.on_prefill_layer = on_layer
-    sampling = (
-        dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)
-        if args.do_sample
-        else dict(do_sample=False)
-    )
     torch.manual_seed(args.seed)
     warmup_seconds = 0.0
+    runner = None
     if use_engine:
         from ..engine import TandemRunner
 
@@ -671,23 +666,7 @@ def _run(args) -> int:
             # the process's one-time costs (kernel builds, the step's recording) before the request, not inside it
             warmup_seconds = runner.warm_up(prompt_tokens, args.max_new_tokens)
     start = time.perf_counter()
-    if use_engine:
-        from ..engine import SamplingParams
-
-        params = SamplingParams(args.temperature, args.top_p, args.seed) if args.do_sample else None
-        new_tokens = _engine_generate(runner, ids, args.max_new_tokens, streamer, params)
-    else:
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.max_new_tokens,
-                streamer=streamer,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
-                **generate_cache_kwargs(model, cache),
-            )
-        new_tokens = out[0, prompt_tokens:]
+    new_tokens = _answer(args, model, tokenizer, cache, runner, ids, 0, streamer)
     end = time.perf_counter()
     if bar is not None:
         bar.close()
