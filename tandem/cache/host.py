@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -21,6 +22,27 @@ BUFFERS = (
     "key_max_dev", "block_valid_dev", "key_centre_dev", "key_radius_dev", "value_norm_dev", "block_rows_dev",
     *SKETCH_ROWS,
 )  # fmt: skip
+
+
+class PrefixClaim:
+    """Kept prefixes' hold on one host tier's host-memory buffers (`cache.snapshot`): how many prefixes read their
+    rows, and which tier writes past those rows, weakly (the tier that made them, or the one that took them over).
+    Rows once written never change, so a prefix reads its rows wherever they are; a request starting from one takes
+    the buffers over when no tier writes into them any more, and copies them otherwise."""
+
+    def __init__(self, writer: HostTier) -> None:
+        self.readers = 0
+        self.writer = weakref.ref(writer)
+
+    def written(self, keys: torch.Tensor) -> bool:
+        """Whether a live tier still writes into the buffers whose keys are `keys`."""
+        tier = self.writer()
+        return tier is not None and tier.keys is keys
+
+    def take(self, tier: HostTier) -> None:
+        """`tier` now writes into these buffers (it took them over)."""
+        self.writer = weakref.ref(tier)
+        tier.claim = self
 
 
 class HostMemoryError(MemoryError):
@@ -115,6 +137,9 @@ class HostTier:
         self.key_centre_dev = self.key_radius_dev = self.value_norm_dev = self.block_rows_dev = None
         self.key_codes_dev = self.key_code_scale_dev = self.key_code_error_dev = self.row_valid_dev = None
         self.generation = 0  # bumped when the buffers are reallocated (captured graphs hold their addresses)
+        # the kept prefixes' hold on this tier's host-memory buffers, once one reads them (`cache.snapshot`): while
+        # any does, `clear` never zeroes them for another request; the buffers go with the last reference
+        self.claim: PrefixClaim | None = None
 
     # ---- storage -------------------------------------------------------------------------------------------
     def _zeros(self, shape, dtype) -> torch.Tensor:
@@ -141,50 +166,7 @@ class HostTier:
         if headroom and self.capacity == 0:
             new_cap = max(new_cap, rows + rows // 8)
         new_cap = -(-new_cap // bs) * bs
-        b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
-        try:
-            grown = {
-                "keys": self._zeros((b, hkv, new_cap, d), self.store_dtype),
-                "values": self._zeros((b, hkv, new_cap, d), self.store_dtype),
-                "valid": self._zeros((b, new_cap), torch.bool),
-            }
-            if self.quant:
-                grown["key_scale"] = self._zeros((b, hkv, new_cap // bs), torch.float32)
-                grown["value_scale"] = self._zeros((b, hkv, new_cap // bs), torch.float32)
-            if self.keep_digest:
-                grown["key_min"] = self._zeros((b, hkv, new_cap // bs, d), self.dtype)
-                grown["key_max"] = self._zeros((b, hkv, new_cap // bs, d), self.dtype)
-            if self.keep_maw:
-                grown["maw"] = self._zeros((b, hq, new_cap), torch.float32)
-            if self.mirror_device is not None:
-                dev, (mb, mh) = self.mirror_device, self.mirror_shape
-                pooled = None
-                if self.mirror_storage is not None:
-                    pooled = self.mirror_storage(new_cap // bs, self.dtype, dev)
-                if pooled is not None:
-                    grown["key_min_dev"], grown["key_max_dev"], grown["block_valid_dev"] = pooled
-                else:
-                    grown["key_min_dev"] = torch.zeros(mb, mh, new_cap // bs, d, dtype=self.dtype, device=dev)
-                    grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
-                    grown["block_valid_dev"] = torch.zeros(mb, new_cap // bs, dtype=torch.bool, device=dev)
-            if self.bounds_device is not None:
-                dev, nb = self.bounds_device, new_cap // bs
-                grown["key_centre_dev"] = torch.zeros(b, hkv, nb, d, device=dev)
-                grown["key_radius_dev"] = torch.zeros(b, hkv, nb, device=dev)
-                grown["value_norm_dev"] = torch.zeros(b, hkv, nb, device=dev)
-                grown["block_rows_dev"] = torch.zeros(b, nb, device=dev)
-            if self.keep_sketch:
-                dev = self.bounds_device
-                grown["key_codes_dev"] = torch.zeros(b, hkv, new_cap, d, dtype=torch.int8, device=dev)
-                grown["key_code_scale_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
-                grown["key_code_error_dev"] = torch.zeros(b, hkv, new_cap, device=dev)
-                grown["row_valid_dev"] = torch.zeros(b, new_cap, dtype=torch.bool, device=dev)
-        except MemoryError as err:
-            if isinstance(err, HostMemoryError):
-                raise
-            raise HostMemoryError(
-                f"host memory exhausted growing the Tandem host tier to {new_cap} rows"
-            ) from err
+        grown = self._allocate(new_cap)
         for name, new in grown.items():
             old = getattr(self, name)
             if old is not None and self.rows:
@@ -193,11 +175,99 @@ class HostTier:
             setattr(self, name, new)
         self.capacity = new_cap
         self.generation += 1
+        self.claim = None  # kept prefixes may read the old buffers; these are the tier's own
+
+    @property
+    def shared(self) -> bool:
+        """Whether a kept prefix reads this tier's buffers (`cache.snapshot`)."""
+        return self.claim is not None and self.claim.readers > 0
+
+    def adopt(self, buffers: dict[str, torch.Tensor], rows: int) -> None:
+        """Take `buffers` (name -> tensor: the host-memory buffers of another tier of these settings, whose first
+        `rows` rows are live and that no tier writes into any more) as this empty tier's own, without a copy; the
+        tier's other buffers are allocated alike and their rows are left for the caller to fill. A kept prefix's
+        host rows taken by the request that starts from it (`cache.snapshot`)."""
+        if self.rows or self.capacity:
+            raise RuntimeError("adopt: the tier already holds buffers")
+        cap = buffers["keys"].shape[2]
+        if not set(buffers) <= set(self.kept_buffers()):
+            raise ValueError(f"adopt: the buffers {sorted(buffers)} are not all this tier's")
+        allocated = self._allocate(cap, skip=set(buffers))
+        for name, tensor in {**buffers, **allocated}.items():
+            setattr(self, name, tensor)
+        self.capacity, self.rows = cap, rows
+        self.generation += 1
+
+    def _allocate(self, new_cap: int, skip=frozenset()) -> dict[str, torch.Tensor]:
+        """Every buffer this tier keeps (`kept_buffers`) but those in `skip`, for `new_cap` rows, zeroed (the
+        digests' mirror from `mirror_storage` where it gives one)."""
+        nb = new_cap // self.block_size
+        b, hkv, hq, d = self.batch, self.num_kv_heads, self.num_q_heads, self.head_dim
+        host, dev = self._zeros, self.bounds_device
+        shapes = {
+            "keys": lambda: host((b, hkv, new_cap, d), self.store_dtype),
+            "values": lambda: host((b, hkv, new_cap, d), self.store_dtype),
+            "valid": lambda: host((b, new_cap), torch.bool),
+            "key_scale": lambda: host((b, hkv, nb), torch.float32),
+            "value_scale": lambda: host((b, hkv, nb), torch.float32),
+            "key_min": lambda: host((b, hkv, nb, d), self.dtype),
+            "key_max": lambda: host((b, hkv, nb, d), self.dtype),
+            "maw": lambda: host((b, hq, new_cap), torch.float32),
+            "key_centre_dev": lambda: torch.zeros(b, hkv, nb, d, device=dev),
+            "key_radius_dev": lambda: torch.zeros(b, hkv, nb, device=dev),
+            "value_norm_dev": lambda: torch.zeros(b, hkv, nb, device=dev),
+            "block_rows_dev": lambda: torch.zeros(b, nb, device=dev),
+            "key_codes_dev": lambda: torch.zeros(b, hkv, new_cap, d, dtype=torch.int8, device=dev),
+            "key_code_scale_dev": lambda: torch.zeros(b, hkv, new_cap, device=dev),
+            "key_code_error_dev": lambda: torch.zeros(b, hkv, new_cap, device=dev),
+            "row_valid_dev": lambda: torch.zeros(b, new_cap, dtype=torch.bool, device=dev),
+        }
+        try:
+            grown = {
+                name: shapes[name]() for name in self.kept_buffers() if name in shapes and name not in skip
+            }
+            if self.mirror_device is not None and "key_min_dev" not in skip:
+                mirror_dev, (mb, mh) = self.mirror_device, self.mirror_shape
+                pooled = None
+                if self.mirror_storage is not None:
+                    pooled = self.mirror_storage(nb, self.dtype, mirror_dev)
+                if pooled is not None:
+                    grown["key_min_dev"], grown["key_max_dev"], grown["block_valid_dev"] = pooled
+                else:
+                    grown["key_min_dev"] = torch.zeros(mb, mh, nb, d, dtype=self.dtype, device=mirror_dev)
+                    grown["key_max_dev"] = torch.zeros_like(grown["key_min_dev"])
+                    grown["block_valid_dev"] = torch.zeros(mb, nb, dtype=torch.bool, device=mirror_dev)
+        except MemoryError as err:
+            if isinstance(err, HostMemoryError):
+                raise
+            raise HostMemoryError(
+                f"host memory exhausted growing the Tandem host tier to {new_cap} rows"
+            ) from err
+        return grown
+
+    def kept_buffers(self) -> list[str]:
+        """The names (of `BUFFERS`) of the buffers this tier keeps, by its settings."""
+        names = ["keys", "values", "valid"]
+        if self.quant:
+            names += ["key_scale", "value_scale"]
+        if self.keep_digest:
+            names += ["key_min", "key_max"]
+        if self.keep_maw:
+            names += ["maw"]
+        if self.mirror_device is not None:
+            names += ["key_min_dev", "key_max_dev", "block_valid_dev"]
+        if self.bounds_device is not None:
+            names += ["key_centre_dev", "key_radius_dev", "value_norm_dev", "block_rows_dev"]
+        if self.keep_sketch:
+            names += list(SKETCH_ROWS)
+        return names
 
     def clear(self) -> None:
         """Empty, as a new tier would be, keeping every buffer where it is (the addresses a recorded step reads)
         and the capacity: the rows written so far (live and staged) and their metadata zeroed; the rest was never
         written. The caller has let the GPU finish the work that reads them."""
+        if self.shared:
+            raise RuntimeError("clear: a kept prefix reads this host tier's rows (`claim`)")
         self.wait()
         written = self.rows + self.staged
         with torch.inference_mode():  # (a decode step may have made the device ones inference tensors)

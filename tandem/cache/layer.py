@@ -109,13 +109,24 @@ class LayerKV(Failable):
     def initialize(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
         """Allocate both tiers from the first append: keys [B, Hkv, m, D], valid [B, m]."""
         batch, num_kv_heads, prompt_len, head_dim = keys.shape
-        cfg = self.config
         if num_kv_heads != self.num_kv_heads or head_dim != self.head_dim:
             raise ValueError(
                 f"layer {self.layer_idx}: keys have {num_kv_heads} heads of dim {head_dim}, the cache was built "
                 f"for {self.num_kv_heads} heads of dim {self.head_dim}"
             )
         max_pad = int((~valid).sum(dim=1).max()) if prompt_len else 0
+        self.make_tiers(batch, prompt_len, max_pad, keys.dtype, keys.device)
+
+    def make_tiers(
+        self, batch: int, prompt_len: int, max_pad: int, dtype: torch.dtype, device, reserve_host: bool = True
+    ) -> None:
+        """Allocate both tiers as a first append of `prompt_len` tokens (the longest left padding `max_pad`) in
+        `dtype` on `device` makes them (`initialize`; a restored prefix, `cache.snapshot`, makes them alike).
+        reserve_host: the host tier's rows for the capacity hint are allocated here (else left to the caller)."""
+        cfg = self.config
+        device = torch.device(device)
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        keys = torch.empty(0, dtype=dtype, device=device)  # what the tiers are made like: dtype and device
         window = cfg.window_for_prompt(prompt_len - max_pad)
         ring_blocks = math.ceil(window / cfg.block_size) + 1
         needs_maw = self.policy.needs_maw
@@ -182,10 +193,15 @@ class LayerKV(Failable):
         self._host_made_with = host_args
         if batch == 1 and self.split is None:
             self.host.mirror_storage = self.mirror_storage
-        if self.capacity_hint > prompt_len:
+        if self.capacity_hint > prompt_len and reserve_host:
             # one allocation up front: growing a pinned store by copying needs old + new at once
-            host_rows = self.capacity_hint - cfg.sink_tokens
-            self.host.reserve(-(-host_rows // cfg.block_size) * cfg.block_size, headroom=False)
+            self.host.reserve(self.host_rows_hint(), headroom=False)
+
+    def host_rows_hint(self) -> int:
+        """The host rows the capacity hint asks for: every hinted token past the sinks, whole blocks."""
+        cfg = self.config
+        host_rows = max(0, self.capacity_hint - cfg.sink_tokens)
+        return -(-host_rows // cfg.block_size) * cfg.block_size
 
     @torch.inference_mode()
     def clear(self) -> None:
@@ -197,8 +213,14 @@ class LayerKV(Failable):
         hot, host = self.hot, self.host
         if hot is not None and hot.keys.is_cuda:
             torch.cuda.synchronize(hot.keys.device)  # nothing queued may still read or write what is zeroed
-        if self.failed is not None or self.hot_storage is not None or self.mirror_storage is not None:
-            # a failed step's tiers may hold half of it; a pool's rows go to other requests (`engine.slots`)
+        if (
+            self.failed is not None
+            or self.hot_storage is not None
+            or self.mirror_storage is not None
+            or (host is not None and host.shared)
+        ):
+            # a failed step's tiers may hold half of it; a pool's rows go to other requests (`engine.slots`); a
+            # cached prefix reads the host rows (`cache.snapshot`)
             self._spare = (None, None, None, None)
         elif hot is not None:
             host.clear()  # (waits for the copies that read the ring)
@@ -395,9 +417,8 @@ class LayerKV(Failable):
             hot.release(hot.order, self.host.last_event)
             hot.order, hot.tail_fill = [], 0
             pos += direct
-        else:
-            for _ in range(evict_tokens // bs):  # evict whole oldest blocks
-                self._evict_oldest_block()
+        elif evict_tokens:
+            self._evict_oldest_blocks(evict_tokens // bs)
         self._fill_ring(keys[:, :, pos:], values[:, :, pos:], valid[:, pos:])
 
     def reserve_decode_slot(self) -> int:
@@ -473,6 +494,27 @@ class LayerKV(Failable):
         maw = maw_b.clone() if maw_b is not None else None
         self._evict(keys_b, values_b, valid_b, maw, staged=self.host.staged == keys_b.shape[2])
         hot.release([block], self.host.last_event)
+
+    def _evict_oldest_blocks(self, count: int) -> None:
+        """The ring's `count` oldest blocks to the host tier as one append (an append of a few hundred tokens evicts
+        many blocks: one at a time, each would cost the host tier's copies and digests again); a staged block goes
+        first, alone, as `stage` wrote it."""
+        hot = self.hot
+        if self.host.staged:
+            self._evict_oldest_block()
+            count -= 1
+        if count == 0:
+            return
+        if count == 1:
+            self._evict_oldest_block()
+            return
+        blocks, hot.order = hot.order[:count], hot.order[count:]
+        views = [hot.block_view(block) for block in blocks]
+        keys, values = torch.cat([v[0] for v in views], dim=2), torch.cat([v[1] for v in views], dim=2)
+        valid = torch.cat([v[2] for v in views], dim=1)
+        maw = torch.cat([v[3] for v in views], dim=2) if views[0][3] is not None else None
+        self._evict(keys, values, valid, maw)
+        hot.release(blocks, self.host.last_event)
 
     def _fill_ring(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         """The new tokens into the ring after its newest token: the newest block topped up, then as many free

@@ -30,6 +30,30 @@ def chunk_end(start: int, total: int, chunk_tokens: int, observed: int = 0) -> i
     return end
 
 
+def prefix_end(total: int, chunk_tokens: int, observed: int = 0) -> int:
+    """The longest prefix of a `total`-token prompt that a prefill in chunks of `chunk_tokens` passes through at a
+    chunk boundary and that another prompt could share (`cache.prefix`): the last multiple of chunk_tokens before
+    the prompt's end that `chunk_end` stops at, or 0. A prompt keeps its state there, and a prompt that begins with
+    the same tokens starts from it when it is at most this long for that prompt: its own cold prefill would have
+    stopped there too, so it continues in the same chunks."""
+    end = min(total - 1, total - observed) // chunk_tokens * chunk_tokens
+    return max(0, end)
+
+
+# a prompt keeps its prefixes at this many of its last chunk boundaries (`kept_ends`): two hold a document that a
+# question shorter than one chunk follows, wherever the document ends (the last boundary may fall in the question)
+KEPT_BOUNDARIES = 2
+
+
+def kept_ends(total: int, chunk_tokens: int, observed: int = 0) -> list[int]:
+    """The boundaries at which a `total`-token prompt's prefill keeps its prefix (`cache.prefix`): the last
+    KEPT_BOUNDARIES chunk boundaries up to `prefix_end`, ascending."""
+    last = prefix_end(total, chunk_tokens, observed)
+    return [
+        end for end in range(last - (KEPT_BOUNDARIES - 1) * chunk_tokens, last + 1, chunk_tokens) if end > 0
+    ]
+
+
 # of the device memory free when a chunked prefill starts, the most its layers' copies of the prompt's host rows
 # may take (`LayerKV.keep_prompt_rows`)
 PROMPT_ROWS_SHARE = 0.5
@@ -87,4 +111,4 @@ def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_
     return out.logits[:, -1].float()
 
 
-__all__ = ["chunk_end", "observed_tokens", "prompt_rows_budget", "run_chunk"]
+__all__ = ["chunk_end", "kept_ends", "observed_tokens", "prefix_end", "prompt_rows_budget", "run_chunk"]

@@ -24,12 +24,13 @@ import weakref
 
 import torch
 
+from ..cache.prefix import PrefixCache
 from ..integrations.hf import TandemCache, generate_cache_kwargs, layer_windows
 from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
 from .fused import FusedLayers
-from .prefill import chunk_end, observed_tokens, run_chunk
+from .prefill import chunk_end, kept_ends, observed_tokens, prefix_end, run_chunk
 from .sampling import Sampler
 from .step import DecodeStep, read_layout
 
@@ -157,6 +158,8 @@ class TandemRunner:
         self.cache_kwargs = generate_cache_kwargs(model, cache)
         self.next_position: torch.Tensor | None = None  # [B] position of each request's next token
         self.prefill_seconds = 0.0
+        # of the last prefill's prompt, the tokens taken from a kept prefix (`prefill`'s prefix_cache)
+        self.reused_tokens = 0
         self.host_seconds: list[float] = []  # per decode step: seconds in the CPU parts
         # the decode step, its inputs and its recording, kept from one stream to the next (`_step_for`): a request
         # that follows another in this runner's cache (`warm_up`, `TandemCache.reset`) replays its recording
@@ -172,7 +175,13 @@ class TandemRunner:
     # ---- prefill -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(
-        self, input_ids, attention_mask=None, chunk_tokens: int = 8192, max_new_tokens: int = 0, append=False
+        self,
+        input_ids,
+        attention_mask=None,
+        chunk_tokens: int = 8192,
+        max_new_tokens: int = 0,
+        append=False,
+        prefix_cache: PrefixCache | None = None,
     ):
         """Run the prompt through the model `chunk_tokens` at a time; returns the last position's logits [B, V].
 
@@ -181,6 +190,10 @@ class TandemRunner:
         append: the tokens continue what the cache holds (a conversation's next turn after `generate`, `decode`
         or `stream`): no padding, positions from each row's next one on, every token attending everything cached
         exactly; the host tier grows where it must.
+        prefix_cache: a batch-1 prompt without padding starts from the longest prefix of it kept there under this
+        cache's settings and chunk length (`reused_tokens` says how many tokens), and keeps its own prefixes there
+        at its last chunk boundaries (`cache.prefix`, `prefill.kept_ends`); the logits and the cache are those of
+        a cold prefill.
         """
         held = self.cache.get_seq_length()
         if append and (not held or self.next_position is None):
@@ -229,9 +242,21 @@ class TandemRunner:
         for layer in self.layers:
             layer.capacity_hint = held + total + max_new_tokens
         start = time.perf_counter()
+        self.reused_tokens = 0
+        keep = None  # (store, the boundaries whose prefixes it keeps, the prompt's tokens)
+        if prefix_cache is not None and not append and batch == 1 and bool(mask.all()):
+            tokens, observed = input_ids[0].tolist(), observed_tokens(self.cache.config)
+            limit = prefix_end(total, chunk_tokens, observed)
+            entry = prefix_cache.lookup(self.cache.config, chunk_tokens, tokens, limit)
+            if entry is not None:
+                kvs = [layer.kv for layer in self.cache.layers]
+                self.reused_tokens = prefix_cache.restore(kvs, entry)
+            keep = (prefix_cache, kept_ends(total, chunk_tokens, observed), tokens)
         try:
             with self.fused_layers or contextlib.nullcontext():
-                logits = self._prefill_chunks(input_ids, mask, positions, chunk_tokens)
+                logits = self._prefill_chunks(
+                    input_ids, mask, positions, chunk_tokens, self.reused_tokens, keep
+                )
         except BaseException as err:
             if isinstance(err, torch.OutOfMemoryError):
                 raise device_memory_error(
@@ -246,16 +271,24 @@ class TandemRunner:
         self.next_position = positions[:, -1] + 1
         return logits
 
-    def _prefill_chunks(self, input_ids, mask, positions, chunk_tokens: int) -> torch.Tensor:
+    def _prefill_chunks(
+        self, input_ids, mask, positions, chunk_tokens: int, start: int, keep
+    ) -> torch.Tensor:
+        """The chunks from `start` (a boundary: the tokens a restored prefix holds) to the end; `keep`: (store,
+        boundaries, tokens) to keep the prefixes ending at those boundaries in the store, or None."""
         total = input_ids.shape[1]
         observed = observed_tokens(self.cache.config)
-        start = 0
         while start < total:
             end = chunk_end(start, total, chunk_tokens, observed)
             logits = run_chunk(
                 self.model, self.cache, self.cache_kwargs, input_ids[:, start:end], positions[:, start:end],
                 mask[:, :end] if mask is not None else None, last=end == total,
             )  # fmt: skip
+            if keep is not None and end in keep[1]:
+                store, _, tokens = keep
+                store.insert(
+                    [layer.kv for layer in self.cache.layers], self.cache.config, chunk_tokens, tokens[:end]
+                )
             start = end
         return logits
 
@@ -314,20 +347,23 @@ class TandemRunner:
         chunk_tokens: int = 8192,
         on_token=None,
         append: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> torch.Tensor:
         """One prompt's new tokens [n] int64 on the CPU: prefill, then decode steps, each token greedy or drawn by
         `sampler` (one row), up to `max_new_tokens` or a token in `stop_ids`, which is kept (as model.generate
         keeps its end-of-sequence token). input_ids: [1, T]; on_token(token [1] on the CPU) is called as each
         token comes (the caller prints it). append: the prompt continues what the cache holds (`prefill`): the
-        last answer's last token, which no step fed, leads the next turn's tokens."""
+        last answer's last token, which no step fed, leads the next turn's tokens. prefix_cache: kept prefixes to
+        start from and keep to (`prefill`)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, tokens] (one prompt), got {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stop = set(stop_ids)
         logits = self.prefill(
-            input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, append=append
-        )
+            input_ids, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, append=append,
+            prefix_cache=prefix_cache,
+        )  # fmt: skip
         token = (sampler if sampler is not None else _argmax)(logits)
         tokens = [token.cpu()]
         if on_token is not None:

@@ -123,6 +123,15 @@ class Policy:
     def on_evict(self, layer, first_row: int, num_rows: int, hot_counts) -> None:
         return None
 
+    def prefix_state(self):
+        """What a cached prefix keeps of this policy's state at a prefill's chunk boundary (`cache.snapshot`):
+        nothing here, since a prefill's chunks before its last leave a policy as it began."""
+        return None
+
+    def restore_prefix_state(self, state) -> None:
+        """Take the state `prefix_state` gave (into a policy that has seen no tokens)."""
+        return None
+
     def on_append(self, layer, host_weights) -> None:
         return None
 

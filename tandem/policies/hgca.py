@@ -47,6 +47,13 @@ class HGCAPolicy(Policy):
         # thresholded on the CPU at the next select (after host.wait()), so the GPU never waits for it
         self._evicted.append((first_row, num_rows, hot_counts))
 
+    def prefix_state(self):
+        # the evictions not yet thresholded (each its first row, rows and the hot counts then: read-only tensors)
+        return list(self._evicted)
+
+    def restore_prefix_state(self, state) -> None:
+        self._evicted = list(state)
+
     def _threshold_evicted(self, layer) -> None:
         """Algorithm 1, line 23: evicted rows with MAW > beta / n_gpu join the selection."""
         host = layer.host
