@@ -74,6 +74,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "after the model is loaded)",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="keep no prompt prefixes: by default each prompt keeps its state at its last chunk boundaries in host "
+        "memory, and a later prompt that begins with the same tokens (a shared document, a conversation's earlier "
+        "turns) starts from it and prefills only the rest, with the same tokens as a cold prefill; kept prefixes "
+        "count against --host-memory and the least recently used go when a request needs the room. A request "
+        'opts out with {"prefix_cache": false}',
+    )
+    p.add_argument(
         "--random-weights",
         metavar="SHAPE",
         default=None,
@@ -167,6 +176,7 @@ def build_server(args):
 
     from ..attention import TaskPool
     from ..cache.memory import available_host_bytes
+    from ..cache.prefix import PrefixCache
     from ..engine import RowsRunner, freeze_heap
     from ..models import load_model, resolve_device
     from ..serve.app import Server
@@ -202,7 +212,10 @@ def build_server(args):
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
     limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
-    scheduler = Scheduler(model, tokenizer, limits, TaskPool(config.host.threads), runner=runner)
+    prefix = None if args.no_prefix_cache else PrefixCache(max_bytes=host)
+    scheduler = Scheduler(
+        model, tokenizer, limits, TaskPool(config.host.threads), runner=runner, prefix=prefix
+    )
     name = args.served_model_name or (args.random_weights or model_name(args.model))
     server = Server(model, tokenizer, name, config, scheduler)
     if not args.no_warmup:
@@ -237,7 +250,7 @@ def run(args) -> int:
     print(
         f"[tandem] serving '{server.model_name}' on http://{args.host}:{args.port}/v1 | policy {server.config.policy} "
         f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk} | host budget "
-        f"{budget}",
+        f"{budget}{'' if server.scheduler.prefix is None else ', prefixes kept'}",
         file=sys.stderr,
     )
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)

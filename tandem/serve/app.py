@@ -110,6 +110,7 @@ class Server:
             top_p=request.top_p,
             seed=request.seed,
             stop=request.stops(),
+            prefix_cache=request.prefix_cache,
         )
 
     def cache_config(self, request) -> TandemConfig:
@@ -236,6 +237,8 @@ def _usage(job: Job) -> dict:
         "prompt_tokens": len(job.prompt_ids),
         "completion_tokens": job.generated,
         "total_tokens": len(job.prompt_ids) + job.generated,
+        # as OpenAI reports prompt caching: the prompt tokens taken from a kept prefix
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
     }
 
 

@@ -11,6 +11,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -41,7 +42,8 @@ class Metrics:
         )
         self.prefill_chunk = Histogram(
             "tandem_prefill_chunk_seconds",
-            "One prefill chunk: the longest a running stream waits for another prompt",
+            "One prefill chunk (a new request's first with its cache made and any kept prefix restored): the "
+            "longest a running stream waits for another prompt",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -69,6 +71,8 @@ class Metrics:
             ("tandem_live_caches", "live_caches", "Request caches not yet freed"),
         ):
             Gauge(name, doc, registry=r).set_function(lambda key=key: counts()[key])
+        if scheduler.prefix is not None:
+            r.register(_PrefixCollector(scheduler.prefix))
         lim = scheduler.limits
         budgets = Gauge("tandem_budget_bytes", "Memory budgets for admission", ["memory"], registry=r)
         budgets.labels("host").set(-1 if lim.host_bytes is None else lim.host_bytes)
@@ -86,3 +90,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCollector:
+    """The prefix cache's counters and sizes (`cache.prefix.PrefixCache.stats`), read when scraped."""
+
+    COUNTERS = (
+        ("tandem_prefix_lookups", "lookups", "New requests that looked for a kept prompt prefix"),
+        ("tandem_prefix_hits", "hits", "New requests that started from a kept prompt prefix"),
+        ("tandem_prefix_hit_tokens", "hit_tokens", "Prompt tokens taken from kept prefixes"),
+        ("tandem_prefix_restored_bytes", "bytes_restored", "Bytes of kept prefixes copied into requests"),
+        ("tandem_prefix_inserted", "inserted", "Prompt prefixes kept"),
+        ("tandem_prefix_evictions", "evictions", "Kept prefixes dropped for room"),
+    )
+    GAUGES = (
+        ("tandem_prefix_entries", "entries", "Prompt prefixes kept now"),
+        ("tandem_prefix_bytes", "bytes", "Host memory the kept prefixes hold"),
+    )
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def collect(self):
+        stats = self.store.stats()
+        for name, key, doc in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats[key])
+        for name, key, doc in self.GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats[key])

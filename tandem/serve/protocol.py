@@ -62,6 +62,8 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Tandem's: start from a prompt prefix the server keeps, and keep this prompt's (`tandem serve`'s prefix cache)
+    prefix_cache: bool = True
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:

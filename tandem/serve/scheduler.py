@@ -9,6 +9,11 @@ waiting prompt and one decode step of every running request.
   chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). The chunks are the
   engine's (`RowsRunner.prefill_chunk`, cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at
   least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
+- **Prefixes.** With a `PrefixCache`, a prompt that begins with a prefix kept there under its settings starts
+  from it and prefills only the rest, and each prompt keeps its own last chunk boundaries' prefixes
+  (`engine.prefill.kept_ends`) for later requests: the same tokens as a cold prefill (`cache.prefix`). A request
+  may opt out (`Request.prefix_cache`). The prefixes' host bytes count against the host budget: admission drops
+  the least recently used ones where a request needs their memory.
 - **Decode.** Every request past its prefill decodes one token per step, all of them in one step of the engine
   (`engine.rows.RowsRunner`: one model forward, each row over its own cache, recorded as CUDA graphs while the
   batch keeps its requests), and the rows' tokens are chosen in one call. A request leaves the batch when it
@@ -38,8 +43,9 @@ import torch
 
 from ..attention import TaskPool
 from ..cache.memory import empty_pinned_cache
+from ..cache.prefix import PrefixCache
 from ..config import TandemConfig
-from ..engine.prefill import chunk_end, observed_tokens
+from ..engine.prefill import chunk_end, kept_ends, observed_tokens, prefix_end
 from ..engine.rows import RowsRunner, choose_tokens
 from ..engine.sampling import seed_key
 from ..integrations.hf import TandemCache, layer_windows
@@ -76,7 +82,9 @@ class Request:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     id: str = ""
+    prefix_cache: bool = True  # start from a kept prefix, and keep this prompt's (with the server's store)
     # filled in by the scheduler
+    cached_tokens: int = 0  # prompt tokens taken from a kept prefix
     bytes: RequestBytes | None = None
     cache: TandemCache | None = None
     prefilled: int = 0
@@ -126,8 +134,10 @@ class Scheduler:
         pool: TaskPool,
         tokenizer_lock=None,
         runner: RowsRunner | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.model, self.tokenizer, self.limits, self.pool = model, tokenizer, limits, pool
+        self.prefix = prefix  # prompts' kept prefixes (`cache.prefix`), or None
         # the decode steps, with a pool of hot tiers for the batch (sized for the default configuration's window)
         self.runner = runner if runner is not None else RowsRunner(model, slots=limits.max_batch)
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
@@ -318,6 +328,10 @@ class Scheduler:
                 return
             if lim.device_bytes is not None and self._reserved_device + need.on_device > lim.device_bytes:
                 return
+            if lim.host_bytes is not None and self.prefix is not None:
+                # kept prefixes hold host memory too (a running request's host tier among it, counted twice
+                # meanwhile): the least recently used go where this request needs their bytes
+                self.prefix.evict(lim.host_bytes - self._reserved_host - need.on_host)
             self._waiting.popleft()
             self._reserved_host += need.on_host
             self._reserved_device += need.on_device
@@ -369,6 +383,7 @@ class Scheduler:
         return cache
 
     def _prefill_chunk(self, request: Request) -> None:
+        start = time.perf_counter()  # a new request's cache, and the prefix it starts from, stall streams too
         try:
             if request.cache is None:
                 request.cache = self._new_cache(request)
@@ -377,13 +392,18 @@ class Scheduler:
                 request.draw_seed = seed_key(
                     request.seed if request.seed is not None else secrets.randbits(63)
                 )
+                if self.prefix is not None and request.prefix_cache:
+                    self._start_from_prefix(request)
             total = len(request.prompt_ids)
             s = request.prefilled
-            e = chunk_end(s, total, self.limits.prefill_chunk, observed_tokens(request.config))
-            start = time.perf_counter()
+            chunk, observed = self.limits.prefill_chunk, observed_tokens(request.config)
+            e = chunk_end(s, total, chunk, observed)
             logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
             logits = logits[0].cpu()
             request.prefilled = e
+            if self.prefix is not None and request.prefix_cache and e in kept_ends(total, chunk, observed):
+                kvs = [layer.kv for layer in request.cache.layers]
+                self.prefix.insert(kvs, request.config, chunk, request.prompt_ids[:e])
             seconds = time.perf_counter() - start
             if self.stats.on_prefill_chunk is not None:
                 self.stats.on_prefill_chunk(seconds)
@@ -399,6 +419,16 @@ class Scheduler:
                 self._decoding.append(request)
         token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
         self._accept(request, token)
+
+    def _start_from_prefix(self, request: Request) -> None:
+        """A new request's cache from the longest prefix of its prompt kept under its settings, if any."""
+        chunk, total = self.limits.prefill_chunk, len(request.prompt_ids)
+        limit = prefix_end(total, chunk, observed_tokens(request.config))
+        entry = self.prefix.lookup(request.config, chunk, request.prompt_ids, limit)
+        if entry is not None:
+            request.cached_tokens = request.prefilled = self.prefix.restore(
+                [layer.kv for layer in request.cache.layers], entry
+            )
 
     def _decode_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()

@@ -18,9 +18,11 @@ from tandem.serve.scheduler import Limits, Scheduler
 NAME = "smollm"  # the served model name the tests ask for
 
 
-def build(model, tokenizer, config: TandemConfig, limits: Limits) -> Server:
-    """A `Server` put together as `tandem.cli.serve.build_server` does, one CPU attention thread."""
-    return Server(model, tokenizer, NAME, config, Scheduler(model, tokenizer, limits, TaskPool(1)))
+def build(model, tokenizer, config: TandemConfig, limits: Limits, prefix=None) -> Server:
+    """A `Server` put together as `tandem.cli.serve.build_server` does, one CPU attention thread; `prefix`: its
+    `PrefixCache`, or None (none)."""
+    scheduler = Scheduler(model, tokenizer, limits, TaskPool(1), prefix=prefix)
+    return Server(model, tokenizer, NAME, config, scheduler)
 
 
 @contextlib.contextmanager

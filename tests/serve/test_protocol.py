@@ -41,6 +41,7 @@ def test_defaults_and_accepted_forms():
     assert _completion(stream=True, stream_options={"include_usage": True}).stream_options.include_usage
     assert _completion(n=1, best_of=1, echo=False, logprobs=None, presence_penalty=0, logit_bias={}).n == 1
     assert _chat(response_format={"type": "text"}, logprobs=False).messages[0].role == "user"
+    assert request.prefix_cache and not _completion(prefix_cache=False).prefix_cache  # Tandem's own field
 
 
 def test_chat_content_parts_and_limits():
@@ -72,6 +73,7 @@ def test_chat_content_parts_and_limits():
         ({"model": 5}, "model"),
         ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage"),
         ({"stream_options": {"colour": 1}, "stream": True}, "stream_options.colour"),
+        ({"prefix_cache": "no"}, "prefix_cache"),
     ],
 )
 def test_a_wrong_type_names_the_field(fields, param):

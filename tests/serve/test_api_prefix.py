@@ -1,0 +1,40 @@
+"""`tandem serve` with its prefix cache through the official `openai` client, on the real default model: a prompt
+that begins with an earlier prompt's document reports the tokens it took from the kept prefix in its usage, as
+OpenAI reports prompt caching, and answers as the same prompt prefilled cold (`"prefix_cache": false`)."""
+
+import openai
+import pytest
+
+from tandem.cache.prefix import PrefixCache
+from tandem.config import TandemConfig
+from tandem.serve.scheduler import Limits
+from tests.serve import live
+
+pytestmark = pytest.mark.model
+
+CONFIG = TandemConfig(policy="quest", sink_tokens=8, window_tokens=32)
+
+
+def test_a_shared_document_is_prefilled_once_and_answers_as_cold(smollm, prose):
+    model, tok = smollm
+    server = live.build(model, tok, CONFIG, Limits(max_batch=2, prefill_chunk=16), prefix=PrefixCache())
+    document = tok.decode(tok(prose).input_ids[:120])
+    with live.running(server) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+        def ask(question, **body):
+            return client.completions.create(
+                model=live.NAME, prompt=f"{document}\nQ: {question}\nA:", max_tokens=8, temperature=0,
+                extra_body=body,
+            )  # fmt: skip
+
+        first = ask("Who is it about?")
+        warm = ask("Where does it happen?")
+        cold = ask("Where does it happen?", prefix_cache=False)
+        metrics = live.metrics(base)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 96 and cached % 16 == 0 and cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].text == cold.choices[0].text
+    assert metrics["tandem_prefix_hits_total"] == 1 and metrics["tandem_prefix_hit_tokens_total"] == cached
+    assert metrics["tandem_prefix_lookups_total"] == 2 and metrics["tandem_prefix_bytes"] > 0
