@@ -10,8 +10,10 @@ Per request: time to first token (TTFT: the first chunk with a choice), the gaps
 server sends one chunk per token; the longest gap is the longest stall a stream saw, e.g. while another prompt
 prefilled), completion tokens from the usage chunk, errors (any non-200, error chunk or broken stream; target 0).
 From the server's /metrics: resident memory before the load (`--settle` seconds after the warm-up), right after
-it and `--settle` seconds later (target: back to the baseline within 5%), the prefill chunks' time, the decode
-steps, and `tandem_live_caches` at the end (target 0).
+it and `--settle` seconds later (target: back to the baseline within 5%; the prompts' prefixes that the server
+keeps stay, by design: `-- --no-prefix-cache` leaves them out), the prefill chunks' time, the decode steps, and
+`tandem_live_caches` at the end (target 0). With `--shared-documents N`, the prompts are N documents each followed
+by a question of its own, and the server's prefix-cache counters give the hit rate.
 
 `--compare-sequential` then sends `--sequential-requests` of the same requests one at a time to the same server:
 batched throughput / sequential throughput, the sequential side weighted to the load's mix of prompt lengths, and
@@ -24,6 +26,8 @@ prefill, however well decode batches: close to 1 where prefill dominates (the CP
         --compare-sequential --sequential-requests 8
     python benchmarks/bench_serve.py --random-weights llama-3.1-8b --concurrency 16 --requests 16 \\
         --prompt-tokens 32k --max-tokens 256 --warmup-tokens 4k --compare-sequential --sequential-requests 2
+    python benchmarks/bench_serve.py --random-weights llama-3.1-8b --concurrency 16 --requests 16 \\
+        --prompt-tokens 32k --shared-documents 4 --max-tokens 64 [-- --no-prefix-cache]
 
 Server flags not listed here go after `--` (e.g. `-- --budget 0.1 --host-dtype int8`). Prints and saves serve.json /
 .md, the server's log and a manifest into `--out` (default benchmarks/results/<date>_<machine>_serve/).
@@ -255,6 +259,13 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
         "requests_by_outcome": {
             k: after[k] - before.get(k, 0.0) for k in after if k.startswith("tandem_requests_total")
         },
+        # the server's prefix cache (absent with --no-prefix-cache): requests that started from a kept prefix
+        "prefix": {
+            key: after[f"tandem_prefix_{key}_total"] - before.get(f"tandem_prefix_{key}_total", 0.0)
+            for key in ("lookups", "hits", "hit_tokens", "evictions")
+        }
+        if "tandem_prefix_lookups_total" in after
+        else None,
     }
 
 
@@ -417,6 +428,21 @@ def markdown(report: dict) -> str:
                 f"{report['decode_steps_batched_over_sequential']:.2f}x."
             )
     settled = mem["settled_vs_before"]
+    prefix = b["server"].get("prefix")
+    if report.get("shared_documents"):
+        lines.append(
+            f"Prompts: {report['shared_documents']} shared documents, each request one of them and a question of "
+            f"{report['question_tokens']} tokens of its own."
+        )
+    if prefix is None:
+        lines.append("Prefix cache: off.")
+    else:
+        rate = prefix["hits"] / prefix["lookups"] if prefix["lookups"] else 0.0
+        lines.append(
+            f"Prefix cache (batched pass): {prefix['hits']:.0f} of {prefix['lookups']:.0f} requests started from a "
+            f"kept prefix (hit rate {rate:.0%}), {prefix['hit_tokens']:.0f} prompt tokens not prefilled, "
+            f"{prefix['evictions']:.0f} prefixes dropped for room."
+        )
     lines += [
         "",
         *_by_length(report),
@@ -475,6 +501,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--shared-documents",
+        type=int,
+        default=0,
+        help="prompts over this many shared documents: each prompt one of them (its length drawn from "
+        "--prompt-tokens) and a question of its own, so that the server's prefix cache may serve the document "
+        "(default 0: every prompt its own)",
+    )
+    p.add_argument(
+        "--question-tokens", type=int, default=256, help="with --shared-documents: each question's tokens"
+    )
+    p.add_argument(
         "--warmup-tokens",
         default="16",
         help="prompt tokens of the one warm-up request before the load (default 16; one longer than the sinks "
@@ -520,8 +557,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 async def main_async(args, base: str, model: str) -> dict:
     rng = random.Random(args.seed)
     lengths = [_tokens(t) for t in args.prompt_tokens.split(",")]
-    drawn = [rng.choice(lengths) for _ in range(args.requests)]
-    prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(n)] for n in drawn]
+    if args.shared_documents:
+        # each prompt one of the documents (their lengths drawn from --prompt-tokens), then its own question
+        documents = [
+            [rng.randrange(*TOKEN_IDS) for _ in range(rng.choice(lengths))]
+            for _ in range(args.shared_documents)
+        ]
+        prompts = [rng.choice(documents) + [rng.randrange(*TOKEN_IDS) for _ in range(args.question_tokens)]
+                   for _ in range(args.requests)]  # fmt: skip
+    else:
+        drawn = [rng.choice(lengths) for _ in range(args.requests)]
+        prompts = [[rng.randrange(*TOKEN_IDS) for _ in range(n)] for n in drawn]
     warm = [rng.randrange(*TOKEN_IDS) for _ in range(_tokens(args.warmup_tokens))]
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
         warmup = await one_request(client, model, warm, WARMUP_MAX_TOKENS)
@@ -538,7 +584,9 @@ async def main_async(args, base: str, model: str) -> dict:
     rss = "process_resident_memory_bytes"
     report = {
         "prompt_tokens": args.prompt_tokens,
-        "prompt_mix": {n: sum(len(p) == n for p in prompts) for n in lengths},
+        "prompt_mix": {n: sum(len(p) == n for p in prompts) for n in sorted({len(p) for p in prompts})},
+        "shared_documents": args.shared_documents,
+        "question_tokens": args.question_tokens if args.shared_documents else None,
         "max_tokens": args.max_tokens,
         "seed": args.seed,
         "settle_s": args.settle,
