@@ -38,3 +38,5 @@ def test_a_shared_document_is_prefilled_once_and_answers_as_cold(smollm, prose):
     assert warm.choices[0].text == cold.choices[0].text
     assert metrics["tandem_prefix_hits_total"] == 1 and metrics["tandem_prefix_hit_tokens_total"] == cached
     assert metrics["tandem_prefix_lookups_total"] == 2 and metrics["tandem_prefix_bytes"] > 0
+    # the first request had ended: the second took its host rows over
+    assert metrics["tandem_prefix_taken_over_total"] == 1
