@@ -131,6 +131,28 @@ def test_a_prefix_whose_request_ended_is_taken_over_without_a_copy(device, polic
     assert torch.equal(copied[1], cold[1])
 
 
+def test_a_request_that_outgrows_the_rows_it_took_over_leaves_them_to_the_next():
+    """A request that takes a prefix's host rows over but needs more room than they have moves to larger buffers of
+    its own (a copy, as growing a tier always is), and the next request from the prefix takes the old ones over
+    again while the first still runs. Both answer as a cold prefill."""
+    model = _tiny()
+    config = POLICIES["quest"]
+    document = _ids(70, 50, "cpu")
+    second = torch.cat([document, _ids(9, 52, "cpu")], dim=1)
+    cold = [_answer(model, config, second, steps)[1] for steps in (200, 6)]
+    store = PrefixCache()
+    _answer(model, config, torch.cat([document, _ids(13, 51, "cpu")], dim=1), 1, store)
+    gc.collect()
+    runner = TandemRunner(model, TandemCache.for_model(model, config))
+    logits = runner.prefill(second, chunk_tokens=CHUNK, max_new_tokens=200, prefix_cache=store)
+    taken = runner.cache.tandem_layers()[0].host
+    assert store.stats()["adopted"] == 1 and taken.claim is None  # moved to buffers of its own
+    grown, _ = runner.decode(logits.argmax(-1), 200)
+    assert torch.equal(grown, cold[0])
+    again = _answer(model, config, second, 6, store)  # the first still runs, in buffers of its own
+    assert store.stats()["adopted"] == 2 and torch.equal(again[1], cold[1])
+
+
 def test_a_kept_prefix_outlives_its_request_and_its_cache_reuse():
     """The request that kept a prefix ends and its cache serves another prompt (`TandemCache.reset`): the kept
     host rows are not emptied for it, and the prefix still answers as a cold prefill."""
