@@ -56,9 +56,8 @@ class PrefixCache:
             raise ValueError(f"max_bytes must be >= 0 or None (no limit), got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, CachePrefix] = OrderedDict()  # least recently used first
-        self._lock = (
-            threading.Lock()
-        )  # a server admits (and drops prefixes) on other threads than it prefills
+        # a server admits (and drops prefixes) on other threads than the one that prefills
+        self._lock = threading.Lock()
         self.lookups = self.hits = self.hit_tokens = self.inserted = self.evictions = 0
         self.adopted = 0  # hits that took the prefix's host rows over instead of copying them
         self.bytes_restored = 0  # bytes the other hits copied
@@ -128,18 +127,12 @@ class PrefixCache:
             if adopt:
                 self.adopted += 1
             else:
-                self.bytes_restored += entry.nbytes
+                self.bytes_restored += snapshot.copied_bytes(entry.parts)
         return len(entry.tokens)
 
     def done(self, entry: CachePrefix) -> None:
         with self._lock:
             entry.users -= 1
-
-    def holds(self, config, chunk: int, tokens) -> bool:
-        """Whether the prefix `tokens` (a multiple of chunk long) is kept under `config` and `chunk`."""
-        key = self.chain(config, chunk, tokens, len(tokens))[-1]
-        with self._lock:
-            return key in self._entries
 
     def insert(self, kvs: list, config, chunk: int, tokens) -> CachePrefix | None:
         """Keep the state of a batch-1 cache's layers `kvs` holding exactly `tokens` (a multiple of `chunk`, its

@@ -51,6 +51,7 @@ class LayerPart:
     free: list[int]
     allocated_blocks: int
     rows: int
+    block_size: int
     host: dict[str, torch.Tensor]
     policy_state: object = None
     # the hold on the host tier's buffers that `host` reads in place (`HostTier.claim`): a prefix keeps those
@@ -137,6 +138,20 @@ def nbytes(parts: list) -> int:
     return total
 
 
+def copied_bytes(parts: list) -> int:
+    """Bytes a restore that copies everything copies: the live rows and blocks of the host buffers, the rest whole."""
+    total = 0
+    for part in parts:
+        if isinstance(part, SlidingPart):
+            total += sum(t.nbytes for t in (part.keys, part.values, part.valid) if t is not None)
+            continue
+        total += sum(t.nbytes for t in part.hot.values())
+        for name, tensor in part.host.items():
+            row_dim, used = _rows_of(name, tensor, part.rows, part.block_size)
+            total += tensor.narrow(row_dim, 0, used).nbytes
+    return total
+
+
 def release(parts: list) -> None:
     """The prefix is dropped: its host tiers may be emptied for other requests again once no prefix reads them."""
     for part in parts:
@@ -179,7 +194,8 @@ def _take_layer(kv, first_chunk: int) -> LayerPart:
         seq_len=kv.seq_len, first_chunk=first_chunk, dtype=hot.keys.dtype, device=hot.keys.device,
         sink_slots=made["sink_slots"], ring_blocks=made["ring_blocks"], hot=hot_copy, sink_used=hot.sink_used,
         order=list(hot.order), tail_fill=hot.tail_fill, free=list(hot.free),
-        allocated_blocks=hot.allocated_blocks, rows=rows, host=buffers, policy_state=kv.policy.prefix_state(),
+        allocated_blocks=hot.allocated_blocks, rows=rows, block_size=host.block_size, host=buffers,
+        policy_state=kv.policy.prefix_state(),
         claim=host.claim,
     )  # fmt: skip
 
@@ -258,4 +274,14 @@ def _synchronize(parts: list) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-__all__ = ["LayerPart", "SlidingPart", "nbytes", "release", "restore", "take"]
+__all__ = [
+    "LayerPart",
+    "SlidingPart",
+    "adoptable",
+    "claims",
+    "copied_bytes",
+    "nbytes",
+    "release",
+    "restore",
+    "take",
+]
