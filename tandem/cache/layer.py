@@ -505,9 +505,6 @@ class LayerKV(Failable):
             count -= 1
         if count == 0:
             return
-        if count == 1:
-            self._evict_oldest_block()
-            return
         blocks, hot.order = hot.order[:count], hot.order[count:]
         views = [hot.block_view(block) for block in blocks]
         keys, values = torch.cat([v[0] for v in views], dim=2), torch.cat([v[1] for v in views], dim=2)

@@ -54,6 +54,22 @@ def kept_ends(total: int, chunk_tokens: int, observed: int = 0) -> list[int]:
     ]
 
 
+def start_from_prefix(store, cache, tokens, chunk_tokens: int) -> int:
+    """Start a new batch-1 `cache` from the longest prefix of the prompt `tokens` kept in `store` (a
+    `cache.prefix.PrefixCache`) under its settings and this chunk length, one its own cold prefill would also stop
+    at (`prefix_end`); returns the tokens it holds then (0: none kept), where the prefill goes on."""
+    limit = prefix_end(len(tokens), chunk_tokens, observed_tokens(cache.config))
+    entry = store.lookup(cache.config, chunk_tokens, tokens, limit)
+    return 0 if entry is None else store.restore(cache.layer_caches(), entry)
+
+
+def keep_prefix(store, cache, tokens, end: int, chunk_tokens: int) -> None:
+    """After the chunk of the prompt `tokens` that ends at `end`: keep `cache`'s state in `store` where `end` is one
+    of the prompt's kept boundaries (`kept_ends`)."""
+    if end in kept_ends(len(tokens), chunk_tokens, observed_tokens(cache.config)):
+        store.insert(cache.layer_caches(), cache.config, chunk_tokens, tokens[:end])
+
+
 # of the device memory free when a chunked prefill starts, the most its layers' copies of the prompt's host rows
 # may take (`LayerKV.keep_prompt_rows`)
 PROMPT_ROWS_SHARE = 0.5
@@ -111,4 +127,7 @@ def run_chunk(model, cache, cache_kwargs: dict, input_ids, positions, attention_
     return out.logits[:, -1].float()
 
 
-__all__ = ["chunk_end", "kept_ends", "observed_tokens", "prefix_end", "prompt_rows_budget", "run_chunk"]
+__all__ = [
+    "chunk_end", "keep_prefix", "kept_ends", "observed_tokens", "prefix_end", "prompt_rows_budget", "run_chunk",
+    "start_from_prefix",
+]  # fmt: skip

@@ -30,7 +30,7 @@ from ..kernels import gpu as gpu_kernels
 from . import handoff as handoff_module
 from .forward import DecodeForward, unsupported_reason
 from .fused import FusedLayers
-from .prefill import chunk_end, kept_ends, observed_tokens, prefix_end, run_chunk
+from .prefill import chunk_end, keep_prefix, observed_tokens, run_chunk, start_from_prefix
 from .sampling import Sampler
 from .step import DecodeStep, read_layout
 
@@ -243,15 +243,10 @@ class TandemRunner:
             layer.capacity_hint = held + total + max_new_tokens
         start = time.perf_counter()
         self.reused_tokens = 0
-        keep = None  # (store, the boundaries whose prefixes it keeps, the prompt's tokens)
+        keep = None  # (store, the prompt's tokens) where the prompt keeps its prefixes
         if prefix_cache is not None and not append and batch == 1 and bool(mask.all()):
-            tokens, observed = input_ids[0].tolist(), observed_tokens(self.cache.config)
-            limit = prefix_end(total, chunk_tokens, observed)
-            entry = prefix_cache.lookup(self.cache.config, chunk_tokens, tokens, limit)
-            if entry is not None:
-                kvs = [layer.kv for layer in self.cache.layers]
-                self.reused_tokens = prefix_cache.restore(kvs, entry)
-            keep = (prefix_cache, kept_ends(total, chunk_tokens, observed), tokens)
+            keep = (prefix_cache, input_ids[0].tolist())
+            self.reused_tokens = start_from_prefix(prefix_cache, self.cache, keep[1], chunk_tokens)
         try:
             with self.fused_layers or contextlib.nullcontext():
                 logits = self._prefill_chunks(
@@ -275,7 +270,7 @@ class TandemRunner:
         self, input_ids, mask, positions, chunk_tokens: int, start: int, keep
     ) -> torch.Tensor:
         """The chunks from `start` (a boundary: the tokens a restored prefix holds) to the end; `keep`: (store,
-        boundaries, tokens) to keep the prefixes ending at those boundaries in the store, or None."""
+        tokens) to keep the prompt's prefixes in the store (`prefill.keep_prefix`), or None."""
         total = input_ids.shape[1]
         observed = observed_tokens(self.cache.config)
         while start < total:
@@ -284,11 +279,8 @@ class TandemRunner:
                 self.model, self.cache, self.cache_kwargs, input_ids[:, start:end], positions[:, start:end],
                 mask[:, :end] if mask is not None else None, last=end == total,
             )  # fmt: skip
-            if keep is not None and end in keep[1]:
-                store, _, tokens = keep
-                store.insert(
-                    [layer.kv for layer in self.cache.layers], self.cache.config, chunk_tokens, tokens[:end]
-                )
+            if keep is not None:
+                keep_prefix(keep[0], self.cache, keep[1], end, chunk_tokens)
             start = end
         return logits
 

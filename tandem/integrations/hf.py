@@ -251,6 +251,10 @@ class TandemCache(Cache):
     def sliding_layers(self) -> list[SlidingKV]:
         return [layer.kv for layer in self.layers if layer.is_sliding]
 
+    def layer_caches(self) -> list[LayerKV | SlidingKV]:
+        """Every layer's cache in the model's order: a global layer's tiers, a sliding-window layer's window."""
+        return [layer.kv for layer in self.layers]
+
     def batch_size(self) -> int | None:
         """The batch the cache holds, or None before its first tokens."""
         for layer in self.layers:

@@ -99,7 +99,11 @@ class _PrefixCollector:
         ("tandem_prefix_lookups", "lookups", "New requests that looked for a kept prompt prefix"),
         ("tandem_prefix_hits", "hits", "New requests that started from a kept prompt prefix"),
         ("tandem_prefix_hit_tokens", "hit_tokens", "Prompt tokens taken from kept prefixes"),
-        ("tandem_prefix_taken_over", "adopted", "Hits that took a kept prefix's host rows over, copying none"),
+        (
+            "tandem_prefix_taken_over",
+            "adopted",
+            "Hits that took a kept prefix's host rows over, copying none",
+        ),
         ("tandem_prefix_restored_bytes", "bytes_restored", "Bytes of kept prefixes the other hits copied"),
         ("tandem_prefix_inserted", "inserted", "Prompt prefixes kept"),
         ("tandem_prefix_evictions", "evictions", "Kept prefixes dropped for room"),

@@ -45,7 +45,7 @@ from ..attention import TaskPool
 from ..cache.memory import empty_pinned_cache
 from ..cache.prefix import PrefixCache
 from ..config import TandemConfig
-from ..engine.prefill import chunk_end, kept_ends, observed_tokens, prefix_end
+from ..engine.prefill import chunk_end, keep_prefix, observed_tokens, start_from_prefix
 from ..engine.rows import RowsRunner, choose_tokens
 from ..engine.sampling import seed_key
 from ..integrations.hf import TandemCache, layer_windows
@@ -393,17 +393,18 @@ class Scheduler:
                     request.seed if request.seed is not None else secrets.randbits(63)
                 )
                 if self.prefix is not None and request.prefix_cache:
-                    self._start_from_prefix(request)
+                    request.cached_tokens = request.prefilled = start_from_prefix(
+                        self.prefix, request.cache, request.prompt_ids, self.limits.prefill_chunk
+                    )
             total = len(request.prompt_ids)
             s = request.prefilled
-            chunk, observed = self.limits.prefill_chunk, observed_tokens(request.config)
-            e = chunk_end(s, total, chunk, observed)
+            chunk = self.limits.prefill_chunk
+            e = chunk_end(s, total, chunk, observed_tokens(request.config))
             logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
             logits = logits[0].cpu()
             request.prefilled = e
-            if self.prefix is not None and request.prefix_cache and e in kept_ends(total, chunk, observed):
-                kvs = [layer.kv for layer in request.cache.layers]
-                self.prefix.insert(kvs, request.config, chunk, request.prompt_ids[:e])
+            if self.prefix is not None and request.prefix_cache:
+                keep_prefix(self.prefix, request.cache, request.prompt_ids, e, chunk)
             seconds = time.perf_counter() - start
             if self.stats.on_prefill_chunk is not None:
                 self.stats.on_prefill_chunk(seconds)
@@ -419,16 +420,6 @@ class Scheduler:
                 self._decoding.append(request)
         token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
         self._accept(request, token)
-
-    def _start_from_prefix(self, request: Request) -> None:
-        """A new request's cache from the longest prefix of its prompt kept under its settings, if any."""
-        chunk, total = self.limits.prefill_chunk, len(request.prompt_ids)
-        limit = prefix_end(total, chunk, observed_tokens(request.config))
-        entry = self.prefix.lookup(request.config, chunk, request.prompt_ids, limit)
-        if entry is not None:
-            request.cached_tokens = request.prefilled = self.prefix.restore(
-                [layer.kv for layer in request.cache.layers], entry
-            )
 
     def _decode_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()
