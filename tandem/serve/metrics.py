@@ -13,6 +13,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..cache.memory import host_pool
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -73,6 +75,7 @@ class Metrics:
             Gauge(name, doc, registry=r).set_function(lambda key=key: counts()[key])
         if scheduler.prefix is not None:
             r.register(_PrefixCollector(scheduler.prefix))
+        r.register(_HostPoolCollector())
         lim = scheduler.limits
         budgets = Gauge("tandem_budget_bytes", "Memory budgets for admission", ["memory"], registry=r)
         budgets.labels("host").set(-1 if lim.host_bytes is None else lim.host_bytes)
@@ -122,3 +125,24 @@ class _PrefixCollector:
             yield CounterMetricFamily(name, doc, value=stats[key])
         for name, key, doc in self.GAUGES:
             yield GaugeMetricFamily(name, doc, value=stats[key])
+
+
+class _HostPoolCollector:
+    """The host pool's counters and free bytes (`cache.memory.HostPool`, on for a server on CUDA), read when
+    scraped; nothing where the pool is off."""
+
+    def collect(self):
+        pool = host_pool()
+        if pool is None:
+            return
+        yield CounterMetricFamily(
+            "tandem_host_pool_reused",
+            "Host-tier stores made from the memory of ended ones",
+            value=pool.reused,
+        )
+        yield CounterMetricFamily(
+            "tandem_host_pool_made", "Host-tier stores mapped (and page-locked) anew", value=pool.made
+        )
+        yield GaugeMetricFamily(
+            "tandem_host_pool_free_bytes", "Host memory kept for the next stores", value=pool.free_bytes
+        )

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import TaskPool
+from ..cache import memory
 from ..cache.memory import empty_pinned_cache
 from ..cache.prefix import PrefixCache
 from ..config import TandemConfig
@@ -54,6 +55,8 @@ from .sampling import TextStream, choose_token
 from .sizing import CacheShape, RequestBytes, request_bytes
 
 SWITCH_INTERVAL_SECONDS = 0.0002  # see Scheduler.start
+# an idle server keeps the host pool's free stores this long for the next request, then gives them back
+HOST_POOL_IDLE_SECONDS = 1.0
 WARMUP_PROMPT_TOKENS = 16  # the prompts of Scheduler.warm_up's throwaway requests
 
 
@@ -157,6 +160,7 @@ class Scheduler:
         self._reserved_device = 0
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._owns_host_pool = False  # whether start() turned the host pool on (stop() turns it off)
         self.failure: BaseException | None = None  # what stopped the thread, if anything did
         self._live_caches: weakref.WeakSet = weakref.WeakSet()
 
@@ -259,6 +263,11 @@ class Scheduler:
         # time; at CPython's default 5 ms switch interval a busy event loop stretches every CPU decode step many
         # times over (docs/serve.md § Switch interval)
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
+        # On CUDA a request's host tier is page-locked memory, whose registration costs as much as a prompt's
+        # first chunks: the stores of ended requests serve the next ones (`cache.memory.HostPool`)
+        self._owns_host_pool = self.device.type == "cuda" and memory.host_pool() is None
+        if self._owns_host_pool:
+            memory.enable_host_pool()
         self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
@@ -268,6 +277,9 @@ class Scheduler:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._owns_host_pool:
+            memory.disable_host_pool()
+            self._owns_host_pool = False
 
     @property
     def alive(self) -> bool:
@@ -282,7 +294,8 @@ class Scheduler:
                         self._drop_cancelled()
                         self._admit()
                         while not (self._stop or self._prefilling or self._decoding or self._waiting):
-                            self._cond.wait()
+                            if not self._cond.wait(_host_pool_wait()):
+                                _trim_host_pool()  # idle for HOST_POOL_IDLE_SECONDS
                         if self._stop:
                             break
                         self._drop_cancelled()
@@ -487,6 +500,19 @@ def _return_free_heap(device: torch.device | None = None) -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def _host_pool_wait() -> float | None:
+    """How long an idle scheduler waits before it gives the host pool's free stores back: None (for ever) where
+    the pool is off or holds none."""
+    pool = memory.host_pool()
+    return HOST_POOL_IDLE_SECONDS if pool is not None and pool.free_bytes else None
+
+
+def _trim_host_pool() -> None:
+    pool = memory.host_pool()
+    if pool is not None:
+        pool.trim()
 
 
 def _describe(err: BaseException) -> str:

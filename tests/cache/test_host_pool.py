@@ -1,0 +1,172 @@
+"""The host pool (`cache.memory.HostPool`): a large store's mapping, once no tensor views it, serves the next store
+of about its size, zeroed, without being mapped or page-locked again; a store in use is never lent; a store that
+finds none first gives free mappings back; the pool off or trimmed gives them all back."""
+
+import time
+
+import pytest
+import torch
+
+from tandem.attention import TaskPool
+from tandem.cache import memory
+from tandem.cache.host import HostTier
+from tandem.serve import scheduler as scheduler_module
+from tandem.serve.scheduler import Limits, Scheduler
+from tests.cache.test_tiers import FakeCudart
+from tests.serve.test_scheduler import TIMEOUT, LetterTokenizer, _job, model  # noqa: F401
+
+HUGE = memory.HUGE_PAGE
+
+pytestmark = pytest.mark.skipif(not memory.huge_pages_supported(), reason="no transparent huge pages here")
+
+
+@pytest.fixture
+def pool():
+    assert memory.host_pool() is None
+    pool = memory.enable_host_pool()
+    yield pool
+    memory.disable_host_pool()
+
+
+def _store(size: int = HUGE, pin: bool = False) -> torch.Tensor:
+    return memory.host_zeros((size // 4,), torch.float32, pin=pin)
+
+
+def test_a_freed_store_serves_the_next_one_zeroed(pool):
+    first = _store()
+    first.fill_(7.0)
+    address = first.data_ptr()
+    del first
+    assert (pool.free_bytes, pool.made, pool.reused) == (HUGE, 1, 0)
+    second = _store()
+    assert second.data_ptr() == address and pool.reused == 1 and pool.free_bytes == 0
+    assert torch.count_nonzero(second) == 0
+
+
+def test_a_store_in_use_is_never_lent(pool):
+    first = _store()
+    view = first[10:]
+    del first
+    assert pool.free_bytes == 0  # a view holds it
+    second = _store()
+    assert second.data_ptr() != view.data_ptr() - 40 and pool.made == 2
+    view.fill_(1.0)
+    assert torch.count_nonzero(second) == 0  # the two never share memory
+    del view
+    assert pool.free_bytes == HUGE
+
+
+def test_a_pinned_store_is_registered_once_and_unregistered_when_given_back(pool, monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    first = _store(pin=True)
+    address = first.data_ptr()
+    del first
+    second = _store(pin=True)
+    assert second.data_ptr() == address and len(cudart.registered) == 1
+    unpinned = _store(pin=False)  # another kind: not from the pinned mapping
+    assert pool.made == 2 and not cudart.unregistered
+    del second, unpinned
+    pool.trim()
+    assert cudart.unregistered == [address] and pool.free_bytes == 0
+
+
+def test_a_store_takes_the_smallest_mapping_within_the_fit(pool):
+    stores = [_store(HUGE), _store(2 * HUGE), _store(4 * HUGE)]
+    addresses = [s.data_ptr() for s in stores]
+    del stores
+    exact = _store(HUGE)
+    assert exact.data_ptr() == addresses[0]
+    smaller = _store(2 * HUGE - 4096)  # within 1.25x of 2 MiB pages
+    assert smaller.data_ptr() == addresses[1]
+    assert pool.reused == 2 and pool.free_bytes == 4 * HUGE  # 4 MiB would waste more than a quarter of it
+
+
+def test_a_store_that_finds_none_gives_free_mappings_back_first(pool):
+    stores = [_store(HUGE), _store(2 * HUGE), _store(HUGE)]
+    del stores
+    assert pool.free_bytes == 4 * HUGE
+    big = _store(3 * HUGE)  # none fits: free mappings of at least 3 MiB go, the largest first
+    assert pool.given_back == 2 and pool.free_bytes == HUGE and pool.made == 4
+    del big
+    assert pool.free_bytes == 4 * HUGE
+
+
+def test_the_pool_off_gives_back_the_free_mappings_and_those_that_come_back(pool, monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    kept, freed = _store(pin=True), _store(pin=True)
+    kept_address, freed_address = kept.data_ptr(), freed.data_ptr()
+    del freed
+    memory.disable_host_pool()
+    assert cudart.unregistered == [freed_address]
+    del kept
+    assert cudart.unregistered == [freed_address, kept_address]
+    memory.enable_host_pool()  # for the fixture's teardown
+
+
+def test_a_host_tier_from_the_pool_holds_only_its_own_rows(pool):
+    """A tier of a freed one's size takes its memory and reads as a new tier: no row, digest or flag of the old."""
+    gen = torch.Generator().manual_seed(0)
+    rows = HUGE // (2 * 64 * 4)  # keys and values of 2 heads x 64 dims float32: a huge page each
+
+    def tier():
+        host = HostTier(1, 2, 4, 64, torch.float32, 16, pin=False, keep_digest=True, keep_maw=False)
+        host.reserve(rows, headroom=False)
+        return host
+
+    old = tier()
+    keys = torch.randn(1, 2, rows, 64, generator=gen)
+    old.append(keys, keys + 1, torch.ones(1, rows, dtype=torch.bool))
+    addresses = {old.keys.data_ptr(), old.values.data_ptr()}
+    del old
+    new = tier()
+    assert {new.keys.data_ptr(), new.values.data_ptr()} == addresses and pool.reused == 2
+    assert new.rows == 0 and not new.valid.any()
+    assert torch.count_nonzero(new.keys) == 0 and torch.count_nonzero(new.values) == 0
+
+
+def test_an_idle_server_gives_the_pool_back_and_answers_as_without_it(model, pool, monkeypatch):  # noqa: F811
+    """A request right after another reuses its stores, with the tokens of a server without the pool; once idle
+    the server gives the free stores back."""
+    monkeypatch.setattr(memory, "HUGE_PAGE", 4096)  # the tiny model's stores go through mappings
+    monkeypatch.setattr(scheduler_module, "HOST_POOL_IDLE_SECONDS", 1.0)
+
+    def serve(jobs):
+        scheduler = Scheduler(model, LetterTokenizer(), Limits(prefill_chunk=64), TaskPool(1))
+        scheduler.start()
+        try:
+            for job in jobs:
+                scheduler.submit(job.request)
+                assert job.done.wait(TIMEOUT)
+            time.sleep(2.0)  # idle: the free stores go back
+        finally:
+            scheduler.stop()
+
+    pooled = [_job(300, 5, first=3), _job(300, 5, first=4)]
+    serve(pooled)
+    assert pool.made > 0 and pool.reused > 0 and pool.given_back > 0 and pool.free_bytes == 0
+    memory.disable_host_pool()
+    plain = [_job(300, 5, first=3), _job(300, 5, first=4)]
+    serve(plain)
+    memory.enable_host_pool()  # for the fixture's teardown
+    assert [job.request.tokens for job in pooled] == [job.request.tokens for job in plain]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_a_pinned_store_from_the_pool_is_read_and_written_by_the_gpu(pool):
+    """Really page-locked and mapped: the GPU copies into and out of a reused store, which starts zeroed."""
+    first = _store(4 * HUGE, pin=True)
+    first.fill_(3.0)
+    address = first.data_ptr()
+    del first
+    second = _store(4 * HUGE, pin=True)
+    assert second.data_ptr() == address and second.is_pinned()
+    assert torch.count_nonzero(second.cuda()) == 0
+    ones = torch.ones(second.shape, device="cuda")
+    second.copy_(ones, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(second, ones.cpu())
+    del second
+    pool.trim()
