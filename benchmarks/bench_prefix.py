@@ -26,14 +26,16 @@ import time
 import torch
 
 from tandem import TandemCache, TandemConfig, load_model, manifest
+from tandem.cache import memory
 from tandem.cache.prefix import PrefixCache
 from tandem.engine import TandemRunner
 from tandem.shapes import build_random_model
 from tandem.tools.evaluation.haystack import load_haystack
 
 
-def _timed(model, config, ids: list[int], tokens: int, chunk: int, store, device) -> dict:
-    """One request in a new cache: its greedy tokens, seconds to the first, tokens taken from `store`."""
+def _timed(model, config, ids: list[int], tokens: int, chunk: int, store, device, keep=None) -> dict:
+    """One request in a new cache: its greedy tokens, seconds to the first, tokens taken from `store`. keep: a list
+    the request's runner goes into, its cache kept alive (a request still running) instead of freed."""
     runner = TandemRunner(model, TandemCache.for_model(model, config))
     first = []
 
@@ -50,6 +52,8 @@ def _timed(model, config, ids: list[int], tokens: int, chunk: int, store, device
     )
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result = {"tokens": out.tolist(), "ttft": first[0] - start, "reused": runner.reused_tokens, "peak": peak}
+    if keep is not None:
+        keep.append(runner)
     del runner, out
     gc.collect()  # the request's cache freed before the next request, as a server frees it
     return result
@@ -59,8 +63,10 @@ def one_case(model, ids: dict, length: int, chunk: int, policy: str, args, devic
     config = TandemConfig(policy=policy)
     document = ids["document"][:length]
     first, second = document + ids["first"], document + ids["second"]
-    store = PrefixCache()
-    _timed(model, config, first, 1, chunk, store, device)  # the request that keeps the document
+    store, running = PrefixCache(), []
+    # the request that keeps the document; with --source-running its cache stays, as a request still decoding,
+    # so the warm requests copy the prefix instead of taking its host rows over
+    _timed(model, config, first, 1, chunk, store, device, running if args.source_running else None)
     kept = store.stats()
     warm, cold, taken_over = [], [], 0
     for attempt in range(args.repeats + 1):
@@ -71,6 +77,8 @@ def one_case(model, ids: dict, length: int, chunk: int, policy: str, args, devic
             warm.append(w)
             cold.append(c)
             taken_over += store.stats()["adopted"] - adopted
+    running.clear()
+    gc.collect()
     ttft_warm = statistics.median(r["ttft"] for r in warm)
     ttft_cold = statistics.median(r["ttft"] for r in cold)
     return {
@@ -102,7 +110,9 @@ def markdown(machine: dict, args, rows: list[dict]) -> str:
         f"A document and a {args.question_tokens}-token question; a first request with another question keeps its "
         f"prefixes (its last two chunk boundaries), then the second question's request runs from them (warm) and "
         f"cold in a new cache, {args.answer_tokens} greedy tokens each, each request's cache freed before the "
-        f"next. Time to first token, median of {args.repeats} after a warm-up. Same tokens: warm and cold equal in "
+        f"next{'; the first request kept running (its cache held), so warm requests copy the prefix' if args.source_running else ''}; "
+        f"host pool {'on' if args.host_pool else 'off'} (`tandem serve`'s default on CUDA). "
+        f"Time to first token, median of {args.repeats} after a warm-up. Same tokens: warm and cold equal in "
         "every repeat. Host rows taken over: warm requests that took the kept host rows over instead of copying "
         "them (no request was writing into them any more).",
         "",
@@ -134,11 +144,25 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=256, help="each question's length in tokens")
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy tokens of each answer")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of each case (after one warm-up)")
+    p.add_argument(
+        "--source-running",
+        action="store_true",
+        help="keep the first request's cache alive while the others run (a request still decoding): hits copy",
+    )
+    p.add_argument(
+        "--no-host-pool",
+        dest="host_pool",
+        action="store_false",
+        help="map every request's host tier anew (default: freed ones are reused, as `tandem serve` does on CUDA)",
+    )
     p.add_argument("--out", default=None, help="directory for prefix.json / .md and the manifest")
     args = p.parse_args()
     if min(args.repeats, args.answer_tokens, args.question_tokens) < 1:
         p.error("--repeats, --answer-tokens and --question-tokens must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.host_pool and device.type == "cuda":
+        memory.enable_host_pool()
+    args.host_pool = args.host_pool and device.type == "cuda"
     machine = {"cpu": platform.processor() or platform.machine(), "cores": manifest.machine()["cores"],
                "torch": torch.__version__,
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}  # fmt: skip
