@@ -266,6 +266,13 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
         }
         if "tandem_prefix_lookups_total" in after
         else None,
+        # the server's host pool (on CUDA): host-tier stores made from ended requests' memory, and mapped anew
+        "host_pool": {
+            key: after[f"tandem_host_pool_{key}_total"] - before.get(f"tandem_host_pool_{key}_total", 0.0)
+            for key in ("reused", "made")
+        }
+        if "tandem_host_pool_made_total" in after
+        else None,
     }
 
 
@@ -442,6 +449,12 @@ def markdown(report: dict) -> str:
             f"Prefix cache (batched pass): {prefix['hits']:.0f} of {prefix['lookups']:.0f} requests started from a "
             f"kept prefix (hit rate {rate:.0%}), {prefix['hit_tokens']:.0f} prompt tokens not prefilled, "
             f"{prefix['evictions']:.0f} prefixes dropped for room."
+        )
+    pool = b["server"].get("host_pool")
+    if pool is not None:
+        lines.append(
+            f"Host pool (batched pass): {pool['reused']:.0f} host-tier stores made from ended requests' memory, "
+            f"{pool['made']:.0f} mapped and page-locked anew."
         )
     lines += [
         "",

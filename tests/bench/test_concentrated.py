@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tandem.integrations.hf import generate_cache_kwargs
 from tandem.shapes import build_random_model
 from tandem.tools.bench.concentrated import (
     TOP,
@@ -70,7 +71,10 @@ def test_the_models_own_queries_see_the_profiles_concentration():
     ids = torch.randint(0, model.config.vocab_size, (batch, 1))
     with torch.no_grad():
         out = model(
-            ids, past_key_values=cache, position_ids=torch.full((batch, 1), context), output_attentions=True
+            ids,
+            position_ids=torch.full((batch, 1), context),
+            output_attentions=True,
+            **generate_cache_kwargs(model, cache),  # `cache` where transformers renamed `past_key_values`
         )
     got_host, got_top, want_host, want_top = [], [], [], []
     group = model.config.num_attention_heads // num_kv

@@ -10,9 +10,13 @@ import torch
 from tandem.attention import TaskPool
 from tandem.cache import memory
 from tandem.cache.host import HostTier
+from tandem.cache.prefix import PrefixCache
 from tandem.serve import scheduler as scheduler_module
+from tandem.serve.metrics import _HostPoolCollector
 from tandem.serve.scheduler import Limits, Scheduler
 from tests.cache.test_tiers import FakeCudart
+from tests.engine.test_engine import _tiny
+from tests.engine.test_prefix import POLICIES, _answer, _ids
 from tests.serve.test_scheduler import TIMEOUT, LetterTokenizer, _job, model  # noqa: F401
 
 HUGE = memory.HUGE_PAGE
@@ -153,6 +157,26 @@ def test_an_idle_server_gives_the_pool_back_and_answers_as_without_it(model, poo
     assert [job.request.tokens for job in pooled] == [job.request.tokens for job in plain]
 
 
+def test_a_kept_prefix_keeps_its_host_rows_from_other_stores(pool, monkeypatch):
+    """A kept prefix reads its request's host rows in place after the request ended: while it does, the pool never
+    lends their memory to other requests' stores, and the prefix still answers as a cold prefill."""
+    monkeypatch.setattr(memory, "HUGE_PAGE", 4096)  # the tiny model's stores go through mappings
+    tiny, config = _tiny(), POLICIES["quest"]
+    document = _ids(70, 7, "cpu")
+    prompt = torch.cat([document, _ids(6, 8, "cpu")], dim=1)
+    memory.disable_host_pool()
+    cold = _answer(tiny, config, prompt, 10)  # the reference, every store mapped anew
+    pool = memory.enable_host_pool()
+    store = PrefixCache()
+    _answer(tiny, config, torch.cat([document, _ids(12, 9, "cpu")], dim=1), 4, store)
+    made = pool.made
+    for seed in (10, 11, 12):  # other prompts, each one's stores from the one's before
+        _answer(tiny, config, _ids(76, seed, "cpu"), 4)
+    assert pool.reused > 0 and pool.made > made
+    warm = _answer(tiny, config, prompt, 10, store)
+    assert warm[3] > 0 and torch.equal(warm[0], cold[0]) and torch.equal(warm[1], cold[1])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_a_pinned_store_from_the_pool_is_read_and_written_by_the_gpu(pool):
@@ -170,3 +194,19 @@ def test_a_pinned_store_from_the_pool_is_read_and_written_by_the_gpu(pool):
     assert torch.equal(second, ones.cpu())
     del second
     pool.trim()
+
+
+def test_the_server_metrics_read_the_pool_and_nothing_while_it_is_off(pool):
+    first = _store()
+    del first
+    kept = _store()
+    values = {m.name: m.samples[0].value for m in _HostPoolCollector().collect()}
+    assert values == {
+        "tandem_host_pool_reused": 1,
+        "tandem_host_pool_made": 1,
+        "tandem_host_pool_free_bytes": 0,
+    }
+    del kept
+    memory.disable_host_pool()
+    assert list(_HostPoolCollector().collect()) == []
+    memory.enable_host_pool()  # for the fixture's teardown
