@@ -24,8 +24,8 @@ the OS's page faults and, pinned, CUDA's registration: on an H200's host 22 ms f
 128K prompt's 22.3 s prefill at the 8B shape, paid again by every request a server starts (and by a request that
 copies a kept prefix, most of its time to first token). With a pool, a store whose last view dies keeps its
 mapping, faulted in and registered, for the next store of about its size, which only zeroes it (the stores must
-start zeroed, above). A store that finds none first gives back free mappings at least its size, so the pool never
-holds more than the stores it lent at their peak; `HostPool.trim` gives back the rest (an idle server does).
+start zeroed, above). A store that finds none first gives back free mappings at least its size, so the pool holds
+about what the stores it lent held at their peak; `HostPool.trim` gives back the rest (an idle server does).
 """
 
 from __future__ import annotations
