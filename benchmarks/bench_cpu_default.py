@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import TandemCache, TandemConfig, load_model, manifest
+from tandem.integrations.hf import generate_cache_kwargs
 from tandem.tools.evaluation.haystack import load_haystack
 
 SYSTEMS = {
@@ -45,14 +46,14 @@ def _decode(model, ids: torch.Tensor, make, steps: int) -> tuple[float, float, d
     cache = DynamicCache() if make is None else TandemCache.for_model(model, make())
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **generate_cache_kwargs(model, cache), use_cache=True)
         prefill = time.perf_counter() - start
         token = out.logits[:, -1:].argmax(-1)
         position = ids.shape[1]
         start = time.perf_counter()
         for _ in range(steps):
             out = model(
-                token, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]),
+                token, **generate_cache_kwargs(model, cache), use_cache=True, position_ids=torch.tensor([[position]]),
                 cache_position=torch.tensor([position]),
             )  # fmt: skip
             token = out.logits[:, -1:].argmax(-1)

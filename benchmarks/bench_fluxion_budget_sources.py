@@ -37,6 +37,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from tandem import load_model, manifest
+from tandem.integrations.hf import generate_cache_kwargs
 from tandem.models import attention_shape
 from tandem.policies.fluxion_features import anchor_stats, join_segments, step_features
 from tandem.policies.fluxion_predictor import predictor_from_state, streaming_logit_threshold
@@ -141,10 +142,12 @@ def run(args) -> dict:
                 cache = DynamicCache(config=model.config)
                 try:
                     with torch.no_grad():
-                        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        out = model(
+                            ids, **generate_cache_kwargs(model, cache), use_cache=True, logits_to_keep=1
+                        )
                         token = out.logits[:, -1:].argmax(-1)
                         for _ in range(args.steps):
-                            out = model(token, past_key_values=cache, use_cache=True)
+                            out = model(token, **generate_cache_kwargs(model, cache), use_cache=True)
                             token = out.logits[:, -1:].argmax(-1)
                 finally:
                     model.set_attn_implementation(previous)

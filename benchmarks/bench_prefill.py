@@ -29,7 +29,7 @@ from tandem import TandemCache, TandemConfig, manifest
 from tandem.attention import hybrid
 from tandem.engine import TandemRunner
 from tandem.engine import prefill as prefill_module
-from tandem.integrations.hf import restore_attention
+from tandem.integrations.hf import generate_cache_kwargs, restore_attention
 from tandem.shapes import build_random_model, prefill_flops
 from tandem.tools.bench.bandwidth import matmul_rate
 from tandem.tools.bench.baselines import SDPA_BACKENDS, is_oom, release_memory
@@ -83,7 +83,10 @@ def hf_prefill(model, ids, chunk: int) -> tuple[dict, torch.Tensor | None]:
         with torch.no_grad(), sdpa_kernel(list(SDPA_BACKENDS)):
             for s in range(0, ids.shape[1], chunk):
                 out = model(
-                    input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
+                    input_ids=ids[:, s : s + chunk],
+                    **generate_cache_kwargs(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
                 )
         torch.cuda.synchronize(device)
         row["seconds"] = time.perf_counter() - start

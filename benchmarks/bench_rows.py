@@ -26,6 +26,7 @@ from tandem import TandemCache, TandemConfig, manifest
 from tandem.config import parse_setting
 from tandem.engine.rows import RowsRunner
 from tandem.engine.runner import TandemRunner
+from tandem.integrations.hf import generate_cache_kwargs
 from tandem.shapes import build_random_model
 
 
@@ -49,7 +50,9 @@ def _rows(model, config, batch: int, args, device, pooled: bool) -> dict:
         for kv in cache.tandem_layers():
             kv.capacity_hint = args.prompt_tokens + args.steps + 1
         ids = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(b))
-        model(input_ids=ids.to(device), use_cache=True, logits_to_keep=1, past_key_values=cache)
+        model(
+            input_ids=ids.to(device), use_cache=True, logits_to_keep=1, **generate_cache_kwargs(model, cache)
+        )
         caches.append(cache)
     seconds = []
     for _ in range(args.steps):

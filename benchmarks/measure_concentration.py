@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from tandem import load_model, manifest
+from tandem.integrations.hf import generate_cache_kwargs
 from tandem.tools.evaluation.haystack import load_haystack
 from tandem.tools.evaluation.names import GENERATION_TASKS
 from tandem.tools.evaluation.tasks import TaskBuilder
@@ -81,11 +82,14 @@ def measure(model, ids: torch.Tensor, queries: int, sinks: int, window: int, eps
     cache = DynamicCache()
     saved = model.config._attn_implementation
     with torch.no_grad():
-        model(ids[:, : length - queries], past_key_values=cache, use_cache=True)
+        model(ids[:, : length - queries], **generate_cache_kwargs(model, cache), use_cache=True)
         model.config._attn_implementation = "eager"  # only eager attention returns its weights
         try:
             out = model(
-                ids[:, length - queries :], past_key_values=cache, use_cache=True, output_attentions=True
+                ids[:, length - queries :],
+                **generate_cache_kwargs(model, cache),
+                use_cache=True,
+                output_attentions=True,
             )
         finally:
             model.config._attn_implementation = saved
