@@ -288,6 +288,10 @@ class HostTier:
         )  # non-padding rows among the first _counted
         self._valid_total = 0  # their sum over the batch
         self._counted = 0
+        self._valid_blocks = (
+            0  # blocks holding a non-padding row among the first _blocks_counted rows, summed
+        )
+        self._blocks_counted = 0
         self._pending_sources: list[torch.Tensor] = []
 
     def move_mirror(self, key_min, key_max, block_valid) -> None:
@@ -558,6 +562,15 @@ class HostTier:
         step that attends no host row add, without a tensor op."""
         self.valid_rows()
         return self._valid_total
+
+    def valid_blocks_total(self) -> int:
+        """Blocks that hold a non-padding live row, summed over the batch, as a Python int (read after `wait()`):
+        counted incrementally as `valid_rows` is (rows are live in whole blocks and never change once written)."""
+        if self._blocks_counted < self.rows:
+            new = self.valid[:, self._blocks_counted : self.rows]
+            self._valid_blocks += int(new.view(self.batch, -1, self.block_size).any(-1).sum())
+            self._blocks_counted = self.rows
+        return self._valid_blocks
 
     def device_nbytes(self) -> int:
         """Bytes this tier keeps on the compute device: the digests' mirror and the certified selection's

@@ -111,9 +111,10 @@ class Step(NamedTuple):
 
 class AllStep(NamedTuple):
     """A step that attends every host row (`Certifier.attend_all`): nothing is skipped, so every head's
-    certificate holds with p = 0. live: the live units [B, 1]."""
+    certificate holds with p = 0. units: the live units (rows, or blocks holding a live row), summed over the
+    batch."""
 
-    live: torch.Tensor
+    units: int
 
 
 class Certifier:
@@ -177,13 +178,8 @@ class Certifier:
             self.step = None
             return
         host.wait()
-        if self.rows:
-            live = host.valid_rows()[:, None]
-        else:  # blocks with a live row
-            live = (
-                host.valid[:, : host.rows].view(host.batch, -1, host.block_size).any(-1).sum(-1, keepdim=True)
-            )
-        self.step = AllStep(live)
+        # counted as rows arrive, not at every step: this runs per request, layer and step where a CPU serves many
+        self.step = AllStep(host.valid_total() if self.rows else host.valid_blocks_total())
 
     def _select_rows(self, layer, q, scale: float, known, forced) -> Step:
         """Every row a unit of its own (`certify.certified_rows`); a block's value norm bounds each of its rows'."""
@@ -239,7 +235,7 @@ class Certifier:
         """An `attend_all` step: every head met epsilon with p = 0 and kept every live unit. It runs eagerly on
         the host (`QuestPolicy.attends_all`), so it counts on the host, apart from the device counters."""
         heads = lse.numel()
-        units = float(s.live.sum()) * layer.num_kv_heads
+        units = float(s.units * layer.num_kv_heads)
         counts = self._all_counts
         counts["head_steps"] += heads
         counts["met"] += heads

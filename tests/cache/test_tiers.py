@@ -77,7 +77,7 @@ def host_bytes(capacity, element_size):
 def test_host_tier_grows_geometrically_and_keeps_content(dtype):
     gen = torch.Generator().manual_seed(0)
     host = make_host(dtype)
-    assert host.nbytes() == 0 and host.valid_rows().tolist() == [0, 0]
+    assert host.nbytes() == 0 and host.valid_rows().tolist() == [0, 0] and host.valid_blocks_total() == 0
     chunks, growths = [], 0
     for i in range(200):
         old_capacity = host.capacity
@@ -107,6 +107,8 @@ def check_host_content(host, chunks):
     )
     assert torch.equal(host.maw[:, :, : host.rows], maw)  # appends without maw start at 0
     assert torch.equal(host.valid_rows(), valid.sum(dim=1))
+    # counted as rows arrive: blocks with a non-padding row (a block of padding only is not one)
+    assert host.valid_blocks_total() == int(valid.view(BATCH, -1, BLOCK).any(-1).sum())
     key_min, key_max = host.digest()
     ref_min, ref_max = digest_by_loop(keys, valid)
     assert torch.equal(key_min, ref_min) and torch.equal(key_max, ref_max)
@@ -206,6 +208,20 @@ def test_an_append_over_staged_rows_writes_them_again():
     host.stage(*first[:3])
     chunk = random_blocks(gen, 2, torch.float32)
     assert host.append(*chunk) == 0 and host.staged == 0
+    check_host_content(host, [chunk])
+
+
+def test_a_cleared_tier_counts_only_its_new_rows():
+    """`clear` (a cache reused for another request) starts the incremental counts again."""
+    gen = torch.Generator().manual_seed(11)
+    host = make_host()
+    host.append(*random_blocks(gen, 3, torch.float32))
+    assert host.valid_blocks_total() > 0
+    host.clear()
+    assert host.valid_blocks_total() == 0 and host.valid_total() == 0
+    chunk = random_blocks(gen, 2, torch.float32)
+    chunk[2][0, :BLOCK] = False  # a block of padding only
+    host.append(*chunk)
     check_host_content(host, [chunk])
 
 
