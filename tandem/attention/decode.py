@@ -549,6 +549,13 @@ def record_no_host_part(layer) -> None:
     _record_counts(layer, 0, 0, host.valid_total() * host.num_kv_heads)  # what _record_selection(NONE) counts
 
 
+def record_every_row(layer) -> None:
+    """A step's statistics where the CPU attends every live host row: what `_record_selection` counts then, each
+    real row read once per KV head."""
+    rows = layer.host.valid_total() * layer.host.num_kv_heads
+    _record_counts(layer, rows, 0, rows)
+
+
 def device_only(layer, plan) -> bool:
     """The recall plan leaves the CPU nothing (a device share of 1): every selected block is a hit or copied in."""
     return plan is not None and layer.gpu_share >= 1.0
@@ -612,10 +619,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather
     keeps = layer.policy.keeps_selection
     every_row = selection.kind == "all" and not skip and ops.native_cpu_available()
     if every_row and gather:
-        rows = (
-            host.valid_total() * host.num_kv_heads
-        )  # what _record_selection counts, where every row is read
-        _record_counts(layer, rows, 0, rows)
+        record_every_row(layer)
         return True
     if every_row:
         # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
@@ -623,9 +627,8 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather
     call = bufs.prepared_call(layer, selection, scale) if keeps and not skip else None
     if call is not None:
         call()  # attends into out / lse_host
-        if every_row:  # what _record_selection counts, where every real row is read
-            rows = host.valid_total() * host.num_kv_heads
-            _record_counts(layer, rows, 0, rows)
+        if every_row:
+            record_every_row(layer)
         else:
             _record_selection(layer, selection)
         return False

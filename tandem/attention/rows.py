@@ -34,6 +34,7 @@ from .decode import (
     nothing_offloaded,
     prepare,
     prepared_hot_call,
+    record_every_row,
     record_no_host_part,
     share_width,
 )
@@ -534,7 +535,9 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     requests' q and rankings in one copy each and their one hand-off; the hot tiers' attention and the device
     shares; one wait for the last CPU part (the host runs them in order); the merges (the joined requests' in
     one). On CPU tensors, the pooled requests whose policy attends every host row are attended after their
-    selections in one call, each over its own host tier (`PooledRows.attend_every_row`), and merged once.
+    selections in one call, each over its own host tier (`PooledRows.attend_every_row`), and merged once; those
+    with nothing to select this step (`Policy.every_row_step`: the default there) skip the per-request selection,
+    buffers and CPU part altogether.
     """
     n = pooled.keys.shape[0]
     together = [b for b in range(n) if layers[b] is not None and batches(layers[b])]
@@ -554,7 +557,20 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     ranking, by_pool = pooled.rank(layers, q3[:n], together)
     # and the device shares of those with a recall cache, in one plan over the pool's recall cache
     recall, recall_plan, by_recall = pooled.plan_recall(layers, ranking, by_pool)
+    # on CPU tensors, the requests whose step attends every host row with nothing to select (the default there):
+    # their policy's own bookkeeping and statistics here, their rows attended with the others' in one call below
+    all_rows = set()
+    if not q.is_cuda and ops.native_cpu_available():
+        for b in together:
+            layer = layers[b]
+            if not nothing_offloaded(layer) and layer.policy.every_row_step(layer, q3[b : b + 1]):
+                layer.attention_scale = scale
+                layer.host.wait()
+                record_every_row(layer)
+                all_rows.add(b)
     for b in together:
+        if b in all_rows:
+            continue
         given = ranking[b : b + 1] if b in by_pool else None
         given_plan = _plan_row(recall_plan, b) if b in by_recall else None
         parts[b] = bufs, ranked, plan = prepare(
@@ -609,7 +625,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if by_recall:
         pooled.attend_recalled(layers, recall, recall_plan, by_recall, q3[:n], out, lse, scale)
     for b in together:
-        if b in by_recall:
+        if b in by_recall or b in all_rows:
             continue
         bufs, ranked, plan = parts[b]
         row = slice(b, b + 1)
@@ -619,7 +635,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if cpu_parts:
         # the device waits for the last part (the host runs them in order), or, cut at the hand-off, for all
         context.host_work(cpu_parts[-1] if each else partial(_run_all, cpu_parts))
-    gathered = set()
+    gathered = set(all_rows)
     if not deferred:
         # on CPU tensors, the requests whose policy attends every host row are attended in one call after
         # their selections (each over its own host tier), not one call each
@@ -652,6 +668,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     own_tensors = any(
         layers[b].policy.certifier is not None or (b not in by_recall and share_width(layers[b], parts[b][1]))
         for b in together
+        if b not in all_rows
     )
     together_ranked = bool(occupied) and members == occupied and occupied <= by_pool
     pooled.uniform = together_ranked and not (alone or host or own_tensors)
@@ -659,7 +676,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     for b in together:
         layer, row = layers[b], slice(b, b + 1)
         layer.policy.after_attention(layer, out[row], lse[row])
-        if b in host or b in members:
+        if b in host or b in members or b in all_rows:
             continue
         if deferred:
             context.after_replay(partial(record_no_host_part, layer))

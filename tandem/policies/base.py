@@ -103,6 +103,13 @@ class Policy:
     def device_share(self, layer) -> int:
         return 0
 
+    def every_row_step(self, layer, q: torch.Tensor) -> bool:
+        """Whether this decode step attends every host row of `layer` with nothing to select, for q [B, Hq, D] on
+        the CPU: then this has done the step's own bookkeeping that `device_select` and `select` would, and the
+        caller attends the rows (`attention.rows.decode_rows`, several requests' host tiers in one call). False:
+        nothing done (the step selects as usual)."""
+        return False
+
     def prepare_step(self, layer) -> None:
         """Before a decode step, eagerly (never while a step records): make what the step adds to on the device.
         A recorded step replays what it recorded, so a tensor first made inside it would be made again, zeroed,

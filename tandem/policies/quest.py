@@ -141,6 +141,14 @@ class QuestPolicy(Policy):
         host = layer.host
         return self._all_on(q.device) and host is not None and host.rows > 0
 
+    def every_row_step(self, layer, q: torch.Tensor) -> bool:
+        """`attends_all` (the default on a CPU), with the certificate's step recorded as `device_select` records
+        it."""
+        if not self.attends_all(layer, q):
+            return False
+        self.certifier.attend_all(layer, q)
+        return True
+
     def _all_on(self, device: torch.device) -> bool:
         return self.config.policy == "certified" and device.type == "cpu"
 

@@ -13,6 +13,9 @@ class FullPolicy(Policy):
     def select(self, layer, q, from_device=None, skip: int = 0) -> Selection:
         return ALL
 
+    def every_row_step(self, layer, q) -> bool:
+        return not q.is_cuda and layer.host is not None and layer.host.rows > 0
+
 
 class StreamingPolicy(Policy):
     """No host entry is attended: sinks + recent window only (StreamingLLM)."""
