@@ -288,9 +288,8 @@ class HostTier:
         )  # non-padding rows among the first _counted
         self._valid_total = 0  # their sum over the batch
         self._counted = 0
-        self._valid_blocks = (
-            0  # blocks holding a non-padding row among the first _blocks_counted rows, summed
-        )
+        # blocks holding a non-padding row among the first _blocks_counted rows, summed over the batch
+        self._valid_blocks = 0
         self._blocks_counted = 0
         self._pending_sources: list[torch.Tensor] = []
 
