@@ -295,7 +295,14 @@ class Scheduler:
                         self._admit()
                         while not (self._stop or self._prefilling or self._decoding or self._waiting):
                             if not self._cond.wait(_host_pool_wait()):
-                                _trim_host_pool()  # idle for HOST_POOL_IDLE_SECONDS
+                                # idle for HOST_POOL_IDLE_SECONDS: give the free stores back without holding
+                                # the lock, which a request arriving meanwhile takes (unregistering 17 GB
+                                # takes about 0.3 s)
+                                self._cond.release()
+                                try:
+                                    _trim_host_pool()
+                                finally:
+                                    self._cond.acquire()
                         if self._stop:
                             break
                         self._drop_cancelled()
