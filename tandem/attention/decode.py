@@ -523,18 +523,15 @@ def cpu_part(
     pool,
     wait_copy: bool = True,
     on_seconds=None,
-    gather: bool = False,
-) -> bool:
+) -> None:
     """Wait for q's copy to land (an event, not the device; nothing to wait for on CPU tensors, or when the
-    caller already has: `wait_copy` False), then run the CPU half; `on_seconds` receives its time. Returns
-    whether the part was left to the caller (`host_part`'s `gather`)."""
+    caller already has: `wait_copy` False), then run the CPU half; `on_seconds` receives its time."""
     if wait_copy and bufs.q_copied is not None:
         bufs.q_copied.synchronize()
     start = time.perf_counter()
-    gathered = host_part(layer, bufs, scale, pool, wait=True, gather=gather)
+    host_part(layer, bufs, scale, pool, wait=True)
     if on_seconds is not None:
         on_seconds(time.perf_counter() - start)
-    return gathered
 
 
 def record_no_host_part(layer) -> None:
@@ -590,23 +587,22 @@ def _record_queue(layer, rows: int, cpu_rows: int) -> None:
     _record_counts(layer, rows, rows - cpu_rows, host.valid_total() * host.num_kv_heads)
 
 
-def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather: bool = False) -> bool:
+def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> None:
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
-    `wait`: first wait for the host tier's pending copies into host memory. `gather`: where the policy attends
-    every host row, leave the attention to the caller, which attends several requests' host tiers in one call
-    (`PooledRows.attend_every_row`), and return True (out/lse_host are then not written); else False.
+    `wait`: first wait for the host tier's pending copies into host memory. (A request of several whose step
+    attends every host row, `Policy.every_row_step`, is attended with the others instead: `rows.decode_rows`.)
     """
     host = layer.host
     if nothing_offloaded(layer):
         bufs.out_host.zero_()
         bufs.lse_host.fill_(float("-inf"))
-        return False
+        return
     if wait:
         host.wait()
     if bufs.queue is not None:
         _record_queue(layer, *_queue_call(layer, bufs, scale)())
-        return False
+        return
     q_host = bufs.q_host[:, :, None]
     ranked = bufs.from_device
     skip, call, ranks = _ranked_call(layer, bufs, scale)
@@ -614,13 +610,10 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather
         # the policy keeps ranks [skip, count) of the device's ranking: one compiled call sorts them, attends
         # them into out/lse_host and counts the rows (the same as select + host_attention below, less Python)
         _record_counts(layer, *call(*ranks, host.valid_rows()))
-        return False
+        return
     selection = layer.policy.select(layer, q_host, ranked, skip)
     keeps = layer.policy.keeps_selection
     every_row = selection.kind == "all" and not skip and ops.native_cpu_available()
-    if every_row and gather:
-        record_every_row(layer)
-        return True
     if every_row:
         # every host row: one prepared compiled call over all blocks (the padding rows are invalid)
         selection, keeps = bufs.all_blocks(host, host.num_kv_heads), True
@@ -631,7 +624,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool, gather
             record_every_row(layer)
         else:
             _record_selection(layer, selection)
-        return False
+        return
     out, lse = host_attention(layer, q_host, selection, scale, pool)
     bufs.out_host.copy_(out[:, :, 0])
     bufs.lse_host.copy_(lse[:, :, 0])

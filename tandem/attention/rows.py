@@ -534,10 +534,9 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     order, so the host starts the first request's part while the device selects for the next); then the joined
     requests' q and rankings in one copy each and their one hand-off; the hot tiers' attention and the device
     shares; one wait for the last CPU part (the host runs them in order); the merges (the joined requests' in
-    one). On CPU tensors, the pooled requests whose policy attends every host row are attended after their
-    selections in one call, each over its own host tier (`PooledRows.attend_every_row`), and merged once; those
-    with nothing to select this step (`Policy.every_row_step`: the default there) skip the per-request selection,
-    buffers and CPU part altogether.
+    one). On CPU tensors, the pooled requests whose step attends every host row with nothing to select
+    (`Policy.every_row_step`: the default there) skip the per-request selection, buffers and CPU part: they are
+    attended in one call, each over its own host tier (`PooledRows.attend_every_row`), and merged once.
     """
     n = pooled.keys.shape[0]
     together = [b for b in range(n) if layers[b] is not None and batches(layers[b])]
@@ -635,25 +634,18 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
     if cpu_parts:
         # the device waits for the last part (the host runs them in order), or, cut at the hand-off, for all
         context.host_work(cpu_parts[-1] if each else partial(_run_all, cpu_parts))
-    gathered = set(all_rows)
     if not deferred:
-        # on CPU tensors, the requests whose policy attends every host row are attended in one call after
-        # their selections (each over its own host tier), not one call each
-        gather = not q.is_cuda and ops.native_cpu_available()
         for b in host:
-            bufs, seconds = parts[b][0], contexts[b].add_host_seconds
-            if cpu_part(layers[b], bufs, scale, pools[b], on_seconds=seconds, gather=gather):
-                gathered.add(b)
+            cpu_part(layers[b], parts[b][0], scale, pools[b], on_seconds=contexts[b].add_host_seconds)
         if ranked_part is not None:
             ranked_part()
-    if gathered:
+    if all_rows:
+        # the requests that attend every host row, in one call (each over its own host tier), not one call each
         start = time.perf_counter()
-        every = pooled.attend_every_row(layers, gathered, q3[:n], scale, threads)
+        every = pooled.attend_every_row(layers, all_rows, q3[:n], scale, threads)
         ops.merge_lse_(out, lse, *every)
-        contexts[min(gathered)].add_host_seconds(time.perf_counter() - start)
+        contexts[min(all_rows)].add_host_seconds(time.perf_counter() - start)
     for b in host:
-        if b in gathered:
-            continue
         bufs, row = parts[b][0], slice(b, b + 1)
         if q.is_cuda:
             bufs.out_dev.copy_(bufs.out_host, non_blocking=True)
