@@ -179,6 +179,10 @@ class HostPool:
         with self._lock:
             return sum(len(m) for m in self._free)
 
+    def stats(self) -> dict:
+        """Stores served from the pool and mapped anew while it was on, and the free bytes it holds now."""
+        return {"reused": self.reused, "made": self.made, "free_bytes": self.free_bytes}
+
 
 def _pinned(mapping: _Mapping) -> bool:
     return mapping._cudart is not None

@@ -74,8 +74,8 @@ class Metrics:
         ):
             Gauge(name, doc, registry=r).set_function(lambda key=key: counts()[key])
         if scheduler.prefix is not None:
-            r.register(_PrefixCollector(scheduler.prefix))
-        r.register(_HostPoolCollector())
+            r.register(_StatsCollector(scheduler.prefix.stats, PREFIX_COUNTERS, PREFIX_GAUGES))
+        r.register(host_pool_collector())
         lim = scheduler.limits
         budgets = Gauge("tandem_budget_bytes", "Memory budgets for admission", ["memory"], registry=r)
         budgets.labels("host").set(-1 if lim.host_bytes is None else lim.host_bytes)
@@ -95,54 +95,46 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _PrefixCollector:
-    """The prefix cache's counters and sizes (`cache.prefix.PrefixCache.stats`), read when scraped."""
+class _StatsCollector:
+    """Counters and gauges read from a statistics dict when scraped: `stats()` returns it, or None for nothing."""
 
-    COUNTERS = (
-        ("tandem_prefix_lookups", "lookups", "New requests that looked for a kept prompt prefix"),
-        ("tandem_prefix_hits", "hits", "New requests that started from a kept prompt prefix"),
-        ("tandem_prefix_hit_tokens", "hit_tokens", "Prompt tokens taken from kept prefixes"),
-        (
-            "tandem_prefix_taken_over",
-            "adopted",
-            "Hits that took a kept prefix's host rows over, copying none",
-        ),
-        ("tandem_prefix_restored_bytes", "bytes_restored", "Bytes of kept prefixes the other hits copied"),
-        ("tandem_prefix_inserted", "inserted", "Prompt prefixes kept"),
-        ("tandem_prefix_evictions", "evictions", "Kept prefixes dropped for room"),
-    )
-    GAUGES = (
-        ("tandem_prefix_entries", "entries", "Prompt prefixes kept now"),
-        ("tandem_prefix_bytes", "bytes", "Host memory the kept prefixes hold"),
-    )
-
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, stats, counters, gauges) -> None:
+        self.stats, self.counters, self.gauges = stats, counters, gauges
 
     def collect(self):
-        stats = self.store.stats()
-        for name, key, doc in self.COUNTERS:
+        stats = self.stats()
+        if stats is None:
+            return
+        for name, key, doc in self.counters:
             yield CounterMetricFamily(name, doc, value=stats[key])
-        for name, key, doc in self.GAUGES:
+        for name, key, doc in self.gauges:
             yield GaugeMetricFamily(name, doc, value=stats[key])
 
 
-class _HostPoolCollector:
-    """The host pool's counters and free bytes (`cache.memory.HostPool`, on for a server on CUDA), read when
-    scraped; nothing where the pool is off."""
+# the prefix cache's counters and sizes (`cache.prefix.PrefixCache.stats`)
+PREFIX_COUNTERS = (
+    ("tandem_prefix_lookups", "lookups", "New requests that looked for a kept prompt prefix"),
+    ("tandem_prefix_hits", "hits", "New requests that started from a kept prompt prefix"),
+    ("tandem_prefix_hit_tokens", "hit_tokens", "Prompt tokens taken from kept prefixes"),
+    ("tandem_prefix_taken_over", "adopted", "Hits that took a kept prefix's host rows over, copying none"),
+    ("tandem_prefix_restored_bytes", "bytes_restored", "Bytes of kept prefixes the other hits copied"),
+    ("tandem_prefix_inserted", "inserted", "Prompt prefixes kept"),
+    ("tandem_prefix_evictions", "evictions", "Kept prefixes dropped for room"),
+)
+PREFIX_GAUGES = (
+    ("tandem_prefix_entries", "entries", "Prompt prefixes kept now"),
+    ("tandem_prefix_bytes", "bytes", "Host memory the kept prefixes hold"),
+)
+# the host pool's (`cache.memory.HostPool.stats`, on for a server on CUDA; nothing where it is off)
+HOST_POOL_COUNTERS = (
+    ("tandem_host_pool_reused", "reused", "Host-tier stores made from the memory of ended ones"),
+    ("tandem_host_pool_made", "made", "Host-tier stores mapped (and page-locked) anew"),
+)
+HOST_POOL_GAUGES = (("tandem_host_pool_free_bytes", "free_bytes", "Host memory kept for the next stores"),)
 
-    def collect(self):
-        pool = host_pool()
-        if pool is None:
-            return
-        yield CounterMetricFamily(
-            "tandem_host_pool_reused",
-            "Host-tier stores made from the memory of ended ones",
-            value=pool.reused,
-        )
-        yield CounterMetricFamily(
-            "tandem_host_pool_made", "Host-tier stores mapped (and page-locked) anew", value=pool.made
-        )
-        yield GaugeMetricFamily(
-            "tandem_host_pool_free_bytes", "Host memory kept for the next stores", value=pool.free_bytes
-        )
+
+def host_pool_collector() -> _StatsCollector:
+    """The host pool's metrics, read from whichever pool is on when scraped."""
+    return _StatsCollector(
+        lambda: None if (pool := host_pool()) is None else pool.stats(), HOST_POOL_COUNTERS, HOST_POOL_GAUGES
+    )

@@ -12,7 +12,7 @@ from tandem.cache import memory
 from tandem.cache.host import HostTier
 from tandem.cache.prefix import PrefixCache
 from tandem.serve import scheduler as scheduler_module
-from tandem.serve.metrics import _HostPoolCollector
+from tandem.serve.metrics import host_pool_collector
 from tandem.serve.scheduler import Limits, Scheduler
 from tests.cache.test_tiers import FakeCudart
 from tests.engine.test_engine import _tiny
@@ -200,7 +200,7 @@ def test_the_server_metrics_read_the_pool_and_nothing_while_it_is_off(pool):
     first = _store()
     del first
     kept = _store()
-    values = {m.name: m.samples[0].value for m in _HostPoolCollector().collect()}
+    values = {m.name: m.samples[0].value for m in host_pool_collector().collect()}
     assert values == {
         "tandem_host_pool_reused": 1,
         "tandem_host_pool_made": 1,
@@ -208,5 +208,5 @@ def test_the_server_metrics_read_the_pool_and_nothing_while_it_is_off(pool):
     }
     del kept
     memory.disable_host_pool()
-    assert list(_HostPoolCollector().collect()) == []
+    assert list(host_pool_collector().collect()) == []
     memory.enable_host_pool()  # for the fixture's teardown
