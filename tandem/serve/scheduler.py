@@ -43,7 +43,6 @@ import torch
 
 from ..attention import TaskPool
 from ..cache import memory
-from ..cache.memory import empty_pinned_cache
 from ..cache.prefix import PrefixCache
 from ..config import TandemConfig
 from ..engine.prefill import chunk_end, keep_prefix, observed_tokens, start_from_prefix
@@ -503,7 +502,7 @@ def _return_free_heap(device: torch.device | None = None) -> None:
     reuse. Without this the server's resident size stayed well above its level before a load, every cache freed
     (benchmarks/results/2026-11-27_cpu_serve). Once per idle spell."""
     if device is not None and device.type == "cuda":
-        empty_pinned_cache()
+        memory.empty_pinned_cache()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
