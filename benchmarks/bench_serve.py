@@ -266,10 +266,12 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
         }
         if "tandem_prefix_lookups_total" in after
         else None,
-        # the server's host pool (on CUDA): host-tier stores made from ended requests' memory, and mapped anew
+        # the server's host pool (on CUDA): host-tier stores made from ended requests' memory, and mapped anew,
+        # and how many of them were made ahead of their request (a server without that counter: absent)
         "host_pool": {
             key: after[f"tandem_host_pool_{key}_total"] - before.get(f"tandem_host_pool_{key}_total", 0.0)
-            for key in ("reused", "made")
+            for key in ("reused", "made", "ahead")
+            if f"tandem_host_pool_{key}_total" in after
         }
         if "tandem_host_pool_made_total" in after
         else None,
@@ -454,7 +456,8 @@ def markdown(report: dict) -> str:
     if pool is not None:
         lines.append(
             f"Host pool (batched pass): {pool['reused']:.0f} host-tier stores made from ended requests' memory, "
-            f"{pool['made']:.0f} mapped and page-locked anew."
+            f"{pool['made']:.0f} mapped and page-locked anew"
+            + (f", {pool['ahead']:.0f} of them made ahead of their request." if "ahead" in pool else ".")
         )
     lines += [
         "",

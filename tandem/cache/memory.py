@@ -26,14 +26,24 @@ copies a kept prefix, most of its time to first token). With a pool, a store who
 mapping, faulted in and registered, for the next store of about its size, which only zeroes it (the stores must
 start zeroed, above). A store that finds none first gives back free mappings at least its size, so the pool holds
 about what the stores it lent held at their peak; `HostPool.trim` gives back the rest (an idle server does).
+
+**Ahead of time** (`HostPool.reserve`). Where many requests arrive at once, none finds an ended one's store, and
+each would map and page-lock its own on the thread that runs the model, stalling every running stream. A caller
+that knows a request's store sizes in advance (`tandem serve`, at admission) reserves them: the pool's worker
+thread makes them (from free mappings, zeroed, or mapped and registered anew; CUDA's registration gives up the
+GIL) while the model runs, and the request's stores draw from its reservation (`Reservation.drawn`, around the
+code that makes them) without zeroing again. What the request leaves undrawn goes to the free mappings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
+import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -87,15 +97,18 @@ def host_zeros(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> to
     if not huge or nbytes < HUGE_PAGE or not huge_pages_supported():
         return torch.zeros(shape, dtype=dtype, pin_memory=pin)
     pool = _pool
-    mapping = pool.take(nbytes, pin) if pool is not None else None
-    reused = mapping is not None
+    mapping = reused = None
+    if pool is not None:
+        mapping = pool.draw(nbytes, pin)  # made ahead for this request, zeroed
+        if mapping is None:
+            mapping = reused = pool.take(nbytes, pin)
     if mapping is None:
         mapping = _new_mapping(nbytes, pin)
     view = memoryview(mapping)[:nbytes]
     tensor = torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
     if pool is not None:
         pool.lend(view, mapping)
-    if reused:
+    if reused is not None:
         tensor.zero_()
     return tensor
 
@@ -130,8 +143,56 @@ class HostPool:
         # reentrant: a store may die (its finalizer returning a mapping) in a collection inside a locked section
         self._lock = threading.RLock()
         self._free: list[_Mapping] = []
-        # stores served from the pool, stores mapped anew while it is on, mappings given back to the OS
-        self.reused = self.made = self.given_back = 0
+        # stores served from the pool, stores mapped anew while it is on, mappings given back to the OS, stores
+        # drawn from reservations (made ahead by the worker, which counts them as reused or made)
+        self.reused = self.made = self.given_back = self.ahead = 0
+        # reservations waiting for the worker thread (`reserve`), started with the first
+        self._pending: deque[Reservation] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        # the reservation this thread's stores draw from (`Reservation.drawn`)
+        self._drawing = threading.local()
+
+    def reserve(self, sizes, pinned: bool) -> Reservation:
+        """Make stores of `sizes` bytes (those of at least a huge page: the smaller never come from the pool) of
+        one kind ahead of their request, on the pool's worker thread, in the order asked. Returns at once."""
+        reservation = Reservation(self, [n for n in sizes if n >= HUGE_PAGE], pinned)
+        with self._lock:
+            if not reservation.sizes or self._closed:
+                reservation.done.set()
+                return reservation
+            self._pending.append(reservation)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="tandem-host-stores", daemon=True)
+                self._worker.start()
+            self._wake.notify()
+        return reservation
+
+    def draw(self, nbytes: int, pinned: bool) -> _Mapping | None:
+        """A mapping made ahead for a store of `nbytes`, zeroed, from the reservation this thread draws from
+        (the smallest within the fit), or None."""
+        reservation = getattr(self._drawing, "reservation", None)
+        if reservation is None or reservation.pinned != pinned:
+            return None
+        with self._lock:
+            fits = [m for m in reservation.mappings if nbytes <= len(m) <= nbytes * self.fit]
+            if not fits:
+                return None
+            best = min(fits, key=len)
+            reservation.mappings.remove(best)
+            self.ahead += 1
+            return best
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                reservation = self._pending.popleft()
+            reservation.fill()
 
     def take(self, nbytes: int, pinned: bool) -> _Mapping | None:
         """A free mapping for a store of `nbytes`, or None: then free mappings of at least `nbytes` in all, the
@@ -167,6 +228,15 @@ class HostPool:
                 return
             self.given_back += 1  # the pool is off: the mapping goes with the finalizer's reference
 
+    def close(self) -> None:
+        """Stop the worker after the store it makes now; reservations not begun end empty."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = list(self._pending), deque()
+            self._wake.notify()
+        for reservation in pending:
+            reservation.done.set()
+
     def trim(self) -> None:
         """Give every free mapping back to the OS."""
         with self._lock:
@@ -180,8 +250,73 @@ class HostPool:
             return sum(len(m) for m in self._free)
 
     def stats(self) -> dict:
-        """Stores served from the pool and mapped anew while it was on, and the free bytes it holds now."""
-        return {"reused": self.reused, "made": self.made, "free_bytes": self.free_bytes}
+        """Stores served from the pool and mapped anew while it was on, those of them made ahead of their request
+        (`reserve`), and the free bytes it holds now."""
+        return {"reused": self.reused, "made": self.made, "ahead": self.ahead, "free_bytes": self.free_bytes}
+
+
+class Reservation:
+    """Host stores made ahead of one request by a pool's worker thread (`HostPool.reserve`).
+
+    sizes:    the stores' bytes, made in this order
+    mappings: those made and not yet drawn (zeroed: freshly mapped, or a free one zeroed by the worker)
+    done:     set once the worker is through (or the pool closed before it began); `error` holds what stopped it
+              (the request's own stores then map anew, and raise where memory is short)
+    seconds:  the worker's time on it
+    """
+
+    def __init__(self, pool: HostPool, sizes: list[int], pinned: bool) -> None:
+        self.pool, self.sizes, self.pinned = pool, sizes, pinned
+        self.mappings: list[_Mapping] = []
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._released = False
+
+    def fill(self) -> None:
+        """Make the stores (the worker thread)."""
+        pool, start = self.pool, time.perf_counter()
+        try:
+            for nbytes in self.sizes:
+                if self._released or _pool is not pool:
+                    break
+                mapping = pool.take(nbytes, self.pinned)
+                if mapping is None:
+                    mapping = _new_mapping(nbytes, self.pinned)  # anonymous pages read as zeros
+                else:
+                    torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).zero_()
+                with pool._lock:
+                    if self._released:
+                        pool._came_back(mapping)
+                    else:
+                        self.mappings.append(mapping)
+        except Exception as err:  # the worker goes on with the next reservation
+            self.error = err
+        finally:
+            self.seconds = time.perf_counter() - start
+            self.done.set()
+
+    @contextlib.contextmanager
+    def drawn(self):
+        """While inside, the stores this thread makes draw from this reservation, once the worker is through with
+        it (waited for here); on leaving, what is left goes to the pool's free mappings."""
+        self.done.wait()
+        local = self.pool._drawing
+        local.reservation = self
+        try:
+            yield self
+        finally:
+            local.reservation = None
+            self.release()
+
+    def release(self) -> None:
+        """Give what is left undrawn to the pool's free mappings (also what the worker makes from now on)."""
+        pool = self.pool
+        with pool._lock:
+            self._released = True
+            left, self.mappings = self.mappings, []
+            for mapping in left:
+                pool._came_back(mapping)
 
 
 def _pinned(mapping: _Mapping) -> bool:
@@ -204,6 +339,7 @@ def disable_host_pool() -> None:
     global _pool
     pool, _pool = _pool, None
     if pool is not None:
+        pool.close()
         pool.trim()
 
 

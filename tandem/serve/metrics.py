@@ -129,6 +129,11 @@ PREFIX_GAUGES = (
 HOST_POOL_COUNTERS = (
     ("tandem_host_pool_reused", "reused", "Host-tier stores made from the memory of ended ones"),
     ("tandem_host_pool_made", "made", "Host-tier stores mapped (and page-locked) anew"),
+    (
+        "tandem_host_pool_ahead",
+        "ahead",
+        "Host-tier stores made ahead of their request, off the model's thread",
+    ),
 )
 HOST_POOL_GAUGES = (("tandem_host_pool_free_bytes", "free_bytes", "Host memory kept for the next stores"),)
 

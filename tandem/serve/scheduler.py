@@ -26,6 +26,7 @@ waiting prompt and one decode step of every running request.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -51,7 +52,7 @@ from ..engine.sampling import seed_key
 from ..integrations.hf import TandemCache, layer_windows
 from ..models import attention_shape, end_of_sequence_ids
 from .sampling import TextStream, choose_token
-from .sizing import CacheShape, RequestBytes, request_bytes
+from .sizing import CacheShape, RequestBytes, host_stores, request_bytes
 
 SWITCH_INTERVAL_SECONDS = 0.0002  # see Scheduler.start
 # an idle server keeps the host pool's free stores this long for the next request, then gives them back
@@ -88,6 +89,7 @@ class Request:
     # filled in by the scheduler
     cached_tokens: int = 0  # prompt tokens taken from a kept prefix
     bytes: RequestBytes | None = None
+    host_stores: memory.Reservation | None = None  # its host tier's stores, made ahead (`Scheduler._admit`)
     cache: TandemCache | None = None
     prefilled: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -356,6 +358,21 @@ class Scheduler:
             self._reserved_device += need.on_device
             request.admitted = time.perf_counter()
             self._prefilling.append(request)
+            self._reserve_host_stores(request)
+
+    def _reserve_host_stores(self, request: Request) -> None:
+        """With the host pool on, have its worker make the request's host-tier stores from its admission (called
+        under the lock), off the scheduler's thread: its first chunk then draws them instead of mapping and
+        page-locking them while every stream waits. All admitted requests at once: registering memory holds CUDA's
+        driver against this thread's calls, and made while the first prompts prefill, before any stream decodes,
+        it stalls none (reserving only the next two prompts' measured worse: docs/serve.md § Host pool)."""
+        pool = memory.host_pool()
+        if pool is None or not request.config.host.huge_pages:
+            return
+        layer = host_stores(self.shape, request.config, len(request.prompt_ids), request.max_tokens)
+        request.host_stores = pool.reserve(
+            layer * self.shape.global_layers, pinned=self.device.type == "cuda"
+        )
 
     def _drop_cancelled(self) -> None:
         for group in (self._prefilling, self._decoding):
@@ -372,6 +389,9 @@ class Scheduler:
                 self._reserved_device -= request.bytes.on_device
                 seconds = time.perf_counter() - request.admitted
                 self.stats.request_seconds = 0.8 * self.stats.request_seconds + 0.2 * seconds
+        if request.host_stores is not None:  # it ended before its first chunk
+            request.host_stores.release()
+            request.host_stores = None
         if request.cache is not None:
             try:
                 self.runner.detach(request.cache)  # its row of hot tiers, for the next request
@@ -403,27 +423,11 @@ class Scheduler:
 
     def _prefill_chunk(self, request: Request) -> None:
         start = time.perf_counter()  # a new request's cache, and the prefix it starts from, stall streams too
+        stores, request.host_stores = request.host_stores, None
         try:
-            if request.cache is None:
-                request.cache = self._new_cache(request)
-                request.text = TextStream(self.tokenizer, request.stop)
-                # the draws' key: the request's seed, or a fresh one
-                request.draw_seed = seed_key(
-                    request.seed if request.seed is not None else secrets.randbits(63)
-                )
-                if self.prefix is not None and request.prefix_cache:
-                    request.cached_tokens = request.prefilled = start_from_prefix(
-                        self.prefix, request.cache, request.prompt_ids, self.limits.prefill_chunk
-                    )
-            total = len(request.prompt_ids)
-            s = request.prefilled
-            chunk = self.limits.prefill_chunk
-            e = chunk_end(s, total, chunk, observed_tokens(request.config))
-            logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
-            logits = logits[0].cpu()
-            request.prefilled = e
-            if self.prefix is not None and request.prefix_cache:
-                keep_prefix(self.prefix, request.cache, request.prompt_ids, e, chunk)
+            # a new request's host tier draws the stores made ahead for it
+            with stores.drawn() if stores is not None else contextlib.nullcontext():
+                e, total, logits = self._run_chunk(request)
             seconds = time.perf_counter() - start
             if self.stats.on_prefill_chunk is not None:
                 self.stats.on_prefill_chunk(seconds)
@@ -439,6 +443,29 @@ class Scheduler:
                 self._decoding.append(request)
         token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
         self._accept(request, token)
+
+    def _run_chunk(self, request: Request) -> tuple[int, int, torch.Tensor]:
+        """The request's next prompt chunk (its cache made first, from a kept prefix where one fits): (its end,
+        the prompt's length, the last position's logits on the CPU)."""
+        if request.cache is None:
+            request.cache = self._new_cache(request)
+            request.text = TextStream(self.tokenizer, request.stop)
+            # the draws' key: the request's seed, or a fresh one
+            request.draw_seed = seed_key(request.seed if request.seed is not None else secrets.randbits(63))
+            if self.prefix is not None and request.prefix_cache:
+                request.cached_tokens = request.prefilled = start_from_prefix(
+                    self.prefix, request.cache, request.prompt_ids, self.limits.prefill_chunk
+                )
+        total = len(request.prompt_ids)
+        s = request.prefilled
+        chunk = self.limits.prefill_chunk
+        e = chunk_end(s, total, chunk, observed_tokens(request.config))
+        logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
+        logits = logits[0].cpu()
+        request.prefilled = e
+        if self.prefix is not None and request.prefix_cache:
+            keep_prefix(self.prefix, request.cache, request.prompt_ids, e, chunk)
+        return e, total, logits
 
     def _decode_step(self, batch: list[Request]) -> None:
         start = time.perf_counter()

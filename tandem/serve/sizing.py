@@ -28,6 +28,11 @@ class CacheShape:
     def element(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def global_layers(self) -> int:
+        """The layers with a host tier (those without a sliding window)."""
+        return self.num_layers - len(self.sliding)
+
 
 @dataclass(frozen=True)
 class RequestBytes:
@@ -63,11 +68,10 @@ def request_bytes(
     least `HOST_MIN_BLOCKS` of them; a sliding-window layer holds its window on the device. pooled_slots: the
     width of a row of the runner's pool of hot tiers (`engine.slots`, allocated already), or 0: a hot tier that
     fits one (and keeps no moving average) is not counted."""
-    total = prompt_tokens + max_tokens
     bs = config.block_size
     e = shape.element
     kv_row = 2 * shape.num_kv_heads * shape.head_dim  # K and V of one token, elements
-    needs_digest = config.policy in ("certified", "quest", "fluxion")
+    needs_digest = _needs_digest(config)
     needs_maw = config.policy == "hgca"
     on_cuda = device_type == "cuda"
     share = config.gpu_share_on(device_type)
@@ -78,16 +82,10 @@ def request_bytes(
     if slots <= pooled_slots and not needs_maw:
         hot = 0
 
-    rows = max(-(-max(0, total - config.sink_tokens) // bs), HOST_MIN_BLOCKS) * bs
+    rows = _host_rows(config, prompt_tokens + max_tokens)
     blocks = rows // bs
-    stored = 1 if config.host.dtype is not None else e
-    host = rows * (kv_row * stored + 1)
-    if config.host.dtype is not None:
-        host += blocks * 2 * shape.num_kv_heads * 4  # K and V scales per block and KV head
+    host = sum(host_stores(shape, config, prompt_tokens, max_tokens))
     digest = blocks * 2 * shape.num_kv_heads * shape.head_dim * e if needs_digest else 0
-    host += digest
-    if needs_maw:
-        host += rows * shape.num_q_heads * 4
     device = hot
     if needs_digest and (on_cuda or share > 0):
         device += digest + blocks  # the digests' mirror on the compute device, and which blocks hold rows
@@ -105,5 +103,33 @@ def request_bytes(
         device += int(factor * selected) * bs * kv_row * e
     # a sliding-window layer keeps window - 1 tokens on the device, and no host tier
     sliding = sum((window - 1) * (kv_row * e + 1) for window in shape.sliding)
-    global_layers = shape.num_layers - len(shape.sliding)
-    return RequestBytes(host * global_layers, device * global_layers + sliding, not on_cuda)
+    return RequestBytes(host * shape.global_layers, device * shape.global_layers + sliding, not on_cuda)
+
+
+def host_stores(shape: CacheShape, config: TandemConfig, prompt_tokens: int, max_tokens: int) -> list[int]:
+    """Bytes of each host-memory store of one global layer's host tier (`cache.host.HostTier`'s buffers: keys,
+    values and valid flags, the 8-bit tier's scales, the digests, the moving average), as a batch-1 cache
+    reserves them once for a prompt of `prompt_tokens` and `max_tokens` more (the server's capacity hint)."""
+    rows = _host_rows(config, prompt_tokens + max_tokens)
+    blocks = rows // config.block_size
+    kv_heads, dim, e = shape.num_kv_heads, shape.head_dim, shape.element
+    stored = 1 if config.host.dtype is not None else e
+    stores = [rows * kv_heads * dim * stored] * 2 + [rows]
+    if config.host.dtype is not None:
+        stores += [blocks * kv_heads * 4] * 2  # K and V scales per block and KV head, float32
+    if _needs_digest(config):
+        stores += [blocks * kv_heads * dim * e] * 2  # each block's key minima and maxima
+    if config.policy == "hgca":
+        stores.append(rows * shape.num_q_heads * 4)  # the moving average of attention, float32
+    return stores
+
+
+def _host_rows(config: TandemConfig, tokens: int) -> int:
+    """The host tier's rows for `tokens` cached: every token past the sinks, whole blocks, at least
+    `HOST_MIN_BLOCKS` of them (`HostTier.reserve`)."""
+    bs = config.block_size
+    return max(-(-max(0, tokens - config.sink_tokens) // bs), HOST_MIN_BLOCKS) * bs
+
+
+def _needs_digest(config: TandemConfig) -> bool:
+    return config.policy in ("certified", "quest", "fluxion")

@@ -2,6 +2,7 @@
 of about its size, zeroed, without being mapped or page-locked again; a store in use is never lent; a store that
 finds none first gives free mappings back; the pool off or trimmed gives them all back."""
 
+import threading
 import time
 
 import pytest
@@ -11,9 +12,11 @@ from tandem.attention import TaskPool
 from tandem.cache import memory
 from tandem.cache.host import HostTier
 from tandem.cache.prefix import PrefixCache
+from tandem.models import attention_shape
 from tandem.serve import scheduler as scheduler_module
 from tandem.serve.metrics import host_pool_collector
 from tandem.serve.scheduler import Limits, Scheduler
+from tandem.serve.sizing import CacheShape, host_stores
 from tests.cache.test_tiers import FakeCudart
 from tests.engine.test_engine import _tiny
 from tests.engine.test_prefix import POLICIES, _answer, _ids
@@ -177,6 +180,106 @@ def test_a_kept_prefix_keeps_its_host_rows_from_other_stores(pool, monkeypatch):
     assert warm[3] > 0 and torch.equal(warm[0], cold[0]) and torch.equal(warm[1], cold[1])
 
 
+def _threads_that_map(monkeypatch) -> list[str]:
+    """The names of the threads that map new stores from now on."""
+    names, new_mapping = [], memory._new_mapping
+
+    def recorded(nbytes, pin):
+        names.append(threading.current_thread().name)
+        return new_mapping(nbytes, pin)
+
+    monkeypatch.setattr(memory, "_new_mapping", recorded)
+    return names
+
+
+def test_a_reservation_is_made_on_the_worker_and_drawn_zeroed(pool, monkeypatch):
+    """Stores made ahead: a free mapping zeroed and a new one mapped, both by the worker thread; the stores made
+    while drawing take them without mapping or zeroing on the caller's thread."""
+    old = _store(2 * HUGE)
+    old.fill_(5.0)
+    reused = old.data_ptr()
+    del old
+    threads = _threads_that_map(monkeypatch)
+    reservation = pool.reserve([2 * HUGE, HUGE, 1024], pinned=False)  # 1024: never from the pool
+    assert reservation.sizes == [2 * HUGE, HUGE]
+    assert reservation.done.wait(TIMEOUT) and reservation.error is None
+    assert threads == ["tandem-host-stores"] and pool.free_bytes == 0
+    zeroed = []
+    monkeypatch.setattr(
+        torch.Tensor, "zero_", lambda t: zeroed.append(t.numel()) or t
+    )  # the caller's zeroing
+    with reservation.drawn():
+        big, small = _store(2 * HUGE), _store(HUGE)
+    assert big.data_ptr() == reused and torch.count_nonzero(big) == 0 and torch.count_nonzero(small) == 0
+    assert zeroed == [] and threads == ["tandem-host-stores"]
+    assert pool.stats()["ahead"] == 2 and (pool.made, pool.reused) == (2, 1)
+
+
+def test_what_a_request_leaves_undrawn_goes_to_the_free_mappings(pool):
+    reservation = pool.reserve([HUGE, HUGE], pinned=False)
+    with reservation.drawn():
+        kept = _store(HUGE)
+    assert pool.free_bytes == HUGE and pool.ahead == 1
+    outside = _store(HUGE)  # no reservation drawn: the free mapping, zeroed
+    assert pool.reused == 1 and pool.free_bytes == 0
+    del kept, outside
+    released = pool.reserve([HUGE, HUGE], pinned=False)
+    released.release()  # its request ended first: what the worker made or makes goes to the free mappings
+    assert released.done.wait(TIMEOUT) and released.mappings == []
+    assert pool.free_bytes == 2 * HUGE
+
+
+def test_a_reservation_of_another_kind_or_after_the_pool_closed_serves_nothing(pool):
+    pinned = pool.reserve([HUGE], pinned=True)
+    pinned.release()
+    assert pinned.done.wait(TIMEOUT)
+    reservation = pool.reserve([HUGE], pinned=False)
+    with reservation.drawn():
+        store = _store(HUGE, pin=False)
+    assert pool.ahead == 1
+    del store
+    memory.disable_host_pool()
+    late = pool.reserve([HUGE], pinned=False)
+    assert late.done.is_set() and late.sizes and late.mappings == []
+    memory.enable_host_pool()  # for the fixture's teardown
+
+
+def test_the_server_makes_each_requests_stores_ahead_with_the_same_tokens(model, pool, monkeypatch):  # noqa: F811
+    """Every store of a request's host tier is made by the pool's worker from its admission's reservation (its
+    sizes are `sizing.host_stores`'), none on the scheduler's thread, and the answers are a server's without the
+    pool."""
+    monkeypatch.setattr(memory, "HUGE_PAGE", 4096)  # the tiny model's stores go through mappings
+    threads = _threads_that_map(monkeypatch)
+
+    def serve(jobs):
+        scheduler = Scheduler(model, LetterTokenizer(), Limits(prefill_chunk=64), TaskPool(1))
+        scheduler.start()
+        try:
+            for job in jobs:
+                scheduler.submit(job.request)
+            for job in jobs:
+                assert job.done.wait(TIMEOUT)
+        finally:
+            scheduler.stop()
+
+    ahead = [_job(300, 5, first=3), _job(200, 6, first=4), _job(400, 4, first=5)]
+    serve(ahead)
+    assert threads and set(threads) == {"tandem-host-stores"}
+    shape = CacheShape(*attention_shape(model.config), torch.float32)
+    planned = [
+        n
+        for job in ahead
+        for n in host_stores(shape, job.request.config, len(job.request.prompt_ids), job.request.max_tokens)
+        if n >= memory.HUGE_PAGE
+    ]
+    assert planned and pool.ahead == len(planned) * shape.global_layers  # each one drawn
+    memory.disable_host_pool()
+    plain = [_job(300, 5, first=3), _job(200, 6, first=4), _job(400, 4, first=5)]
+    serve(plain)
+    memory.enable_host_pool()  # for the fixture's teardown
+    assert [job.request.tokens for job in ahead] == [job.request.tokens for job in plain]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_a_pinned_store_from_the_pool_is_read_and_written_by_the_gpu(pool):
@@ -204,6 +307,7 @@ def test_the_server_metrics_read_the_pool_and_nothing_while_it_is_off(pool):
     assert values == {
         "tandem_host_pool_reused": 1,
         "tandem_host_pool_made": 1,
+        "tandem_host_pool_ahead": 0,
         "tandem_host_pool_free_bytes": 0,
     }
     del kept

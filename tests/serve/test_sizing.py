@@ -7,7 +7,7 @@ import torch
 from tandem import TandemCache, TandemConfig, generate_cache_kwargs
 from tandem.config import CertifiedConfig, HostConfig, QuestConfig
 from tandem.models import attention_shape
-from tandem.serve.sizing import HOST_MIN_BLOCKS, CacheShape, request_bytes
+from tandem.serve.sizing import HOST_MIN_BLOCKS, CacheShape, host_stores, request_bytes
 
 SMOLLM = CacheShape(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
 CONFIGS = {
@@ -113,3 +113,29 @@ def test_sliding_layers_count_their_window_alone():
     assert stats["sliding_bytes"] == 3 * 7 * (
         2 * 2 * 16 * 4 + 1
     )  # 3 layers x 7 tokens: K, V float32 and valid
+
+
+@pytest.mark.parametrize("name", ["full", "hgca", "quest", "quest-certified", "full-int8"])
+def test_host_stores_are_the_stores_a_real_host_tier_makes(name):
+    """`host_stores`, the sizes the server has made ahead of a request (`cache.memory.HostPool.reserve`), are
+    those of the buffers each layer's host tier allocates for the scheduler's capacity hint, one for one."""
+    from tests.tiny import tiny_model
+
+    model = tiny_model("Llama", eos_token_id=None)
+    config = CONFIGS[name]
+    shape = CacheShape(*attention_shape(model.config), torch.float32)
+    prompt, max_tokens = 90, 1500
+    cache = TandemCache.for_model(model, config)
+    for kv in cache.tandem_layers():  # as Scheduler._new_cache does
+        kv.capacity_hint = prompt + max_tokens
+    with torch.inference_mode():
+        model(
+            input_ids=torch.randint(0, 128, (1, prompt)),
+            use_cache=True,
+            **generate_cache_kwargs(model, cache),
+        )
+    planned = sorted(host_stores(shape, config, prompt, max_tokens))
+    for kv in cache.tandem_layers():
+        host = kv.host
+        made = [getattr(host, n).nbytes for n in host.kept_buffers() if not n.endswith("_dev")]
+        assert sorted(made) == planned
