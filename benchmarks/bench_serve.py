@@ -63,7 +63,7 @@ MEMORY_TOLERANCE = 0.05
 PROGRESS_EVERY = 30.0  # seconds between progress lines
 OTHER_LOAD = 0.05  # CPU-seconds per second that other processes may use before a pass's times are flagged
 SERVER_OPTIONS = ("model", "random_weights", "device", "dtype", "policy", "max_batch", "max_queue",
-                  "prefill_chunk", "host_memory", "device_memory")  # fmt: skip
+                  "prefill_chunk", "step_tokens", "host_memory", "device_memory")  # fmt: skip
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
@@ -558,6 +558,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     server.add_argument("--max-batch", type=int)
     server.add_argument("--max-queue", type=int)
     server.add_argument("--prefill-chunk", type=int)
+    server.add_argument("--step-tokens", type=int)
     server.add_argument("--host-memory", type=float, metavar="GIB")
     server.add_argument("--device-memory", type=float, metavar="GIB")
     p.add_argument("--out", type=Path, default=None)

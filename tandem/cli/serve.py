@@ -60,6 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "is one chunk (default 256 on CPU, 2048 on CUDA)",
     )
     p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="a turn's token budget: one token for each decoding request, and the waiting prompts' chunks "
+        "(--prefill-chunk each) in arrival order while they fit, one at least; a filling server's prompts then "
+        "prefill in fewer turns, and a running stream waits for as many chunks as the budget holds (default: one "
+        "chunk a turn)",
+    )
+    p.add_argument(
         "--host-memory",
         type=_gib,
         default=None,
@@ -127,6 +136,7 @@ def _check(args) -> None:
         ("--max-batch", args.max_batch, 1),
         ("--max-queue", args.max_queue, 0),
         ("--prefill-chunk", args.prefill_chunk, 1),
+        ("--step-tokens", args.step_tokens, 1),
     ):
         if value is not None and value < low:
             raise ValueError(f"{flag}={value} is out of range: allowed >= {low}")
@@ -211,7 +221,7 @@ def build_server(args):
     else:
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
-    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu)
+    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu, args.step_tokens)
     prefix = None if args.no_prefix_cache else PrefixCache(max_bytes=host)
     scheduler = Scheduler(
         model, tokenizer, limits, TaskPool(config.host.threads), runner=runner, prefix=prefix
@@ -249,7 +259,8 @@ def run(args) -> int:
     budget = "unbounded" if lim.host_bytes is None else f"{lim.host_bytes / GIB:.1f} GiB"
     print(
         f"[tandem] serving '{server.model_name}' on http://{args.host}:{args.port}/v1 | policy {server.config.policy} "
-        f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk} | host budget "
+        f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk}"
+        f"{'' if lim.step_tokens is None else f', step budget {lim.step_tokens} tokens'} | host budget "
         f"{budget}{'' if server.scheduler.prefix is None else ', prefixes kept'}",
         file=sys.stderr,
     )

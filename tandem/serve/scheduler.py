@@ -6,7 +6,10 @@ waiting prompt and one decode step of every running request.
   admitted request; otherwise it waits in a FIFO queue of `max_queue`. A full queue refuses at once
   (`QueueFull`), and so does a request that could never fit (`TooLarge`): nothing waits forever.
 - **Prefill** runs `prefill_chunk` tokens at a time, one chunk per turn, so a running stream waits at most one
-  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). The chunks are the
+  chunk between two tokens (measured: `SchedulerStats.prefill_chunk_seconds`, `/metrics`). With a token budget
+  per turn (`Limits.step_tokens`), a turn runs the oldest prompts' next chunks while they fit beside the decoding
+  requests' one token each: a filling server's prompts then prefill in fewer turns, and a running stream waits
+  for as many chunks as the budget holds. The chunks are the
   engine's (`RowsRunner.prefill_chunk`, cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at
   least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
 - **Prefixes.** With a `PrefixCache`, a prompt that begins with a prefix kept there under its settings starts
@@ -113,6 +116,9 @@ class Limits:
     prefill_chunk: int = 512
     host_bytes: int | None = None
     device_bytes: int | None = None
+    # tokens a turn runs: one for each decoding request, and prompt chunks while they fit (one at least while a
+    # prompt waits); None: one chunk a turn
+    step_tokens: int | None = None
 
 
 class SchedulerStats:
@@ -311,7 +317,7 @@ class Scheduler:
                         prefill = self._prefilling[0] if self._prefilling else None
                         batch = list(self._decoding)
                     if prefill is not None:
-                        self._prefill_chunk(prefill)
+                        self._prefill_turn(len(batch))
                     if batch:
                         self._decode_step(batch)
                     with self._cond:
@@ -420,6 +426,32 @@ class Scheduler:
             kv.capacity_hint = len(request.prompt_ids) + request.max_tokens
         self._live_caches.add(cache)
         return cache
+
+    def _prefill_turn(self, decoding: int) -> None:
+        """This turn's prompt chunks: the oldest admitted prompt's next chunk, then, with a token budget
+        (`Limits.step_tokens`, less one token for each of the `decoding` requests), the next ones in admission order
+        while they fit it. A prompt's chunks are the same whatever the turn holds (its tokens, and the prefixes it
+        keeps, do not depend on the load)."""
+        left = None if self.limits.step_tokens is None else self.limits.step_tokens - decoding
+        ran = False
+        while True:
+            with self._cond:
+                request = self._prefilling[0] if self._prefilling else None
+            if request is None or request.cancelled:
+                return
+            tokens = self._next_chunk_tokens(request)
+            if ran and (left is None or tokens > left):
+                return
+            self._prefill_chunk(request)
+            ran = True
+            if left is not None:
+                left -= tokens
+
+    def _next_chunk_tokens(self, request: Request) -> int:
+        """The prompt tokens of the request's next chunk (fewer where its first starts from a kept prefix)."""
+        total = len(request.prompt_ids)
+        end = chunk_end(request.prefilled, total, self.limits.prefill_chunk, observed_tokens(request.config))
+        return end - request.prefilled
 
     def _prefill_chunk(self, request: Request) -> None:
         start = time.perf_counter()  # a new request's cache, and the prefix it starts from, stall streams too

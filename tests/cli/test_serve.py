@@ -66,6 +66,8 @@ def test_build_server_from_flags(monkeypatch):
     assert warmed == ["quest"]
     assert server.model_name == "tiny" and server.model is model
     assert server.scheduler.limits == Limits(3, 0, 32, int(1.5 * GIB), None)
+    budgeted = build_server(build_parser().parse_args([*argv, "--step-tokens", "96"]))
+    assert budgeted.scheduler.limits.step_tokens == 96
     assert (server.config.policy, server.config.quest.budget, server.config.host.threads) == ("quest", 0.2, 1)
     assert server.scheduler.pool.num_threads == 1
     defaults = build_server(build_parser().parse_args(["serve", "--model", "/models/Qwen2-0.5B.gguf"]))

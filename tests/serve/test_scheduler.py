@@ -138,6 +138,40 @@ def test_greedy_tokens_equal_one_prefill_for_any_chunk(model, config):
         assert [run.request.tokens for run in runs] == expected, f"prefill chunk {chunk}"
 
 
+def _turns(model, jobs, **limits) -> list[str]:
+    """Run `jobs` and return the scheduler's turns in order: "p" for each prefill chunk, "d<B>" for each decode
+    step of B requests."""
+    scheduler = _scheduler(model, **limits)
+    events = []
+    scheduler.stats.on_prefill_chunk = lambda seconds: events.append("p")
+    scheduler.stats.on_decode_step = lambda seconds, batch: events.append(f"d{batch}")
+    for job in jobs:  # admitted before the thread starts: every prompt waits at the first turn
+        scheduler.submit(job.request)
+    scheduler.start()
+    try:
+        assert all(job.done.wait(TIMEOUT) for job in jobs)
+    finally:
+        scheduler.stop()
+    return events
+
+
+def test_a_step_budget_runs_the_chunks_that_fit_beside_the_decoding_requests(model):
+    """Prompts of 3 chunks of 8: one chunk a turn without a budget; with 26 tokens a whole prompt a turn beside up
+    to two decoding requests (a request decodes from the turn after its last chunk), two chunks beside three; the
+    same greedy tokens."""
+    plain = [_job(24, 6, first=i) for i in range(4)]
+    assert _turns(model, plain, prefill_chunk=8)[:8] == ["p", "p", "p", "p", "d1", "p", "d1", "p"]
+    budgeted = [_job(24, 6, first=i) for i in range(4)]
+    turns = _turns(model, budgeted, prefill_chunk=8, step_tokens=26)
+    assert turns[:14] == ["p", "p", "p", "p", "p", "p", "d1", "p", "p", "p", "d2", "p", "p", "d3"]
+    assert [job.request.tokens for job in budgeted] == [job.request.tokens for job in plain]
+
+
+def test_a_budget_smaller_than_a_chunk_still_runs_one_chunk_a_turn(model):
+    jobs = [_job(24, 4, first=i) for i in range(2)]
+    assert _turns(model, jobs, prefill_chunk=8, step_tokens=1)[:7] == ["p", "p", "p", "p", "d1", "p", "d1"]
+
+
 def test_cancelling_frees_a_running_and_a_waiting_request(model):
     scheduler = _scheduler(model, max_batch=1)
     running, waiting = _job(9, 1000), _job(9, 1000)
