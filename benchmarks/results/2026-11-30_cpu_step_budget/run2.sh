@@ -1,0 +1,7 @@
+# the same pair again, the budget first
+set -e
+cd /work/main
+ARGS="--concurrency 32 --requests 32 --prompt-tokens 512 --max-tokens 256 --max-batch 32"
+python benchmarks/bench_serve.py $ARGS --step-tokens 1056 --out scratch/cpu/budget/budget1056_second -- --no-prefix-cache > scratch/cpu/budget/budget1056_second.log 2>&1
+python benchmarks/bench_serve.py $ARGS --out scratch/cpu/budget/one_chunk_second -- --no-prefix-cache > scratch/cpu/budget/one_chunk_second.log 2>&1
+echo done
