@@ -214,6 +214,52 @@ def engine_reads(paths) -> list[str]:
     return found
 
 
+DECODE_BRANCHES = ("one_cache", "pooled_rows")  # `attention.rows.decode_attention`'s two branches
+
+
+def _decode_branch_calls(tree, names=DECODE_BRANCHES) -> list[tuple[str, int]]:
+    """(name, line) of each call of a function of `names` (a decode branch), by name or as an attribute."""
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in names:
+                calls.append((name, node.lineno))
+    return calls
+
+
+def test_every_decode_enters_through_one_function():
+    """A layer's decode attention has one function, `attention.rows.decode_attention`: every caller (the HF
+    drop-in, the engine's steps, the server's multi-request steps) enters there, and nothing else calls its two
+    branches, over one cache (`decode.one_cache`) and over a multi-request step's pooled rows (`rows.pooled_rows`)."""
+    entry = PACKAGE / "attention" / "rows.py"
+    outside = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} calls {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != entry
+        for name, line in _decode_branch_calls(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not outside, "decode attention entered past `decode_attention`:\n" + "\n".join(outside)
+    callers = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if path != entry
+        and _decode_branch_calls(ast.parse(path.read_text(encoding="utf-8")), ("decode_attention",))
+    }
+    assert callers == {
+        "attention/hybrid.py",
+        "engine/forward.py",
+    }  # the drop-in's layers; Tandem's own forward
+
+
+def test_the_decode_entry_checker_sees_a_direct_call(tmp_path):
+    tree = ast.parse(
+        "from tandem.attention.decode import one_cache\nout = one_cache(layer, q, k, v, ok, 1.0, None)\n"
+    )
+    assert _decode_branch_calls(tree) == [("one_cache", 2)]
+
+
 def test_attention_cache_policies_and_integrations_import_nothing_of_the_engine():
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"

@@ -2,7 +2,7 @@
 
 A runner that decodes in fixed-address steps (`tandem.engine`, which records them as CUDA graphs) sets a
 `StepContext` on the cache for the length of a decode (`TandemCache.step_context`). The layers hand it to the one
-decode function (`decode.decode_layer`), which places the new token at the context's `slot` and passes each
+decode function (`rows.decode_attention`), which places the new token at the context's `slot` and passes each
 layer's host work through the context's hooks. The attention code calls the hooks and reads the context's
 fields, nothing else of the runner; a runner that records its steps runs the hooks' actions at replay instead
 of at once (`defers_host_work`), a difference the attention code only sees as that one flag.

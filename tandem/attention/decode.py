@@ -7,11 +7,12 @@ host rows, the CPU kernel attends them, and (out, lse) return through pinned buf
 Only q, the CPU output and its LSE cross PCIe, plus the device share's selected rows, read in place.
 
 The calling thread runs the CPU part: it waits for q's copy, computes, and queues the copy back
-(`decode_layer`, `overlapped`). The parts are plain functions: `prepare` (buffers, the device-side ranking and
-recall plan), `hot_part`, `device_part` and the CPU part (`cpu_part`, or `CpuPart` to run later). `decode_layer`
-is every caller's one decode path: with a fixed-address step's `StepContext` (`context.py`) the token goes to a
-reserved slot and the CPU part goes through the context's hooks, which a runner that records its steps
-(`tandem.engine`) runs at replay; nothing here knows about graphs.
+(`one_cache`, `overlapped`). The parts are plain functions: `prepare` (buffers, the device-side ranking and
+recall plan), `hot_part`, `device_part` and the CPU part (`cpu_part`, or `CpuPart` to run later). Every caller
+enters through one function, `rows.decode_attention`, which runs them here over one cache (`one_cache`) or in
+`rows` over the requests of a multi-request step: with a fixed-address step's `StepContext` (`context.py`) the
+token goes to a reserved slot and the CPU part goes through the context's hooks, which a runner that records its
+steps (`tandem.engine`) runs at replay; nothing here knows about graphs.
 """
 
 from __future__ import annotations
@@ -181,9 +182,9 @@ def prepared_hot_call(q3: torch.Tensor, keys, values, valid, scale: float, threa
     return call, q, out, lse
 
 
-def decode_layer(layer, q, k_new, v_new, valid_new, scale: float, pool, context=None) -> torch.Tensor:
-    """A layer's decode attention: one query per request over everything `layer` caches plus the new token.
-    The one decode path of every caller (the HF drop-in, the engine's eager and recorded steps).
+def one_cache(layer, q, k_new, v_new, valid_new, scale: float, pool, context=None) -> torch.Tensor:
+    """`rows.decode_attention` over one cache: one query per row over everything `layer` caches plus the new
+    token (the HF drop-in, the engine's eager and recorded steps, a request whose hot tier is not pooled).
 
     q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D]; valid_new: [B, 1] bool.
     context: a fixed-address step's `StepContext` (`attention.context`): the token goes to its reserved `slot`
@@ -591,7 +592,7 @@ def host_part(layer, bufs: DecodeBuffers, scale: float, pool, wait: bool) -> Non
     """The CPU half of a decode step: select host rows for `bufs.q_host`, attend them, fill out/lse_host.
 
     `wait`: first wait for the host tier's pending copies into host memory. (A request of several whose step
-    attends every host row, `Policy.every_row_step`, is attended with the others instead: `rows.decode_rows`.)
+    attends every host row, `Policy.every_row_step`, is attended with the others instead: `rows.pooled_rows`.)
     """
     host = layer.host
     if nothing_offloaded(layer):

@@ -1,7 +1,7 @@
 """Hybrid attention for one layer: dense over the hot tier on its device, sparse over the host tier on the CPU,
 merged exactly by log-sum-exp. Decode (one query per request) and prefill/append (many) share the cache.
 
-Decode step:      `decode.decode_layer`: new KV into the hot tier, hot attention on the device while the CPU
+Decode step:      `rows.decode_attention`: new KV into the hot tier, hot attention on the device while the CPU
                   selects (policy) and attends host rows, merge. Only q, the CPU output and its LSE cross.
 First prefill:    dense causal attention over the prompt on the device in query chunks (no LSE needed: nothing
                   is cached yet), then the prompt's KV goes to the cache, overflow straight to the host tier.
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ..kernels import gpu, ops
 from ..policies import ALL
-from .decode import decode_layer
 from .host import KEY_CHUNK, dense_lse_chunked, host_attention
+from .rows import decode_attention
 from .tasks import TaskPool
 
 FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash-style exact append
@@ -34,10 +34,8 @@ def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool, cont
     context:   a fixed-address decode step's `StepContext` (one new token each, its slot reserved), or None
     Returns [B, Hq, Lq, D] in q's dtype.
     """
-    if context is not None and q.shape[2] == 1:
-        out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool, context)
-    elif layer.initialized and layer.seq_len > 0 and q.shape[2] == 1:
-        out = decode_layer(layer, q, k_new, v_new, valid_new, scale, pool)
+    if q.shape[2] == 1 and (context is not None or (layer.initialized and layer.seq_len > 0)):
+        out = decode_attention([layer], q, k_new, v_new, valid_new, scale, [pool], [context])
     else:
         out = _append(layer, q, k_new, v_new, valid_new, scale, pool)
     return out.to(q.dtype)

@@ -1,5 +1,6 @@
-"""Decode attention of one layer for the requests of a multi-request step, each over its own cache
-(`decode_rows`): the parts of `decode.decode_layer`, with the work that can be shared done once for all.
+"""A layer's decode attention, every caller's one function (`decode_attention`): over one cache (the HF drop-in,
+the engine's steps: `decode.one_cache`), or over the requests of a multi-request step, each over its own cache
+(`pooled_rows`): the same parts, with the work that can be shared done once for all.
 
 The requests' hot tiers are rows of one pool (`PooledRows`, kept by `tandem.engine.slots`): their new tokens are
 written and their hot tiers attended with one call per layer. The quest requests whose digest mirrors are rows of
@@ -9,7 +10,7 @@ tiers stay their own; the CPU parts of the
 requests whose policy keeps a range of the device's ranking (quest) go to the host as one hand-off per layer
 (`RankedRows`: one copy of q and of the rankings, one compiled call over each request's own host tier, one copy
 back and one merge), and on CPU tensors the requests whose policy attends every host row are attended in one call
-(`PooledRows.attend_every_row`). The rest hand off one by one, as `decode_layer` does.
+(`PooledRows.attend_every_row`). The rest hand off one by one, as over one cache.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from .decode import (
     NativePart,
     cpu_list,
     cpu_part,
-    decode_layer,
     device_only,
     device_part,
     nothing_offloaded,
+    one_cache,
     prepare,
     prepared_hot_call,
     record_every_row,
@@ -42,7 +43,7 @@ from .host import _record_counts, live_blocks
 
 
 class PooledRows:
-    """The hot tiers of a multi-request step's first rows as one batch, for `decode_rows`: row b is request b's
+    """The hot tiers of a multi-request step's first rows as one batch, for `pooled_rows`: row b is request b's
     batch-1 hot tier, kept in a shared pool (`tandem.engine.slots`).
 
     keys / values: [n, Hkv, S, D] and valid [n, S], the pool's first n rows (views)
@@ -86,7 +87,7 @@ class PooledRows:
         self._all, self._all_key = None, None
         # the step's joint hand-off of the requests that keep a ranked range
         self.ranked = RankedRows(memo)
-        # set by each `decode_rows`: every request of the rows ranked here and joined the hand-off (none decoded
+        # set by each `pooled_rows`: every request of the rows ranked here and joined the hand-off (none decoded
         # alone, handed off alone or without a part), and none read its own tensors on the device; and the recall
         # cache that planned them (or None). A recorded step of such rows can then serve other requests (`rebind`)
         self.uniform, self.recall_used = False, None
@@ -512,19 +513,49 @@ def _every_row_call(hosts, q3: torch.Tensor, scale: float, threads: int | None):
 
 
 def batches(layer) -> bool:
-    """Whether `decode_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
+    """Whether `pooled_rows` takes `layer`'s request into the pooled batch (else it decodes alone): a policy
     that keeps no moving average of the hot tier (a pool holds none), and no task queue or request split."""
     return not layer.policy.needs_maw and layer.queue_split == "share" and layer.split is None
 
 
-def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
-    """One layer's decode attention for the requests of a multi-request step, each over its own cache:
-    `decode_layer` for each, with the work that can be shared done once for all.
+def decode_attention(
+    layers, q, k_new, v_new, valid_new, scale: float, pools, contexts, pooled: PooledRows | None = None
+) -> torch.Tensor:
+    """A layer's decode attention: one query per row over its cache plus the new token. Every caller's one
+    function: the HF drop-in (`hybrid.attend`), the engine's steps and the server's multi-request steps
+    (`engine.forward`).
+
+    layers / pools / contexts: one cache's `LayerKV` whatever its batch (every row of q attends it), its CPU task
+        pool and its step context; or, for a multi-request step, one of each per row of q (row b attends
+        layers[b]; None for a row no request decodes). A context of None decodes eagerly: the token is appended
+        and everything runs at once; a `StepContext` places it in its reserved slot and passes the CPU part to its
+        hooks (a recorded step's).
+    pooled: a multi-request step's first rows as one pool of hot tiers (`PooledRows`), whose tokens are written,
+        hot tiers attended and CPU parts handed off together (`pooled_rows`); None: each cache's hot tier is its
+        own (`decode.one_cache`).
+    q: [B, Hq, 1, D]; k_new / v_new: [B, Hkv, 1, D]; valid_new: [B, 1] bool. Returns [B, Hq, 1, D] float32.
+    """
+    if pooled is not None:
+        return pooled_rows(layers, pooled, q, k_new, v_new, valid_new, scale, pools, contexts)
+    if len(layers) == 1:
+        return one_cache(layers[0], q, k_new, v_new, valid_new, scale, pools[0], contexts[0])
+    if len(layers) != q.shape[0]:
+        raise ValueError(f"{len(layers)} caches for a batch of {q.shape[0]}: one cache, or one per row")
+    outs = []
+    for b, (layer, pool, context) in enumerate(zip(layers, pools, contexts, strict=True)):
+        row = slice(b, b + 1)
+        outs.append(one_cache(layer, q[row], k_new[row], v_new[row], valid_new[row], scale, pool, context))
+    return torch.cat(outs)
+
+
+def pooled_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: float, pools, contexts):
+    """`decode_attention` for the requests of a multi-request step, each over its own cache, with the first rows'
+    hot tiers pooled: `decode.one_cache` for each, with the work that can be shared done once for all.
 
     layers:   per batch row, the request's `LayerKV`, or None for a row no request decodes this step
     pooled:   the batch's first n rows' hot tiers as one pool (`PooledRows`): their tokens are written in one call
               and attended in one call, and the device waits once for all their CPU parts; rows past n (requests
-              whose hot tier is their own) and rows that `batches` refuses decode alone through `decode_layer`
+              whose hot tier is their own) and rows that `batches` refuses decode alone through `one_cache`
     q:        [N, Hq, 1, D]; k_new / v_new: [N, Hkv, 1, D]; valid_new: [N, 1]
     pools / contexts: per row, its cache's CPU task pool and `StepContext` (a row's reserved slot, device share)
     Returns [N, Hq, 1, D] float32; the rows that hold no request hold garbage.
@@ -679,7 +710,7 @@ def decode_rows(layers, pooled: PooledRows, q, k_new, v_new, valid_new, scale: f
         result = torch.cat([result, q.new_zeros(len(layers) - n, *result.shape[1:], dtype=out.dtype)])
         for b in alone:
             row = slice(b, b + 1)
-            result[row] = decode_layer(
+            result[row] = one_cache(
                 layers[b], q[row], k_new[row], v_new[row], valid_new[row], scale, pools[b], contexts[b]
             )
     return result

@@ -11,7 +11,7 @@ same arithmetic with:
   model afterwards needs `safe_serialization=False` or a fresh load.)
 - the residual add and the next RMSNorm as one kernel, RoPE on q and k as one, and silu(gate) * up as one
   (`kernels.gpu.layers`; the torch references elsewhere), each rounding as the model's ops round;
-- Tandem's hybrid attention (`attention.decode.decode_layer`, with the step's context) called directly with
+- Tandem's hybrid attention (`attention.rows.decode_attention`, with the step's context) called directly with
   the step's q / k / v: over one cache for the whole batch, or, in a multi-request step, row b over request b's
   own cache (`rows.py`).
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.decode import decode_layer
-from ..attention.rows import decode_rows
+from ..attention.rows import decode_attention
 from ..kernels import reference
 from ..kernels.gpu import layers as gpu_layers
 from ..models import attention_shape
@@ -227,7 +226,7 @@ class DecodeForward:
         `TandemCache`s, row b attending caches[b] (the requests of a multi-request step); each with its
         `step_context` set, or None to decode eagerly.
         pooled: with B caches, None, or per layer index the `attention.rows.PooledRows` of the batch's first
-        rows (`engine.slots`), whose hot tiers are attended as one batch (`decode_rows`); a row whose cache is
+        rows (`engine.slots`), whose hot tiers are attended as one batch (`attention.rows.pooled_rows`); a row whose cache is
         None then decodes nothing (its logits are garbage)."""
         batch = input_ids.shape[0]
         if self._valid is None or self._valid.shape[0] != batch or self._valid.device != input_ids.device:
@@ -250,10 +249,7 @@ class DecodeForward:
             k = k.view(batch, 1, kv_heads, dim).transpose(1, 2)
             v = v.view(batch, 1, kv_heads, dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
-            if pooled is not None:
-                attn = self._attend_rows(caches, pooled[i], i, q, k, v, layer.scale)
-            else:
-                attn = self._attend(caches, i, q, k, v, layer.scale)
+            attn = self._attend(caches, pooled[i] if pooled is not None else None, i, q, k, v, layer.scale)
             attn = attn.to(hidden.dtype)
             attn = layer.o_proj(attn.transpose(1, 2).reshape(batch, 1, heads * dim))
             residual, x = self.add_norm(attn, residual, *layer.norm2)
@@ -262,27 +258,12 @@ class DecodeForward:
         _, x = self.add_norm(out, residual, *self.final_norm)
         return self.lm_head(x[:, -1])
 
-    def _attend(self, caches, i: int, q, k, v, scale: float) -> torch.Tensor:
-        """Layer i's decode attention [B, Hq, 1, D]: the whole batch over one cache, or row b over caches[b]."""
-        if len(caches) == 1:
-            cache = caches[0]
-            return decode_layer(
-                cache.layers[i].kv, q, k, v, self._valid, scale, cache.pool, cache.step_context
-            )
-        outs = []
-        for b, cache in enumerate(caches):
-            row = slice(b, b + 1)
-            kv, context = cache.layers[i].kv, cache.step_context
-            outs.append(
-                decode_layer(kv, q[row], k[row], v[row], self._valid[row], scale, cache.pool, context)
-            )
-        return torch.cat(outs)
-
-    def _attend_rows(self, caches, pooled, i: int, q, k, v, scale: float) -> torch.Tensor:
-        """Layer i's decode attention [B, Hq, 1, D] of a multi-request step whose first rows are pooled."""
+    def _attend(self, caches, pooled, i: int, q, k, v, scale: float) -> torch.Tensor:
+        """Layer i's decode attention [B, Hq, 1, D]: the whole batch over one cache, or row b over caches[b] (the
+        first rows' hot tiers attended as one batch where `pooled`)."""
         kvs, pools, contexts = [], [], []
         for cache in caches:
             kvs.append(cache.layers[i].kv if cache is not None else None)
             pools.append(cache.pool if cache is not None else None)
             contexts.append(cache.step_context if cache is not None else None)
-        return decode_rows(kvs, pooled, q, k, v, self._valid, scale, pools, contexts)
+        return decode_attention(kvs, q, k, v, self._valid, scale, pools, contexts, pooled)

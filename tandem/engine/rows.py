@@ -2,13 +2,13 @@
 
 Each request has its own batch-1 cache: its own length, policy and budget, and its own host tier. One step runs
 the model's matmuls once for all of them, and each layer attends row b over request b's cache through the one
-decode function (`attention.decode.decode_layer`), with that request's `RowContext`: its reserved slot and device
+decode function (`attention.rows.decode_attention`), with that request's `RowContext`: its reserved slot and device
 share, and the step's hand-off hooks. Requests join or leave between steps; no KV is copied.
 
 With `slots` (and Tandem's own decode forward) the requests' hot tiers live in one pool (`slots.SlotPool`): a
 request attached before its prefill takes a row, and a step lays its batch out by rows (row b is the pool's row
 b, a row without a request in the step decodes nothing), so each layer writes and attends every pooled request's
-hot tier in one call and waits once for their CPU parts (`attention.rows.decode_rows`).
+hot tier in one call and waits once for their CPU parts (`attention.rows.pooled_rows`).
 
 On CUDA a new batch runs `record_after` eager steps, then is recorded as one step (`step.DecodeStep`: one graph
 with a hand-off per layer and request, one per layer for the pooled quest requests together) and replayed while it

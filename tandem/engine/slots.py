@@ -3,7 +3,7 @@
 Each running request keeps its own batch-1 `TandemCache`: its own length, policy, budget and host tier. Its hot
 tier (sinks and recent window), though, lives in a row of a pool that the runner allocated once for `size`
 requests, so a decode step writes every request's new token with one call per layer and attends every request's
-hot tier with one call per layer, over the pool's first rows, as a static batch does (`attention.rows.decode_rows`).
+hot tier with one call per layer, over the pool's first rows, as a static batch does (`attention.rows.pooled_rows`).
 
 A request takes the lowest free row before its prefill (`SlotPool.attach`) and gives it back when it ends or its
 cache is collected; joining and leaving copy no KV. A request whose hot tier does not fit a row (a wider window

@@ -1,6 +1,6 @@
 """One decode step of the engine: the token's bookkeeping in every layer, and its record / replay as CUDA graphs.
 
-Each layer runs its one decode function (`tandem.attention.decode.decode_layer`) with the step as its
+Each layer runs its one decode function (`tandem.attention.rows.decode_attention`) with the step as its
 `StepContext`; the step owns what happens between the layers' parts when it is recorded. The new token's slot
 is a device tensor (`slot`), so one recording serves every step, and the host meets the GPU twice per layer
 (take q, give back the CPU part's out / LSE), in one of two ways (`flags`):

@@ -106,7 +106,7 @@ class Policy:
     def every_row_step(self, layer, q: torch.Tensor) -> bool:
         """Whether this decode step attends every host row of `layer` with nothing to select, for q [B, Hq, D] on
         the CPU: then this has done the step's own bookkeeping that `device_select` and `select` would, and the
-        caller attends the rows (`attention.rows.decode_rows`, several requests' host tiers in one call). False:
+        caller attends the rows (`attention.rows.pooled_rows`, several requests' host tiers in one call). False:
         nothing done (the step selects as usual)."""
         return False
 
