@@ -133,29 +133,32 @@ def test_a_host_tier_from_the_pool_holds_only_its_own_rows(pool):
     assert torch.count_nonzero(new.keys) == 0 and torch.count_nonzero(new.values) == 0
 
 
+def _serve(model, jobs, one_at_a_time: bool = False, idle: float = 0.0) -> None:  # noqa: F811
+    """Run `jobs` on a scheduler (all submitted at once, or each once the one before has ended), then stay idle
+    `idle` seconds before it stops."""
+    scheduler = Scheduler(model, LetterTokenizer(), Limits(prefill_chunk=64), TaskPool(1))
+    scheduler.start()
+    try:
+        for job in jobs:
+            scheduler.submit(job.request)
+            assert not one_at_a_time or job.done.wait(TIMEOUT)
+        assert all(job.done.wait(TIMEOUT) for job in jobs)
+        time.sleep(idle)
+    finally:
+        scheduler.stop()
+
+
 def test_an_idle_server_gives_the_pool_back_and_answers_as_without_it(model, pool, monkeypatch):  # noqa: F811
     """A request right after another reuses its stores, with the tokens of a server without the pool; once idle
     the server gives the free stores back."""
     monkeypatch.setattr(memory, "HUGE_PAGE", 4096)  # the tiny model's stores go through mappings
     monkeypatch.setattr(scheduler_module, "HOST_POOL_IDLE_SECONDS", 1.0)
-
-    def serve(jobs):
-        scheduler = Scheduler(model, LetterTokenizer(), Limits(prefill_chunk=64), TaskPool(1))
-        scheduler.start()
-        try:
-            for job in jobs:
-                scheduler.submit(job.request)
-                assert job.done.wait(TIMEOUT)
-            time.sleep(2.0)  # idle: the free stores go back
-        finally:
-            scheduler.stop()
-
     pooled = [_job(300, 5, first=3), _job(300, 5, first=4)]
-    serve(pooled)
+    _serve(model, pooled, one_at_a_time=True, idle=2.0)  # idle: the free stores go back
     assert pool.made > 0 and pool.reused > 0 and pool.given_back > 0 and pool.free_bytes == 0
     memory.disable_host_pool()
     plain = [_job(300, 5, first=3), _job(300, 5, first=4)]
-    serve(plain)
+    _serve(model, plain, one_at_a_time=True, idle=2.0)
     memory.enable_host_pool()  # for the fixture's teardown
     assert [job.request.tokens for job in pooled] == [job.request.tokens for job in plain]
 
@@ -250,20 +253,8 @@ def test_the_server_makes_each_requests_stores_ahead_with_the_same_tokens(model,
     pool."""
     monkeypatch.setattr(memory, "HUGE_PAGE", 4096)  # the tiny model's stores go through mappings
     threads = _threads_that_map(monkeypatch)
-
-    def serve(jobs):
-        scheduler = Scheduler(model, LetterTokenizer(), Limits(prefill_chunk=64), TaskPool(1))
-        scheduler.start()
-        try:
-            for job in jobs:
-                scheduler.submit(job.request)
-            for job in jobs:
-                assert job.done.wait(TIMEOUT)
-        finally:
-            scheduler.stop()
-
     ahead = [_job(300, 5, first=3), _job(200, 6, first=4), _job(400, 4, first=5)]
-    serve(ahead)
+    _serve(model, ahead)
     assert threads and set(threads) == {"tandem-host-stores"}
     shape = CacheShape(*attention_shape(model.config), torch.float32)
     planned = [
@@ -275,7 +266,7 @@ def test_the_server_makes_each_requests_stores_ahead_with_the_same_tokens(model,
     assert planned and pool.ahead == len(planned) * shape.global_layers  # each one drawn
     memory.disable_host_pool()
     plain = [_job(300, 5, first=3), _job(200, 6, first=4), _job(400, 4, first=5)]
-    serve(plain)
+    _serve(model, plain)
     memory.enable_host_pool()  # for the fixture's teardown
     assert [job.request.tokens for job in ahead] == [job.request.tokens for job in plain]
 
