@@ -232,7 +232,8 @@ def _decode_branch_calls(tree, names=DECODE_BRANCHES) -> list[tuple[str, int]]:
 def test_every_decode_enters_through_one_function():
     """A layer's decode attention has one function, `attention.rows.decode_attention`: every caller (the HF
     drop-in, the engine's steps, the server's multi-request steps) enters there, and nothing else calls its two
-    branches, over one cache (`decode.one_cache`) and over a multi-request step's pooled rows (`rows.pooled_rows`)."""
+    branches, over one cache (`decode.one_cache`) and over a multi-request step's pooled rows
+    (`rows.pooled_rows`)."""
     entry = PACKAGE / "attention" / "rows.py"
     outside = [
         f"{path.relative_to(PACKAGE.parent)}:{line} calls {name}"

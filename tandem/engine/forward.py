@@ -226,8 +226,8 @@ class DecodeForward:
         `TandemCache`s, row b attending caches[b] (the requests of a multi-request step); each with its
         `step_context` set, or None to decode eagerly.
         pooled: with B caches, None, or per layer index the `attention.rows.PooledRows` of the batch's first
-        rows (`engine.slots`), whose hot tiers are attended as one batch (`attention.rows.pooled_rows`); a row whose cache is
-        None then decodes nothing (its logits are garbage)."""
+        rows (`engine.slots`), whose hot tiers are attended as one batch (`attention.rows.pooled_rows`); a row
+        whose cache is None then decodes nothing (its logits are garbage)."""
         batch = input_ids.shape[0]
         if self._valid is None or self._valid.shape[0] != batch or self._valid.device != input_ids.device:
             self._valid = torch.ones(batch, 1, dtype=torch.bool, device=input_ids.device)

@@ -369,9 +369,10 @@ class Scheduler:
     def _reserve_host_stores(self, request: Request) -> None:
         """With the host pool on, have its worker make the request's host-tier stores from its admission (called
         under the lock), off the scheduler's thread: its first chunk then draws them instead of mapping and
-        page-locking them while every stream waits. All admitted requests at once: registering memory holds CUDA's
-        driver against this thread's calls, and made while the first prompts prefill, before any stream decodes,
-        it stalls none (reserving only the next two prompts' measured worse: docs/serve.md § Host pool)."""
+        page-locking them while every stream waits. Every admitted request's at once: registering memory holds
+        CUDA's driver against this thread's calls, so a burst made while the first prompts prefill, before any
+        stream decodes, delays those prompts rather than a running stream's tokens (reserving only the next two
+        prompts' measured worse: docs/serve.md § Host pool)."""
         pool = memory.host_pool()
         if pool is None or not request.config.host.huge_pages:
             return
@@ -429,9 +430,9 @@ class Scheduler:
 
     def _prefill_turn(self, decoding: int) -> None:
         """This turn's prompt chunks: the oldest admitted prompt's next chunk, then, with a token budget
-        (`Limits.step_tokens`, less one token for each of the `decoding` requests), the next ones in admission order
-        while they fit it. A prompt's chunks are the same whatever the turn holds (its tokens, and the prefixes it
-        keeps, do not depend on the load)."""
+        (`Limits.step_tokens`, less one token for each of the `decoding` requests), the next ones in admission
+        order while they fit it. A prompt's chunks are the same whatever the turn holds (its tokens, and the
+        prefixes it keeps, do not depend on the load)."""
         left = None if self.limits.step_tokens is None else self.limits.step_tokens - decoding
         ran = False
         while True:
