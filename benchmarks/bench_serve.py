@@ -29,6 +29,12 @@ prefill, however well decode batches: close to 1 where prefill dominates (the CP
     python benchmarks/bench_serve.py --random-weights llama-3.1-8b --concurrency 16 --requests 16 \\
         --prompt-tokens 32k --shared-documents 4 --max-tokens 64 [-- --no-prefix-cache]
 
+`--static-baseline` then runs `tandem bench`'s static batch at the load's shape in the same machine start, after
+the server has stopped: the longest prompt as the context, the server's batch (`--max-batch`, default 16, at most
+`--concurrency`), the same policy and weights (the default model's shape with random weights where the server runs
+the default model), one cache filled with random K/V; the batched pass's decode steps against its tokens/s (server
+flags after `--` are not passed on to it).
+
 Server flags not listed here go after `--` (e.g. `-- --budget 0.1 --host-dtype int8`). Prints and saves serve.json /
 .md, the server's log and a manifest into `--out` (default benchmarks/results/<date>_<machine>_serve/).
 """
@@ -62,6 +68,12 @@ WARMUP_MAX_TOKENS = 4
 MEMORY_TOLERANCE = 0.05
 PROGRESS_EVERY = 30.0  # seconds between progress lines
 OTHER_LOAD = 0.05  # CPU-seconds per second that other processes may use before a pass's times are flagged
+SERVER_MAX_BATCH = 16  # `tandem serve --max-batch`'s default
+SERVER_POLICY = "certified"  # `tandem serve --policy`'s default
+DEFAULT_SHAPE = (
+    "smollm2-135m"  # the default model's shape, for the static baseline of a server of the default model
+)
+STATIC_STEPS = 16
 SERVER_OPTIONS = ("model", "random_weights", "device", "dtype", "policy", "max_batch", "max_queue",
                   "prefill_chunk", "step_tokens", "host_memory", "device_memory")  # fmt: skip
 
@@ -278,6 +290,67 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
     }
 
 
+def static_command(args, context: int, out: Path) -> list[str]:
+    """`tandem bench`'s static batch at the load's shape: `context` tokens, the server's batch, policy and weights."""
+    batch = min(args.max_batch or SERVER_MAX_BATCH, args.concurrency)
+    command = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "bench",
+        "--model",
+        args.random_weights or args.model or DEFAULT_SHAPE,
+    ]
+    command += [
+        "--contexts",
+        str(context),
+        "--batches",
+        str(batch),
+        "--policies",
+        args.policy or SERVER_POLICY,
+    ]
+    command += ["--hf", "none", "--steps", str(STATIC_STEPS), "--out", str(out)]
+    for name in ("device", "dtype"):
+        if getattr(args, name) is not None:
+            command += [f"--{name}", getattr(args, name)]
+    return command
+
+
+def static_result(bench: dict, batched: dict) -> dict:
+    """The static batch's row of `tandem bench`'s result, and the batched pass's decode steps against it."""
+    rows = [r for r in bench["rows"] if r.get("status") == "ok" and r.get("tokens_per_s")]
+    if not rows:
+        states = ", ".join(f"{r.get('system')}: {r.get('status')}" for r in bench["rows"]) or "no row"
+        raise RuntimeError(f"the static batch did not run ({states})")
+    row = rows[0]
+    decode = batched["server"]["decode_tokens_per_step_second"]
+    return {
+        "system": row["system"],
+        "context": row["context"],
+        "batch": row["batch"],
+        "tokens_per_s": row["tokens_per_s"],
+        "tpot_median_ms": row["tpot_median_ms"],
+        "decode_steps_over_static": decode / row["tokens_per_s"] if decode else None,
+    }
+
+
+def run_static(args, report: dict, out: Path) -> dict:
+    """Run the static baseline (`static_command`) and return `static_result`, with its command."""
+    context = max(report["prompt_mix"])
+    with tempfile.TemporaryDirectory() as tmp:
+        command = static_command(args, context, Path(tmp))
+        print(f"static batch: {' '.join(command[3:])} ...", flush=True)
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+            raise RuntimeError(f"`tandem bench` exited with {done.returncode}:\n{tail}")
+        bench = json.loads((Path(tmp) / "bench.json").read_text())
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("bench.json", "bench.md"):
+            (out / f"static_{name}").write_text((Path(tmp) / name).read_text())
+    return {**static_result(bench, report["batched"]), "command": command[3:]}
+
+
 def machine_busy_seconds() -> float | None:
     """CPU-seconds every process on the machine has used since boot (Linux /proc/stat), else None."""
     try:
@@ -436,6 +509,17 @@ def markdown(report: dict) -> str:
                 f"{seq['server']['decode_tokens_per_step_second']:.1f} one at a time, "
                 f"{report['decode_steps_batched_over_sequential']:.2f}x."
             )
+    static = report.get("static")
+    if static is not None:
+        ratio = static["decode_steps_over_static"]
+        lines.append(
+            f"Against the static batch (`tandem bench`, {static['system']}, {static['batch']} x {static['context']} "
+            f"tokens, one cache, run after the server in the same machine start): decode steps "
+            f"{b['server']['decode_tokens_per_step_second'] or 0:.1f} tokens/s at a mean batch of "
+            f"{b['server']['mean_decode_batch'] or 0:.1f} against {static['tokens_per_s']:.1f} "
+            f"({static['tpot_median_ms']:.1f} ms a step), "
+            + (f"**{ratio:.2f}x**." if ratio is not None else "not computed (no decode step).")
+        )
     settled = mem["settled_vs_before"]
     prefix = b["server"].get("prefix")
     if report.get("shared_documents"):
@@ -535,6 +619,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "load)",
     )
     p.add_argument("--compare-sequential", action="store_true", help="also send requests one at a time")
+    p.add_argument(
+        "--static-baseline",
+        action="store_true",
+        help="then run `tandem bench`'s static batch at the load's shape and set the decode steps against it",
+    )
     p.add_argument(
         "--sequential-requests", type=int, default=None, help="requests of that pass (default all)"
     )
@@ -681,11 +770,13 @@ def main() -> None:
         "server_args": command[3:],
         "server_stop": stop,
     })  # fmt: skip
-    text = markdown(report)
-    print(text)
     out = args.out or REPO / "benchmarks" / "results" / (
         f"{datetime.date.today().isoformat()}_{machine_tag(machine, args.device)}_serve"
     )
+    if args.static_baseline:
+        report["static"] = run_static(args, report, out)
+    text = markdown(report)
+    print(text)
     manifest.write(out)
     (out / "serve.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "serve.md").write_text(text)
