@@ -19,7 +19,14 @@ def test_serve_help(capsys):
         main(["serve", "--help"])
     assert caught.value.code == 0
     out = capsys.readouterr().out
-    for words in ("/v1/chat/completions", "--max-batch", "--max-queue", "--prefill-chunk", "--policy"):
+    for words in (
+        "/v1/chat/completions",
+        "--max-batch",
+        "--max-queue",
+        "--prefill-chunk",
+        "--step-tokens",
+        "--policy",
+    ):
         assert words in out
 
 
@@ -31,6 +38,7 @@ def test_serve_help(capsys):
         (["--max-batch", "0"], "--max-batch=0 is out of range: allowed >= 1"),
         (["--max-queue", "-1"], "--max-queue=-1 is out of range: allowed >= 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk=0 is out of range: allowed >= 1"),
+        (["--step-tokens", "0"], "--step-tokens=0 is out of range: allowed >= 1"),
         (["--random-weights", "nope"], "--random-weights='nope' is not a known shape: allowed "),
         (["--random-weights", "llama-3.1-8b", "--model", "m.gguf"], "exclude each other"),
         (["--device", "cpu", "--device-memory", "1"], "--device-memory applies to CUDA devices only"),
