@@ -38,6 +38,7 @@ code that makes them) without zeroing again. What the request leaves undrawn goe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import mmap
 import threading
@@ -284,7 +285,9 @@ class Reservation:
                 if mapping is None:
                     mapping = _new_mapping(nbytes, self.pinned)  # anonymous pages read as zeros
                 else:
-                    torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).zero_()
+                    # one thread (torch's zero_ would take every core, which the decode steps' CPU parts use
+                    # meanwhile); ctypes gives up the GIL for it
+                    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, nbytes)
                 with pool._lock:
                     if self._released:
                         pool._came_back(mapping)
