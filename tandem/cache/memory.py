@@ -42,7 +42,6 @@ import ctypes
 import math
 import mmap
 import threading
-import time
 import weakref
 from collections import deque
 
@@ -177,13 +176,23 @@ class HostPool:
         if reservation is None or reservation.pinned != pinned:
             return None
         with self._lock:
-            fits = [m for m in reservation.mappings if nbytes <= len(m) <= nbytes * self.fit]
-            if not fits:
-                return None
-            best = min(fits, key=len)
-            reservation.mappings.remove(best)
-            self.ahead += 1
+            best = self._best_fit(reservation.mappings, nbytes)
+            if best is not None:
+                self.ahead += 1
             return best
+
+    def _best_fit(self, mappings: list[_Mapping], nbytes: int, pinned: bool | None = None) -> _Mapping | None:
+        """The smallest of `mappings` (of that kind, unless `pinned` is None) holding `nbytes` within the fit,
+        taken out of the list; or None. Called under the lock."""
+        fits = [
+            m for m in mappings
+            if (pinned is None or _pinned(m) == pinned) and nbytes <= len(m) <= nbytes * self.fit
+        ]  # fmt: skip
+        if not fits:
+            return None
+        best = min(fits, key=len)
+        mappings.remove(best)
+        return best
 
     def _work(self) -> None:
         while True:
@@ -199,10 +208,8 @@ class HostPool:
         """A free mapping for a store of `nbytes`, or None: then free mappings of at least `nbytes` in all, the
         largest first, go back to the OS before the caller maps a new one."""
         with self._lock:
-            fits = [m for m in self._free if _pinned(m) == pinned and nbytes <= len(m) <= nbytes * self.fit]
-            if fits:
-                best = min(fits, key=len)
-                self._free.remove(best)
+            best = self._best_fit(self._free, nbytes, pinned)
+            if best is not None:
                 self.reused += 1
                 return best
             self.made += 1
@@ -263,7 +270,6 @@ class Reservation:
     mappings: those made and not yet drawn (zeroed: freshly mapped, or a free one zeroed by the worker)
     done:     set once the worker is through (or the pool closed before it began); `error` holds what stopped it
               (the request's own stores then map anew, and raise where memory is short)
-    seconds:  the worker's time on it
     """
 
     def __init__(self, pool: HostPool, sizes: list[int], pinned: bool) -> None:
@@ -271,12 +277,11 @@ class Reservation:
         self.mappings: list[_Mapping] = []
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.seconds = 0.0
         self._released = False
 
     def fill(self) -> None:
         """Make the stores (the worker thread)."""
-        pool, start = self.pool, time.perf_counter()
+        pool = self.pool
         try:
             for nbytes in self.sizes:
                 if self._released or _pool is not pool:
@@ -296,7 +301,6 @@ class Reservation:
         except Exception as err:  # the worker goes on with the next reservation
             self.error = err
         finally:
-            self.seconds = time.perf_counter() - start
             self.done.set()
 
     @contextlib.contextmanager
