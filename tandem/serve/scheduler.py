@@ -491,13 +491,12 @@ class Scheduler:
                 )
         total = len(request.prompt_ids)
         s = request.prefilled
-        chunk = self.limits.prefill_chunk
-        e = chunk_end(s, total, chunk, observed_tokens(request.config))
+        e = s + self._next_chunk_tokens(request)
         logits = self.runner.prefill_chunk(request.cache, request.prompt_ids[s:e], s, last=e == total)
         logits = logits[0].cpu()
         request.prefilled = e
         if self.prefix is not None and request.prefix_cache:
-            keep_prefix(self.prefix, request.cache, request.prompt_ids, e, chunk)
+            keep_prefix(self.prefix, request.cache, request.prompt_ids, e, self.limits.prefill_chunk)
         return e, total, logits
 
     def _decode_step(self, batch: list[Request]) -> None:
