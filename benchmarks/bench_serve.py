@@ -68,8 +68,6 @@ WARMUP_MAX_TOKENS = 4
 MEMORY_TOLERANCE = 0.05
 PROGRESS_EVERY = 30.0  # seconds between progress lines
 OTHER_LOAD = 0.05  # CPU-seconds per second that other processes may use before a pass's times are flagged
-SERVER_MAX_BATCH = 16  # `tandem serve --max-batch`'s default
-SERVER_POLICY = "certified"  # `tandem serve --policy`'s default
 DEFAULT_SHAPE = (
     "smollm2-135m"  # the default model's shape, for the static baseline of a server of the default model
 )
@@ -290,9 +288,19 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
     }
 
 
+def serve_defaults() -> argparse.Namespace:
+    """`tandem serve`'s defaults, from its own parser: what an unset server flag is."""
+    from tandem.cli.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
 def static_command(args, context: int, out: Path) -> list[str]:
     """`tandem bench`'s static batch at the load's shape: `context` tokens, the server's batch, policy and weights."""
-    batch = min(args.max_batch or SERVER_MAX_BATCH, args.concurrency)
+    defaults = serve_defaults()
+    batch = min(args.max_batch or defaults.max_batch, args.concurrency)
     command = [
         sys.executable,
         "-m",
@@ -307,7 +315,7 @@ def static_command(args, context: int, out: Path) -> list[str]:
         "--batches",
         str(batch),
         "--policies",
-        args.policy or SERVER_POLICY,
+        args.policy or defaults.policy,
     ]
     command += ["--hf", "none", "--steps", str(STATIC_STEPS), "--out", str(out)]
     for name in ("device", "dtype"):
