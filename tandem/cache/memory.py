@@ -30,9 +30,10 @@ about what the stores it lent held at their peak; `HostPool.trim` gives back the
 **Ahead of time** (`HostPool.reserve`). Where many requests arrive at once, none finds an ended one's store, and
 each would map and page-lock its own on the thread that runs the model, stalling every running stream. A caller
 that knows a request's store sizes in advance (`tandem serve`, at admission) reserves them: the pool's worker
-thread makes them (from free mappings, zeroed, or mapped and registered anew; CUDA's registration gives up the
-GIL) while the model runs, and the request's stores draw from its reservation (`Reservation.drawn`, around the
-code that makes them) without zeroing again. What the request leaves undrawn goes to the free mappings.
+thread makes them (from free mappings, zeroed, or mapped, faulted in by a memset and registered anew; CUDA's
+registration gives up the GIL, but one that faults the pages in itself kept the model's thread waiting for as long
+as it ran) while the model runs, and the request's stores draw from its reservation (`Reservation.drawn`, around
+the code that makes them) without zeroing again. What the request leaves undrawn goes to the free mappings.
 """
 
 from __future__ import annotations
@@ -113,17 +114,22 @@ def host_zeros(shape, dtype: torch.dtype, *, pin: bool, huge: bool = True) -> to
     return tensor
 
 
-def _new_mapping(nbytes: int, pin: bool) -> _Mapping:
+def _new_mapping(nbytes: int, pin: bool, fault_in: bool = False) -> _Mapping:
+    """A new anonymous mapping of `nbytes` (zeros), page-locked when `pin`. `fault_in`: its pages are faulted in
+    by a memset first (the host pool's worker; see `Reservation.fill`)."""
     try:
         mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as err:
         raise MemoryError(f"mmap of {nbytes} bytes failed: {err}") from err
     # before any page is touched: the first touch picks the page size (and an anonymous page reads as zeros)
     mapping.madvise(mmap.MADV_HUGEPAGE)
+    if fault_in:
+        # one thread, which ctypes lets give up the GIL
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, nbytes)
     if pin:
         cudart = torch.cuda.cudart()
         address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-        # faults every page in (huge where the kernel finds them) and locks it
+        # faults every page in (huge where the kernel finds them), unless they are, and locks it
         err = cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
         if int(err) != 0:
             raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
@@ -288,7 +294,11 @@ class Reservation:
                     break
                 mapping = pool.take(nbytes, self.pinned)
                 if mapping is None:
-                    mapping = _new_mapping(nbytes, self.pinned)  # anonymous pages read as zeros
+                    # faulted in before CUDA registers it: registration faulting the pages in itself held the
+                    # model's thread for as long as it ran (at the 8B shape on an H200, 8 requests' 44 GB made
+                    # this way stalled one prefill chunk 22 s; faulted in first, the chunks went on at 1.6x their
+                    # time: docs/serve.md § Host pool)
+                    mapping = _new_mapping(nbytes, self.pinned, fault_in=True)
                 else:
                     # one thread (torch's zero_ would take every core, which the decode steps' CPU parts use
                     # meanwhile); ctypes gives up the GIL for it

@@ -2,6 +2,8 @@
 of about its size, zeroed, without being mapped or page-locked again; a store in use is never lent; a store that
 finds none first gives free mappings back; the pool off or trimmed gives them all back."""
 
+import ctypes
+import sys
 import threading
 import time
 
@@ -187,9 +189,9 @@ def _threads_that_map(monkeypatch) -> list[str]:
     """The names of the threads that map new stores from now on."""
     names, new_mapping = [], memory._new_mapping
 
-    def recorded(nbytes, pin):
+    def recorded(nbytes, pin, **kwargs):
         names.append(threading.current_thread().name)
-        return new_mapping(nbytes, pin)
+        return new_mapping(nbytes, pin, **kwargs)
 
     monkeypatch.setattr(memory, "_new_mapping", recorded)
     return names
@@ -230,6 +232,43 @@ def test_what_a_request_leaves_undrawn_goes_to_the_free_mappings(pool):
     released.release()  # its request ended first: what the worker made or makes goes to the free mappings
     assert released.done.wait(TIMEOUT) and released.mappings == []
     assert pool.free_bytes == 2 * HUGE
+
+
+def _resident(address: int, nbytes: int) -> float:
+    """The share of the 4 KiB pages of [address, address + nbytes) in memory (mincore)."""
+    pages = -(-nbytes // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+class ResidentAtRegistration(FakeCudart):
+    """Records, for each registration, the share of its pages already in memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.resident = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.resident.append(_resident(ptr, nbytes))
+        return super().cudaHostRegister(ptr, nbytes, flags)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore through Linux's libc")
+def test_the_worker_faults_a_new_store_in_before_registering_it(pool, monkeypatch):
+    """CUDA's registration faulting a store's pages in itself kept the model's thread waiting as long as it ran:
+    the worker's new stores are in memory before they are registered; a store made on the caller's thread is
+    registered as mapped (its registration faults it in faster than a memset would)."""
+    cudart = ResidentAtRegistration()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    reservation = pool.reserve([2 * HUGE, HUGE], pinned=True)
+    assert reservation.done.wait(TIMEOUT) and reservation.error is None
+    assert cudart.resident == [1.0, 1.0]
+    with reservation.drawn():
+        drawn = _store(2 * HUGE, pin=True)
+    assert torch.count_nonzero(drawn) == 0 and len(cudart.registered) == 2
+    own = _store(4 * HUGE, pin=True)  # no reservation: mapped and registered on this thread
+    assert cudart.resident[2:] == [0.0] and torch.count_nonzero(own) == 0
 
 
 def test_a_reservation_of_another_kind_or_after_the_pool_closed_serves_nothing(pool):
