@@ -129,7 +129,7 @@ def _new_mapping(nbytes: int, pin: bool, fault_in: bool = False) -> _Mapping:
     if pin:
         cudart = torch.cuda.cudart()
         address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-        # faults every page in (huge where the kernel finds them), unless they are, and locks it
+        # faults in every page not in memory yet (huge where the kernel finds them) and locks it
         err = cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
         if int(err) != 0:
             raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
