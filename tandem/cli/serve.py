@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "chunk a turn)",
     )
     p.add_argument(
+        "--prefill-thread",
+        action="store_true",
+        help="prefill prompts on a thread (and CUDA stream) of their own beside the decode steps, instead of in "
+        "turns between them: a running stream then waits for no prompt chunk; the two share the GPU and the "
+        "host's cores (not with --step-tokens)",
+    )
+    p.add_argument(
         "--host-memory",
         type=_gib,
         default=None,
@@ -140,6 +147,11 @@ def _check(args) -> None:
     ):
         if value is not None and value < low:
             raise ValueError(f"{flag}={value} is out of range: allowed >= {low}")
+    if args.prefill_thread and args.step_tokens is not None:
+        raise ValueError(
+            "--step-tokens budgets the turns of prompt chunks and decode steps, and --prefill-thread runs the chunks "
+            "beside the steps instead: pass one of them"
+        )
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas={args.replicas} is out of range: allowed >= 1")
     if not args.replica_cpus > 0 or args.replica_cpus == float("inf"):
@@ -221,7 +233,7 @@ def build_server(args):
     else:
         gpu = None
     chunk = args.prefill_chunk or (2048 if device.type == "cuda" else 256)
-    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu, args.step_tokens)
+    limits = Limits(args.max_batch, args.max_queue, chunk, host, gpu, args.step_tokens, args.prefill_thread)
     prefix = None if args.no_prefix_cache else PrefixCache(max_bytes=host)
     scheduler = Scheduler(
         model, tokenizer, limits, TaskPool(config.host.threads), runner=runner, prefix=prefix
@@ -260,7 +272,8 @@ def run(args) -> int:
     print(
         f"[tandem] serving '{server.model_name}' on http://{args.host}:{args.port}/v1 | policy {server.config.policy} "
         f"| batch <= {lim.max_batch}, queue <= {lim.max_queue}, prefill chunk {lim.prefill_chunk}"
-        f"{'' if lim.step_tokens is None else f', step budget {lim.step_tokens} tokens'} | host budget "
+        f"{'' if lim.step_tokens is None else f', step budget {lim.step_tokens} tokens'}"
+        f"{', prefill beside the steps' if lim.prefill_thread else ''} | host budget "
         f"{budget}{'' if server.scheduler.prefix is None else ', prefixes kept'}",
         file=sys.stderr,
     )

@@ -10,15 +10,17 @@ each RMSNorm and the ten of RoPE on q and k. `FusedLayers(model)` finds, once:
 and keeps only those that the fused kernels reproduce on a random input (within the rounding of the fp32
 reductions, `tolerance`): a model whose norm adds one to its weight, or whose rotation interleaves, keeps its
 own code. `with fused:` swaps them in (instance `forward`s, the module-level function) and restores them on
-exit, so Hugging Face's own passes over the same model (the baselines of `tandem bench`) stay untouched. Calls
-that the kernels do not cover (other shapes, extra arguments) go to the original function. The swap of the
-module-level function is process-wide while it lasts: another thread running a model of the same architecture at
-that moment would get the fused RoPE too (it computes the same thing).
+exit, so Hugging Face's own passes over the same model (the baselines of `tandem bench`) stay untouched; entered
+by several threads at once (a server's decode steps and its prefill thread), they stay swapped in until the last
+one leaves. Calls that the kernels do not cover (other shapes, extra arguments) go to the original function. The
+swap of the module-level function is process-wide while it lasts: another thread running a model of the same
+architecture at that moment would get the fused RoPE too (it computes the same thing).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 
 import torch
@@ -36,6 +38,8 @@ class FusedLayers:
         self.norms: list = []
         self.rope_modules: list = []  # (modeling module, its apply_rotary_pos_emb)
         self.skipped: list[str] = []
+        self._inside = 0  # passes inside `with self:` now, over every thread
+        self._lock = threading.Lock()
         checked: dict[type, bool] = {}
         rope_seen = set()
         for module in model.modules():
@@ -87,17 +91,23 @@ class FusedLayers:
         return ok
 
     def __enter__(self) -> FusedLayers:
-        for module in self.norms:
-            module.forward = _bound_norm(module)
-        for modeling, original in self.rope_modules:
-            modeling.apply_rotary_pos_emb = _rope_with_fallback(original)
+        with self._lock:
+            self._inside += 1
+            if self._inside == 1:
+                for module in self.norms:
+                    module.forward = _bound_norm(module)
+                for modeling, original in self.rope_modules:
+                    modeling.apply_rotary_pos_emb = _rope_with_fallback(original)
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self.norms:
-            module.__dict__.pop("forward", None)
-        for modeling, original in self.rope_modules:
-            modeling.apply_rotary_pos_emb = original
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                for module in self.norms:
+                    module.__dict__.pop("forward", None)
+                for modeling, original in self.rope_modules:
+                    modeling.apply_rotary_pos_emb = original
 
     @property
     def active(self) -> bool:

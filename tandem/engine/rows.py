@@ -131,7 +131,12 @@ class RowsRunner:
     def step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
         """One decode step: row b feeds tokens[b] at positions[b] to caches[b] (each a prefilled batch-1
         `TandemCache`, in any order, each at most once). Returns the logits [B, V] on the model's device, valid
-        until the next step. An error leaves every cache of the step refusing further use."""
+        until the next step. An error leaves every cache of the step refusing further use. With a pool, the step
+        holds its lock to its end: another thread's attach, detach or prefill that grows the pool waits for it."""
+        with self.pool.lock if self.pool is not None else contextlib.nullcontext():
+            return self._one_step(caches, tokens, positions)
+
+    def _one_step(self, caches: list[TandemCache], tokens, positions) -> torch.Tensor:
         if not caches:
             raise ValueError("caches must hold at least one prefilled TandemCache, got none")
         if len({id(cache) for cache in caches}) != len(caches):

@@ -25,7 +25,9 @@ growth of the mirrors that would not fit `MIRROR_HEADROOM` of the free memory le
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import weakref
 from functools import partial
 
@@ -88,6 +90,10 @@ class SlotPool:
         # whether the pool holds every layer's hot tier (no sliding-window layer keeps per-request state)
         self.every_layer = False
         self._period = 0  # steps staged so far: the pool's block period (`stage_evictions`)
+        # held by a step over the pool's rows from its start to its end (`RowsRunner.step`) and by what changes
+        # the rows or the mirrors (attach, detach, a mirror's growth), which a server's prefill thread may do
+        # meanwhile
+        self.lock = threading.RLock()
         self._by_period: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `_staging_candidates`
 
     @classmethod
@@ -115,6 +121,10 @@ class SlotPool:
     def attach(self, cache) -> int | None:
         """Give `cache` (a `TandemCache` before its first tokens) the lowest free row: its layers take their hot
         tiers there where they fit. Returns the row, or None when every row is taken (the cache keeps its own)."""
+        with self.lock:
+            return self._attach(cache)
+
+    def _attach(self, cache) -> int | None:
         if cache in self._rows:
             return self._rows[cache]
         if cache.batch_size() is not None:
@@ -143,6 +153,10 @@ class SlotPool:
     def detach(self, cache) -> None:
         """Free `cache`'s row (no-op for a cache without one). The cache refuses further use from then on: the
         next request's tokens go where its hot tier was."""
+        with self.lock:
+            self._detach(cache)
+
+    def _detach(self, cache) -> None:
         row = self._rows.pop(cache, None)
         placed = self._placed.pop(cache, None)
         if row is None:
@@ -385,29 +399,38 @@ class SlotPool:
         if dtype != self.dtype or torch.device(device) != self.device:
             return None
         mirror = self.mirrors.get(layer)
-        width = 0 if mirror is None else mirror[0].shape[2]
-        if blocks > width:
-            num_kv_heads, head_dim = self._kv_shape
-            grown = max(blocks, width + width // 2)
-            per_block = self.size * (2 * num_kv_heads * head_dim * dtype.itemsize + 1)
-            free = free_bytes(self.device)
-            if free is not None and (grown - width) * per_block * len(self.keys) > MIRROR_HEADROOM * free:
-                return None  # every layer's mirrors grown alike would not fit: this tier keeps its own
-            key_min = torch.zeros(self.size, num_kv_heads, grown, head_dim, dtype=dtype, device=self.device)
-            key_max = torch.zeros_like(key_min)
-            block_valid = torch.zeros(self.size, grown, dtype=torch.bool, device=self.device)
-            if mirror is not None:
-                key_min[:, :, :width].copy_(mirror[0])
-                key_max[:, :, :width].copy_(mirror[1])
-                block_valid[:, :width].copy_(mirror[2])
-            self.mirrors[layer] = (key_min, key_max, block_valid)
-            self.generation += 1
-            if mirror is not None:
-                self._repoint(layer, row, mirror[0])
-            mirror = self.mirrors[layer]
-        key_min, key_max, block_valid = mirror
-        r = slice(row, row + 1)
-        return key_min[r, :, :blocks], key_max[r, :, :blocks], block_valid[r, :blocks]
+        growing = mirror is None or blocks > mirror[0].shape[2]
+        # a growth re-points other requests' tiers: not while a step over them runs (another thread's prefill)
+        with self.lock if growing else contextlib.nullcontext():
+            mirror = self.mirrors.get(layer)
+            width = 0 if mirror is None else mirror[0].shape[2]
+            if blocks > width:
+                num_kv_heads, head_dim = self._kv_shape
+                grown = max(blocks, width + width // 2)
+                per_block = self.size * (2 * num_kv_heads * head_dim * dtype.itemsize + 1)
+                free = free_bytes(self.device)
+                if free is not None and (grown - width) * per_block * len(self.keys) > MIRROR_HEADROOM * free:
+                    return None  # every layer's mirrors grown alike would not fit: this tier keeps its own
+                key_min = torch.zeros(
+                    self.size, num_kv_heads, grown, head_dim, dtype=dtype, device=self.device
+                )
+                key_max = torch.zeros_like(key_min)
+                block_valid = torch.zeros(self.size, grown, dtype=torch.bool, device=self.device)
+                if mirror is not None:
+                    key_min[:, :, :width].copy_(mirror[0])
+                    key_max[:, :, :width].copy_(mirror[1])
+                    block_valid[:, :width].copy_(mirror[2])
+                self.mirrors[layer] = (key_min, key_max, block_valid)
+                self.generation += 1
+                if mirror is not None:
+                    self._repoint(layer, row, mirror[0])
+                if self.device.type == "cuda":
+                    # made on this thread's stream: done before a step on another stream reads them
+                    torch.cuda.current_stream(self.device).synchronize()
+                mirror = self.mirrors[layer]
+            key_min, key_max, block_valid = mirror
+            r = slice(row, row + 1)
+            return key_min[r, :, :blocks], key_max[r, :, :blocks], block_valid[r, :blocks]
 
     def _repoint(self, layer: int, asking: int, old: torch.Tensor) -> None:
         """Point the host tiers of layer `layer` whose mirrors were in `old` (its key_min; rows other than

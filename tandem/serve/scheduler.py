@@ -1,5 +1,6 @@
 """Continuous batching over per-request Tandem caches: one thread owns the model and runs, in turn, a chunk of a
-waiting prompt and one decode step of every running request.
+waiting prompt and one decode step of every running request (or, with `Limits.prefill_thread`, a second thread
+runs the prompts' chunks beside the decode steps).
 
 - **Admission.** A request's cache bytes (`sizing.request_bytes`) are known before it starts. It is admitted
   when the batch has room (`max_batch`) and the host and device budgets hold its bytes next to those of every
@@ -12,6 +13,12 @@ waiting prompt and one decode step of every running request.
   for as many chunks as the budget holds. The chunks are the
   engine's (`RowsRunner.prefill_chunk`, cut by `engine.prefill.chunk_end`): with `hgca` the last one holds at
   least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
+- **Prefill beside the steps** (`Limits.prefill_thread`). A thread of its own (and, on CUDA, a stream of its own)
+  runs the oldest prompt's next chunk again and again while this one runs decode steps, so a running stream waits
+  for no chunk; the two share the device and the host's cores. Each thread owns its requests: the prefill thread
+  ends its cancelled prompts after their chunk, and a prompt joins the decoding requests once its first token is
+  taken. The hot-tier pool changes (a request's row taken or given back, the digest mirrors grown) only between
+  steps (`SlotPool.lock`).
 - **Prefixes.** With a `PrefixCache`, a prompt that begins with a prefix kept there under its settings starts
   from it and prefills only the rest, and each prompt keeps its own last chunk boundaries' prefixes
   (`engine.prefill.kept_ends`) for later requests: the same tokens as a cold prefill (`cache.prefix`). A request
@@ -119,10 +126,12 @@ class Limits:
     # tokens a turn runs: one for each decoding request, and prompt chunks while they fit (one at least while a
     # prompt waits); None: one chunk a turn
     step_tokens: int | None = None
+    # prompt chunks on a thread (and CUDA stream) of their own, beside the decode steps, instead of in turns
+    prefill_thread: bool = False
 
 
 class SchedulerStats:
-    """Counters and recent timings, read by `/metrics` (the callbacks run on the scheduler's thread)."""
+    """Counters and recent timings, read by `/metrics` (the callbacks run on the scheduler's threads)."""
 
     def __init__(self) -> None:
         self.on_prefill_chunk: Callable[[float], None] | None = None
@@ -167,6 +176,7 @@ class Scheduler:
         self._reserved_device = 0
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._prefill_thread: threading.Thread | None = None  # with Limits.prefill_thread
         self._owns_host_pool = False  # whether start() turned the host pool on (stop() turns it off)
         self.failure: BaseException | None = None  # what stopped the thread, if anything did
         self._live_caches: weakref.WeakSet = weakref.WeakSet()
@@ -208,14 +218,14 @@ class Scheduler:
                     f"{len(self._waiting)} requests are waiting (--max-queue {self.limits.max_queue}); retry later",
                     retry_after=max(1.0, self.stats.request_seconds),
                 )
-            self._cond.notify()
+            self._cond.notify_all()
         return request
 
     def cancel(self, request: Request) -> None:
         """Stop a request (a client went away): it leaves at the next step boundary and its cache is freed."""
         with self._cond:
             request.cancelled = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     def counts(self) -> dict:
         with self._cond:
@@ -276,32 +286,43 @@ class Scheduler:
         if self._owns_host_pool:
             memory.enable_host_pool()
         self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
+        if self.limits.prefill_thread:
+            self._prefill_thread = threading.Thread(
+                target=self._run_prefill, name="tandem-prefill", daemon=True
+            )
+            self._prefill_thread.start()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            self._cond.notify_all()
+        for thread in (self._thread, self._prefill_thread):
+            if thread is not None:
+                thread.join(timeout)
         if self._owns_host_pool:
             memory.disable_host_pool()
             self._owns_host_pool = False
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        threads = [t for t in (self._thread, self._prefill_thread) if t is not None]
+        return bool(threads) and all(t.is_alive() for t in threads) and self.failure is None
 
     # ---- the scheduler's thread -----------------------------------------------------------------------------
     def _run(self) -> None:
+        # with a prefill thread this thread runs the decode steps alone, and drops only its own cancelled requests
+        beside = self._prefill_thread is not None
+        mine = (self._decoding,) if beside else (self._prefilling, self._decoding)
         try:
             with torch.inference_mode():
                 while True:
                     with self._cond:
-                        self._drop_cancelled()
+                        self._drop_cancelled(mine)
                         self._admit()
-                        while not (self._stop or self._prefilling or self._decoding or self._waiting):
-                            if not self._cond.wait(_host_pool_wait()):
+                        while not (self._stop or self.failure is not None or self._has_work(beside)):
+                            idle = self._idle()
+                            if not self._cond.wait(_host_pool_wait() if idle else None) and self._idle():
                                 # idle for HOST_POOL_IDLE_SECONDS: give the free stores back without holding
                                 # the lock, which a request arriving meanwhile takes (unregistering 17 GB
                                 # takes about 0.3 s)
@@ -310,18 +331,18 @@ class Scheduler:
                                     _trim_host_pool()
                                 finally:
                                     self._cond.acquire()
-                        if self._stop:
+                        if self._stop or self.failure is not None:
                             break
-                        self._drop_cancelled()
+                        self._drop_cancelled(mine)
                         self._admit()
-                        prefill = self._prefilling[0] if self._prefilling else None
+                        prefill = self._prefilling[0] if self._prefilling and not beside else None
                         batch = list(self._decoding)
                     if prefill is not None:
                         self._prefill_turn(len(batch))
                     if batch:
                         self._decode_step(batch)
                     with self._cond:
-                        idle = not (self._prefilling or self._decoding or self._waiting)
+                        idle = self._idle()
                     if idle:
                         self.runner.release()  # what the last step held of the last requests' caches
                         _return_free_heap(self.device)
@@ -329,6 +350,12 @@ class Scheduler:
             self.failure = err
             raise
         finally:
+            if beside:
+                # the prefill thread stops after its chunk (it reads the stop or the failure): its request's cache
+                # is its own until then
+                with self._cond:
+                    self._cond.notify_all()
+                self._prefill_thread.join()
             with self._cond:
                 message = (
                     "the server is shutting down"
@@ -338,6 +365,39 @@ class Scheduler:
                 for request in list(self._waiting) + self._prefilling + self._decoding:
                     self._end(request, error=message)
                 self._waiting.clear()
+
+    def _run_prefill(self) -> None:
+        """The prefill thread (`Limits.prefill_thread`): the oldest admitted prompt's next chunk, again and again,
+        on a CUDA stream of its own, while the scheduler's thread runs the decode steps; a prompt's last chunk
+        takes its first token, and the request then joins the decoding requests. A fault here stops both threads
+        (the scheduler's thread then fails every request)."""
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                while True:
+                    with self._cond:
+                        self._drop_cancelled((self._prefilling,))
+                        self._admit()
+                        while not (self._stop or self.failure is not None or self._prefilling):
+                            self._cond.wait()
+                        if self._stop or self.failure is not None:
+                            return
+                        request = self._prefilling[0]
+                    self._prefill_chunk(request)
+        except BaseException as err:
+            with self._cond:
+                if self.failure is None:
+                    self.failure = err
+                self._cond.notify_all()
+            raise
+
+    def _has_work(self, beside: bool) -> bool:
+        """Whether the scheduler's thread has a turn to run (called under the lock): decode steps, and prompts
+        unless a prefill thread takes them."""
+        return bool(self._decoding) if beside else not self._idle()
+
+    def _idle(self) -> bool:
+        return not (self._prefilling or self._decoding or self._waiting)
 
     def _admit(self) -> None:
         """Move waiting requests into the batch, in order, while the next one fits (called under the lock)."""
@@ -381,8 +441,9 @@ class Scheduler:
             layer * self.shape.global_layers, pinned=self.device.type == "cuda"
         )
 
-    def _drop_cancelled(self) -> None:
-        for group in (self._prefilling, self._decoding):
+    def _drop_cancelled(self, groups) -> None:
+        """End the cancelled requests of `groups` (called under the lock, by the thread that runs them)."""
+        for group in groups:
             for request in [r for r in group if r.cancelled]:
                 self._end(request, reason="cancelled")
 
@@ -470,12 +531,14 @@ class Scheduler:
             return
         if e < total:
             return
+        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
+        # its first token, before any decode step reads its tokens (it may end it)
+        self._accept(request, token)
         with self._cond:
             if request in self._prefilling:
                 self._prefilling.remove(request)
                 self._decoding.append(request)
-        token = choose_token(logits, request.temperature, request.top_p, request.draw_seed, request.generated)
-        self._accept(request, token)
+                self._cond.notify_all()  # a scheduler's thread waiting for decoding requests
 
     def _run_chunk(self, request: Request) -> tuple[int, int, torch.Tensor]:
         """The request's next prompt chunk (its cache made first, from a kept prefix where one fits): (its end,

@@ -25,6 +25,7 @@ def test_serve_help(capsys):
         "--max-queue",
         "--prefill-chunk",
         "--step-tokens",
+        "--prefill-thread",
         "--policy",
     ):
         assert words in out
@@ -39,6 +40,7 @@ def test_serve_help(capsys):
         (["--max-queue", "-1"], "--max-queue=-1 is out of range: allowed >= 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk=0 is out of range: allowed >= 1"),
         (["--step-tokens", "0"], "--step-tokens=0 is out of range: allowed >= 1"),
+        (["--step-tokens", "64", "--prefill-thread"], "--prefill-thread runs the chunks beside the steps"),
         (["--random-weights", "nope"], "--random-weights='nope' is not a known shape: allowed "),
         (["--random-weights", "llama-3.1-8b", "--model", "m.gguf"], "exclude each other"),
         (["--device", "cpu", "--device-memory", "1"], "--device-memory applies to CUDA devices only"),
@@ -76,6 +78,8 @@ def test_build_server_from_flags(monkeypatch):
     assert server.scheduler.limits == Limits(3, 0, 32, int(1.5 * GIB), None)
     budgeted = build_server(build_parser().parse_args([*argv, "--step-tokens", "96"]))
     assert budgeted.scheduler.limits.step_tokens == 96
+    beside = build_server(build_parser().parse_args([*argv, "--prefill-thread"]))
+    assert beside.scheduler.limits.prefill_thread and not server.scheduler.limits.prefill_thread
     assert (server.config.policy, server.config.quest.budget, server.config.host.threads) == ("quest", 0.2, 1)
     assert server.scheduler.pool.num_threads == 1
     defaults = build_server(build_parser().parse_args(["serve", "--model", "/models/Qwen2-0.5B.gguf"]))

@@ -2,6 +2,7 @@
 alone, in a batch, or joining and leaving a running batch; on CUDA the recorded steps equal the eager ones."""
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -868,3 +869,33 @@ def test_a_cache_attaches_outside_inference_mode_after_pooled_steps():
     runner.detach(row.cache)
     cache = TandemCache.for_model(model, _config("quest"))
     assert runner.attach(cache) is not None
+
+
+@torch.inference_mode()
+def test_a_detach_from_another_thread_waits_for_the_step_in_flight(tiny, monkeypatch):
+    """A server's prefill thread attaches and detaches requests while the scheduler's thread steps: the pool's
+    rows change only between steps (`SlotPool.lock`, which a step holds to its end)."""
+    runner = RowsRunner(tiny, config=_config("quest"), slots=4)
+    rows = [_Row(tiny, _prompt(tiny, n, seed), "quest", "cpu", runner) for seed, n in enumerate((39, 46))]
+    in_step, go_on = threading.Event(), threading.Event()
+    body = runner._body
+
+    def held(*args):
+        in_step.set()
+        assert go_on.wait(30)
+        return body(*args)
+
+    monkeypatch.setattr(runner, "_body", held)
+    stepping = threading.Thread(target=_step, args=(runner, rows))
+    stepping.start()
+    assert in_step.wait(30)
+    detached = threading.Event()
+    other = threading.Thread(target=lambda: (runner.detach(rows[1].cache), detached.set()))
+    other.start()
+    try:
+        assert not detached.wait(0.3), "the row went back while a step over it ran"
+    finally:
+        go_on.set()
+        stepping.join(30)
+        other.join(30)
+    assert detached.is_set() and runner.pool.row(rows[1].cache) is None and len(rows[0].tokens) == 2

@@ -168,6 +168,33 @@ def test_fused_layers_swap_in_reproduce_the_model_and_restore():
     assert "forward" not in model.model.norm.__dict__
 
 
+def test_fused_layers_entered_by_two_threads_stay_until_the_last_leaves():
+    """A server's decode steps and its prefill thread enter the swap each around their passes: one leaving while
+    the other is inside must not put the model's own layers back under it."""
+    import threading
+
+    model = tiny_model("Llama").to(DEVICE)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original_rope = modeling.apply_rotary_pos_emb
+    fused = FusedLayers(model, DEVICE)
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with fused:
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert inside.wait(30)
+    with fused:
+        pass  # this thread's pass ends while the other's goes on
+    assert modeling.apply_rotary_pos_emb is not original_rope and "forward" in model.model.norm.__dict__
+    leave.set()
+    thread.join(30)
+    assert modeling.apply_rotary_pos_emb is original_rope and "forward" not in model.model.norm.__dict__
+
+
 class OffsetRMSNorm(torch.nn.Module):
     """Gemma's variant: scales by (1 + weight); the fused kernel does not reproduce it."""
 

@@ -3,6 +3,7 @@ refusals (QueueFull, TooLarge), the events a request sends, cancellation, failur
 equal to a plain prefill + decode with the same cache settings, whatever the prefill chunk."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -210,8 +211,9 @@ def test_a_request_that_fails_ends_with_an_error_and_the_others_go_on(model):
         scheduler.stop()
 
 
-def test_shutdown_ends_running_requests_and_refuses_new_ones(model):
-    scheduler = _scheduler(model)
+@pytest.mark.parametrize("beside", [False, True], ids=["turns", "prefill-thread"])
+def test_shutdown_ends_running_requests_and_refuses_new_ones(model, beside):
+    scheduler = _scheduler(model, prefill_thread=beside)
     job = _job(9, 100_000)
     scheduler.start()
     scheduler.submit(job.request)
@@ -248,18 +250,25 @@ def test_a_failed_device_still_answers_every_request(model, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(model, monkeypatch):
-    scheduler = _scheduler(model, max_batch=1)
+@pytest.mark.parametrize(
+    "beside, where",
+    [(False, "_decode_step"), (True, "_decode_step"), (True, "_prefill_chunk")],
+    ids=["turns", "prefill-thread, decode", "prefill-thread, prefill"],
+)
+def test_a_fault_in_the_scheduler_fails_every_request_instead_of_hanging_it(
+    model, monkeypatch, beside, where
+):
+    scheduler = _scheduler(model, max_batch=1, prefill_thread=beside)
     running, waiting = _job(9, 1000), _job(9, 1000)
 
-    def fault(batch):
+    def fault(request_or_batch):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(scheduler, "_decode_step", fault)
+    monkeypatch.setattr(scheduler, where, fault)
+    scheduler.submit(running.request)  # both in before the thread that fails starts
+    scheduler.submit(waiting.request)
     scheduler.start()
     try:
-        scheduler.submit(running.request)
-        scheduler.submit(waiting.request)
         assert running.done.wait(TIMEOUT) and waiting.done.wait(TIMEOUT)
         failed = ("error", "the server's scheduler failed: RuntimeError: a bug")
         assert running.events[-1] == failed and waiting.events == [failed]
@@ -302,3 +311,133 @@ def test_warm_up_steps_every_batch_size_and_keeps_nothing(model, monkeypatch):
         assert job.request.tokens == _reference(model, job.request.prompt_ids, 5, CONFIG)
     finally:
         scheduler.stop()
+
+
+def test_a_prefill_thread_gives_the_same_greedy_tokens(model):
+    """Prompts prefilled on the prefill thread beside the decode steps: the tokens of one whole prefill, for
+    requests of different lengths arriving together and one after another."""
+    for config in (CONFIG, TandemConfig(policy="full", sink_tokens=2, window_tokens=8, block_size=4)):
+        jobs = [_job(n, 7, config, first=n) for n in (13, 29, 37)]
+        expected = [_reference(model, job.request.prompt_ids, 7, config) for job in jobs]
+        scheduler = _scheduler(model, prefill_chunk=5, prefill_thread=True)
+        scheduler.start()
+        try:
+            for job in jobs[:2]:
+                scheduler.submit(job.request)
+            assert jobs[0].done.wait(TIMEOUT)
+            scheduler.submit(jobs[2].request)
+            assert all(job.done.wait(TIMEOUT) for job in jobs)
+            assert scheduler.alive
+        finally:
+            scheduler.stop()
+        assert [job.request.tokens for job in jobs] == expected, config.policy
+        assert [job.events[-1] for job in jobs] == [("done", "length")] * 3
+
+
+def _held_chunk(scheduler, monkeypatch, job, start: int):
+    """Hold `job`'s chunk that starts at `start` inside the runner until `go_on` is set; `inside` is set then."""
+    inside, go_on = threading.Event(), threading.Event()
+    chunk = scheduler.runner.prefill_chunk
+
+    def held(cache, ids, at, last):
+        if cache is job.request.cache and at == start:
+            inside.set()
+            assert go_on.wait(TIMEOUT)
+        return chunk(cache, ids, at, last)
+
+    monkeypatch.setattr(scheduler.runner, "prefill_chunk", held)
+    return inside, go_on
+
+
+def _wait_for(condition) -> bool:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_with_a_prefill_thread_a_stream_decodes_while_a_prompt_prefills(model, monkeypatch):
+    """A prompt's chunk held inside the model: the running stream goes on decoding meanwhile (in turns it would
+    wait for the chunk), and the prompt's request then decodes as it would have."""
+    scheduler = _scheduler(model, prefill_chunk=8, prefill_thread=True)
+    running, prompt = _job(9, 1000), _job(40, 5, first=5)
+    inside, go_on = _held_chunk(scheduler, monkeypatch, prompt, start=8)
+    scheduler.start()
+    try:
+        scheduler.submit(running.request)
+        assert _wait_for(lambda: running.request.generated >= 1)
+        scheduler.submit(prompt.request)
+        assert inside.wait(TIMEOUT)
+        generated = running.request.generated
+        assert _wait_for(lambda: running.request.generated >= generated + 5)
+        go_on.set()
+        assert prompt.done.wait(TIMEOUT) and prompt.events[-1] == ("done", "length")
+        scheduler.cancel(running.request)
+        assert running.done.wait(TIMEOUT)
+    finally:
+        go_on.set()
+        scheduler.stop()
+    assert prompt.request.tokens == _reference(model, prompt.request.prompt_ids, 5, CONFIG)
+
+
+def test_a_prompt_cancelled_inside_its_chunk_on_the_prefill_thread_ends_there(model, monkeypatch):
+    """The prefill thread owns a prefilling request's cache: cancelled while its chunk runs (and a stream decodes
+    beside it), the request ends after that chunk, from that thread, and everything is freed."""
+    scheduler = _scheduler(model, prefill_chunk=8, prefill_thread=True)
+    running, prompt = _job(9, 1000), _job(40, 5, first=5)
+    inside, go_on = _held_chunk(scheduler, monkeypatch, prompt, start=8)
+    scheduler.start()
+    try:
+        scheduler.submit(running.request)
+        scheduler.submit(prompt.request)
+        assert inside.wait(TIMEOUT)
+        scheduler.cancel(prompt.request)
+        generated = running.request.generated
+        assert _wait_for(lambda: running.request.generated >= generated + 3)  # the decode thread went round
+        assert not prompt.done.is_set()  # its chunk still runs over its cache
+        go_on.set()
+        assert prompt.done.wait(TIMEOUT) and prompt.events == [("done", "cancelled")]
+        assert prompt.request.cache is None and prompt.request.prefilled == 16
+        scheduler.cancel(running.request)
+        assert running.done.wait(TIMEOUT)
+        assert _wait_for(lambda: scheduler.counts() == dict.fromkeys(scheduler.counts(), 0))
+    finally:
+        go_on.set()
+        scheduler.stop()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("policy", ["quest", "full"])
+def test_a_prefill_thread_on_cuda_gives_the_tokens_of_turns(policy):
+    """On CUDA the prefill thread runs its chunks on a stream of its own beside recorded decode steps over the
+    pooled hot tiers: every request's greedy tokens equal those of the same requests run in turns."""
+    from tandem.config import QuestConfig
+
+    model = tiny_model("Llama", eos_token_id=None).cuda()
+    extra = {"quest": QuestConfig(budget=0.5, gpu_share=0.5)} if policy == "quest" else {}
+    config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=16, **extra)
+    tokens = []
+    for beside in (False, True):
+        jobs = [_job(n, 24, config, first=n) for n in (70, 45, 90, 61, 33)]
+        scheduler = Scheduler(
+            model,
+            LetterTokenizer(),
+            Limits(max_batch=4, prefill_chunk=16, prefill_thread=beside),
+            TaskPool(2),
+        )
+        scheduler.start()
+        try:
+            for job in jobs[:2]:
+                scheduler.submit(job.request)
+            assert _wait_for(lambda jobs=jobs: jobs[0].request.generated >= 3)
+            for job in jobs[2:]:
+                scheduler.submit(job.request)
+            assert all(job.done.wait(TIMEOUT) for job in jobs)
+            assert [job.events[-1] for job in jobs] == [("done", "length")] * 5
+        finally:
+            scheduler.stop()
+        tokens.append([job.request.tokens for job in jobs])
+    assert tokens[0] == tokens[1]
