@@ -2,6 +2,7 @@
 refusals (QueueFull, TooLarge), the events a request sends, cancellation, failures, shutdown; and greedy tokens
 equal to a plain prefill + decode with the same cache settings, whatever the prefill chunk."""
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -358,9 +359,10 @@ def _wait_for(condition) -> bool:
     return True
 
 
-def test_with_a_prefill_thread_a_stream_decodes_while_a_prompt_prefills(model, monkeypatch):
-    """A prompt's chunk held inside the model: the running stream goes on decoding meanwhile (in turns it would
-    wait for the chunk), and the prompt's request then decodes as it would have."""
+@contextlib.contextmanager
+def _stream_beside_a_held_chunk(model, monkeypatch):
+    """A server with a prefill thread, a running stream, and a 40-token prompt whose second chunk of 8 is held
+    inside the model until `go_on` is set; yields them once that chunk is held, and stops the server after."""
     scheduler = _scheduler(model, prefill_chunk=8, prefill_thread=True)
     running, prompt = _job(9, 1000), _job(40, 5, first=5)
     inside, go_on = _held_chunk(scheduler, monkeypatch, prompt, start=8)
@@ -370,42 +372,44 @@ def test_with_a_prefill_thread_a_stream_decodes_while_a_prompt_prefills(model, m
         assert _wait_for(lambda: running.request.generated >= 1)
         scheduler.submit(prompt.request)
         assert inside.wait(TIMEOUT)
-        generated = running.request.generated
-        assert _wait_for(lambda: running.request.generated >= generated + 5)
-        go_on.set()
-        assert prompt.done.wait(TIMEOUT) and prompt.events[-1] == ("done", "length")
+        yield SimpleNamespace(scheduler=scheduler, running=running, prompt=prompt, go_on=go_on)
         scheduler.cancel(running.request)
         assert running.done.wait(TIMEOUT)
     finally:
         go_on.set()
         scheduler.stop()
-    assert prompt.request.tokens == _reference(model, prompt.request.prompt_ids, 5, CONFIG)
+
+
+def test_with_a_prefill_thread_a_stream_decodes_while_a_prompt_prefills(model, monkeypatch):
+    """A prompt's chunk held inside the model: the running stream goes on decoding meanwhile (in turns it would
+    wait for the chunk), and the prompt's request then decodes as it would have."""
+    with _stream_beside_a_held_chunk(model, monkeypatch) as run:
+        generated = run.running.request.generated
+        assert _wait_for(lambda: run.running.request.generated >= generated + 5)
+        run.go_on.set()
+        assert run.prompt.done.wait(TIMEOUT) and run.prompt.events[-1] == ("done", "length")
+    prompt = run.prompt.request
+    assert prompt.tokens == _reference(model, prompt.prompt_ids, 5, CONFIG)
 
 
 def test_a_prompt_cancelled_inside_its_chunk_on_the_prefill_thread_ends_there(model, monkeypatch):
     """The prefill thread owns a prefilling request's cache: cancelled while its chunk runs (and a stream decodes
     beside it), the request ends after that chunk, from that thread, and everything is freed."""
-    scheduler = _scheduler(model, prefill_chunk=8, prefill_thread=True)
-    running, prompt = _job(9, 1000), _job(40, 5, first=5)
-    inside, go_on = _held_chunk(scheduler, monkeypatch, prompt, start=8)
-    scheduler.start()
-    try:
-        scheduler.submit(running.request)
-        scheduler.submit(prompt.request)
-        assert inside.wait(TIMEOUT)
+    with _stream_beside_a_held_chunk(model, monkeypatch) as run:
+        prompt, scheduler = run.prompt, run.scheduler
         scheduler.cancel(prompt.request)
-        generated = running.request.generated
-        assert _wait_for(lambda: running.request.generated >= generated + 3)  # the decode thread went round
+        generated = run.running.request.generated
+        assert _wait_for(
+            lambda: run.running.request.generated >= generated + 3
+        )  # the decode thread went round
         assert not prompt.done.is_set()  # its chunk still runs over its cache
-        go_on.set()
+        run.go_on.set()
         assert prompt.done.wait(TIMEOUT) and prompt.events == [("done", "cancelled")]
         assert prompt.request.cache is None and prompt.request.prefilled == 16
-        scheduler.cancel(running.request)
-        assert running.done.wait(TIMEOUT)
-        assert _wait_for(lambda: scheduler.counts() == dict.fromkeys(scheduler.counts(), 0))
-    finally:
-        go_on.set()
-        scheduler.stop()
+        counts = scheduler.counts  # the running stream's alone
+        assert _wait_for(
+            lambda: (counts()["prefilling"], counts()["decoding"], counts()["live_caches"]) == (0, 1, 1)
+        )
 
 
 @pytest.mark.cuda
