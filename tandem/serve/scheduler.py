@@ -155,6 +155,11 @@ class Scheduler:
         runner: RowsRunner | None = None,
         prefix: PrefixCache | None = None,
     ) -> None:
+        if limits.prefill_thread and limits.step_tokens is not None:
+            raise ValueError(
+                "Limits.step_tokens budgets the turns of prompt chunks and decode steps, and Limits.prefill_thread "
+                "runs the chunks beside the steps instead: set one of them"
+            )
         self.model, self.tokenizer, self.limits, self.pool = model, tokenizer, limits, pool
         self.prefix = prefix  # prompts' kept prefixes (`cache.prefix`), or None
         # the decode steps, with a pool of hot tiers for the batch (sized for the default configuration's window)

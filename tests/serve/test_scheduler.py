@@ -169,6 +169,11 @@ def test_a_step_budget_runs_the_chunks_that_fit_beside_the_decoding_requests(mod
     assert [job.request.tokens for job in budgeted] == [job.request.tokens for job in plain]
 
 
+def test_a_step_budget_and_a_prefill_thread_are_refused_together(model):
+    with pytest.raises(ValueError, match="Limits.prefill_thread runs the chunks beside the steps"):
+        _scheduler(model, step_tokens=64, prefill_thread=True)
+
+
 def test_a_budget_smaller_than_a_chunk_still_runs_one_chunk_a_turn(model):
     jobs = [_job(24, 4, first=i) for i in range(2)]
     assert _turns(model, jobs, prefill_chunk=8, step_tokens=1)[:7] == ["p", "p", "p", "p", "d1", "p", "d1"]
