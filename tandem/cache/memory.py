@@ -124,8 +124,7 @@ def _new_mapping(nbytes: int, pin: bool, fault_in: bool = False) -> _Mapping:
     # before any page is touched: the first touch picks the page size (and an anonymous page reads as zeros)
     mapping.madvise(mmap.MADV_HUGEPAGE)
     if fault_in:
-        # one thread, which ctypes lets give up the GIL
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, nbytes)
+        _zero(mapping, nbytes)
     if pin:
         cudart = torch.cuda.cudart()
         address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
@@ -300,9 +299,7 @@ class Reservation:
                     # time: docs/serve.md § Host pool)
                     mapping = _new_mapping(nbytes, self.pinned, fault_in=True)
                 else:
-                    # one thread (torch's zero_ would take every core, which the decode steps' CPU parts use
-                    # meanwhile); ctypes gives up the GIL for it
-                    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, nbytes)
+                    _zero(mapping, nbytes)
                 with pool._lock:
                     if self._released:
                         pool._came_back(mapping)
@@ -334,6 +331,12 @@ class Reservation:
             left, self.mappings = self.mappings, []
             for mapping in left:
                 pool._came_back(mapping)
+
+
+def _zero(mapping: _Mapping, nbytes: int) -> None:
+    """Zero the first `nbytes` of `mapping` (faulting its pages in) on one thread, which ctypes lets give up the
+    GIL: torch's zero_ would take every core, which the decode steps' CPU parts use meanwhile."""
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, nbytes)
 
 
 def _pinned(mapping: _Mapping) -> bool:

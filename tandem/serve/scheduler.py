@@ -434,10 +434,10 @@ class Scheduler:
     def _reserve_host_stores(self, request: Request) -> None:
         """With the host pool on, have its worker make the request's host-tier stores from its admission (called
         under the lock), off the scheduler's thread: its first chunk then draws them instead of mapping and
-        page-locking them while every stream waits. Every admitted request's at once: a burst of registrations
-        delays this thread's calls (most likely CUDA's driver held), and made while the first prompts prefill,
-        before any stream decodes, it delays those prompts rather than a running stream's tokens (reserving only
-        the next two prompts' measured worse: docs/serve.md § Host pool)."""
+        page-locking them while every stream waits. Every admitted request's at once: the worker's burst of new
+        stores slows this thread's calls, and made while the first prompts prefill, before any stream decodes, it
+        slows those prompts rather than a running stream's tokens (reserving only the next two prompts' measured
+        worse: docs/serve.md § Host pool)."""
         pool = memory.host_pool()
         if pool is None or not request.config.host.huge_pages:
             return
