@@ -15,11 +15,10 @@ runs the prompts' chunks beside the decode steps).
   least the `observation_tokens` whose attention scores the prompt, as one whole prefill does.
 - **Prefill beside the steps** (`Limits.prefill_thread`). A thread of its own (and, on CUDA, a stream of its own)
   runs the oldest prompt's next chunk again and again while this one runs decode steps, so a running stream waits
-  for no chunk; the two share the device and the host's cores. On CUDA the decode steps run on a stream of the
-  device's highest priority, so the GPU places a step's blocks before a chunk's waiting ones. Each thread owns its
-  requests: the prefill thread ends its cancelled prompts after their chunk, and a prompt joins the decoding
-  requests once its first token is taken. The hot-tier pool changes (a request's row taken or given back, the
-  digest mirrors grown) only between steps (`SlotPool.lock`).
+  for no chunk; the two share the device and the host's cores. Each thread owns its requests: the prefill thread
+  ends its cancelled prompts after their chunk, and a prompt joins the decoding requests once its first token is
+  taken. The hot-tier pool changes (a request's row taken or given back, the digest mirrors grown) only between
+  steps (`SlotPool.lock`).
 - **Prefixes.** With a `PrefixCache`, a prompt that begins with a prefix kept there under its settings starts
   from it and prefills only the rest, and each prompt keeps its own last chunk boundaries' prefixes
   (`engine.prefill.kept_ends`) for later requests: the same tokens as a cold prefill (`cache.prefix`). A request
@@ -320,10 +319,8 @@ class Scheduler:
         # with a prefill thread this thread runs the decode steps alone, and drops only its own cancelled requests
         beside = self._prefill_thread is not None
         mine = (self._decoding,) if beside else (self._prefilling, self._decoding)
-        # beside a prefill thread on CUDA: the steps on a stream of the highest priority, ahead of the chunks
-        stream = _priority_stream(self.device) if beside and self.device.type == "cuda" else None
         try:
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            with torch.inference_mode():
                 while True:
                     with self._cond:
                         self._drop_cancelled(mine)
@@ -636,12 +633,6 @@ def _return_free_heap(device: torch.device | None = None) -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-def _priority_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new stream of `device`'s highest priority: where another stream's kernels wait for room, the GPU places
-    this one's blocks first (a running block is not interrupted)."""
-    return torch.cuda.Stream(device, priority=-(1 << 15))  # torch maps a priority past the range to its end
 
 
 def _host_pool_wait() -> float | None:

@@ -422,15 +422,12 @@ def test_a_prompt_cancelled_inside_its_chunk_on_the_prefill_thread_ends_there(mo
 @pytest.mark.parametrize("policy", ["quest", "full"])
 def test_a_prefill_thread_on_cuda_gives_the_tokens_of_turns(policy):
     """On CUDA the prefill thread runs its chunks on a stream of its own beside recorded decode steps over the
-    pooled hot tiers, the steps on a stream of the highest priority: every request's greedy tokens equal those of
-    the same requests run in turns."""
+    pooled hot tiers: every request's greedy tokens equal those of the same requests run in turns."""
     from tandem.config import QuestConfig
 
     model = tiny_model("Llama", eos_token_id=None).cuda()
     extra = {"quest": QuestConfig(budget=0.5, gpu_share=0.5)} if policy == "quest" else {}
     config = TandemConfig(policy=policy, sink_tokens=4, window_tokens=16, block_size=16, **extra)
-    highest = torch.cuda.Stream(priority=-(1 << 15)).priority
-    assert highest < 0  # a device whose streams have one priority would make the check below vacuous
     tokens = []
     for beside in (False, True):
         jobs = [_job(n, 24, config, first=n) for n in (70, 45, 90, 61, 33)]
@@ -440,15 +437,6 @@ def test_a_prefill_thread_on_cuda_gives_the_tokens_of_turns(policy):
             Limits(max_batch=4, prefill_chunk=16, prefill_thread=beside),
             TaskPool(2),
         )
-        priorities = {"step": set(), "prefill_chunk": set()}
-        for name, seen in priorities.items():
-            run = getattr(scheduler.runner, name)
-
-            def spy(*args, run=run, seen=seen, **kwargs):
-                seen.add(torch.cuda.current_stream().priority)
-                return run(*args, **kwargs)
-
-            setattr(scheduler.runner, name, spy)
         scheduler.start()
         try:
             for job in jobs[:2]:
@@ -461,5 +449,4 @@ def test_a_prefill_thread_on_cuda_gives_the_tokens_of_turns(policy):
         finally:
             scheduler.stop()
         tokens.append([job.request.tokens for job in jobs])
-        assert priorities == {"step": {highest if beside else 0}, "prefill_chunk": {0}}
     assert tokens[0] == tokens[1]
