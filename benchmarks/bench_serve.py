@@ -11,8 +11,8 @@ server sends one chunk per token; the longest gap is the longest stall a stream 
 prefilled), completion tokens from the usage chunk, errors (any non-200, error chunk or broken stream; target 0).
 From the server's /metrics: resident memory before the load (`--settle` seconds after the warm-up), right after
 it and `--settle` seconds later (target: back to the baseline within 5%; the prompts' prefixes that the server
-keeps stay, by design: `-- --no-prefix-cache` leaves them out), the prefill chunks' time, the decode steps, and
-`tandem_live_caches` at the end (target 0). With `--shared-documents N`, the prompts are N documents each followed
+keeps stay, by design: `-- --no-prefix-cache` leaves them out), the prefill chunks' time, the decode steps (also by
+how they ran: eager, recorded, rebound or replayed, and by width), and `tandem_live_caches` at the end (target 0). With `--shared-documents N`, the prompts are N documents each followed
 by a question of its own, and the server's prefix-cache counters give the hit rate.
 
 `--compare-sequential` then sends `--sequential-requests` of the same requests one at a time to the same server:
@@ -32,8 +32,8 @@ prefill, however well decode batches: close to 1 where prefill dominates (the CP
 `--static-baseline` then runs `tandem bench`'s static batch at the load's shape in the same machine start, after
 the server has stopped: the longest prompt as the context, the server's batch (`--max-batch`, default 16, at most
 `--concurrency`), the same policy and weights (the default model's shape with random weights where the server runs
-the default model), one cache filled with random K/V; the batched pass's decode steps against its tokens/s (server
-flags after `--` are not passed on to it).
+the default model), one cache filled with random K/V; the batched pass's decode steps against its tokens/s, and its replayed
+steps of the static batch's width against its step (server flags after `--` are not passed on to it).
 
 Server flags not listed here go after `--` (e.g. `-- --budget 0.1 --host-dtype int8`). Prints and saves serve.json /
 .md, the server's log and a manifest into `--out` (default benchmarks/results/<date>_<machine>_serve/).
@@ -160,6 +160,49 @@ def histogram(before: dict, after: dict, name: str) -> dict:
     }
 
 
+STEP_KINDS = ("replayed", "rebound", "recorded", "eager")  # `RowsRunner.last_step`, as /metrics labels them
+
+
+def kinds_line(kinds: dict) -> str:
+    """The report's line on the decode steps by how they ran (`steps_by_kind`)."""
+    if not kinds:
+        return "Decode steps by how they ran: none."
+    parts = []
+    for kind in STEP_KINDS:
+        k = kinds.get(kind)
+        if k is not None:
+            widths = ", ".join(
+                f"{r['count']} of <= {rows} at {_ms(r['mean_s'])}" for rows, r in k["by_rows"].items()
+            )
+            parts.append(f"{kind} {k['count']} ({k['seconds']:.1f} s, mean {_ms(k['mean_s'])}: {widths})")
+    return "Decode steps by how they ran (requests rounded up to a power of two): " + "; ".join(parts) + "."
+
+
+def steps_by_kind(before: dict, after: dict) -> dict:
+    """The decode steps between two reads by how they ran and by width (`tandem_decode_steps_total{kind,
+    rows_at_most}` and their time): {kind: {"count", "seconds", "mean_s", "by_rows": {"rows": {"count", "mean_s"}}}}
+    for the kinds that ran, the widths in increasing order."""
+    pattern = re.compile(
+        r'tandem_decode_(steps|step_time_seconds)_total\{kind="([^"]+)",rows_at_most="(\d+)"\}'
+    )
+    cells: dict = {}
+    for key, value in after.items():
+        if m := pattern.fullmatch(key):
+            cell = cells.setdefault((m.group(2), int(m.group(3))), [0.0, 0.0])
+            cell[m.group(1) != "steps"] = value - before.get(key, 0.0)
+    out = {}
+    for (kind, rows), (count, seconds) in sorted(cells.items()):
+        if count <= 0:
+            continue
+        entry = out.setdefault(kind, {"count": 0, "seconds": 0.0, "by_rows": {}})
+        entry["count"] += int(count)
+        entry["seconds"] += seconds
+        entry["by_rows"][str(rows)] = {"count": int(count), "mean_s": seconds / count}
+    for entry in out.values():
+        entry["mean_s"] = entry["seconds"] / entry["count"]
+    return out
+
+
 # ---- the clients ---------------------------------------------------------------------------------------------
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     """Stream one completion; times are seconds from sending it."""
@@ -262,6 +305,7 @@ def server_side(before: dict, after: dict, summary: dict) -> dict:
     return {
         "prefill_chunks": histogram(before, after, "tandem_prefill_chunk_seconds"),
         "decode_steps": steps,
+        "decode_steps_by_kind": steps_by_kind(before, after),
         "mean_decode_batch": decoded / steps["count"] if steps["count"] else None,
         "decode_tokens_per_step_second": decoded / step_seconds if step_seconds else None,
         "ttft": histogram(before, after, "tandem_time_to_first_token_seconds"),
@@ -528,6 +572,15 @@ def markdown(report: dict) -> str:
             f"({static['tpot_median_ms']:.1f} ms a step), "
             + (f"**{ratio:.2f}x**." if ratio is not None else "not computed (no decode step).")
         )
+        width = 1 << (static["batch"] - 1).bit_length()
+        kinds = b["server"].get("decode_steps_by_kind", {})
+        replayed = kinds.get("replayed", {}).get("by_rows", {}).get(str(width))
+        if replayed is not None:
+            lines.append(
+                f"The replayed steps of {width // 2 + 1}-{width} requests (no recording, no re-pointing): "
+                f"{replayed['count']}, mean {_ms(replayed['mean_s'])} against the static batch's "
+                f"{static['tpot_median_ms']:.1f} ms at {static['batch']}."
+            )
     settled = mem["settled_vs_before"]
     prefix = b["server"].get("prefix")
     if report.get("shared_documents"):
@@ -565,6 +618,7 @@ def markdown(report: dict) -> str:
         f"{_ms(steps['mean_s'])} (at most {steps['p50_at_most_s']} s at the median, {steps['p99_at_most_s']} s at p99, "
         f"{steps['max_at_most_s']} s at the max), mean batch {b['server']['mean_decode_batch'] or 0:.1f}, largest batch seen "
         f"{b['peak_decoding']:.0f}.",
+        kinds_line(b["server"].get("decode_steps_by_kind", {})),
         f"Live caches at the end: {report['live_caches_end']:.0f} (target 0). Server stopped with exit code "
         f"{report['server_stop']['exit_code']}{', killed after the grace period' if report['server_stop']['killed'] else ''}.",
         "",

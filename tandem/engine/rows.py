@@ -123,6 +123,10 @@ class RowsRunner:
         self._mirrored = weakref.WeakKeyDictionary()  # what `_rebindable` found each cache's mirrors in
         self._served = None  # what the recorded step serves, per row (`_served_rows`)
         self.rebinds = 0  # batches served by a recorded step of other requests
+        # how the last step ran: "eager" (no recording: graphs off, the CPU, a new batch's first steps), "recorded"
+        # (recorded, then replayed), "rebound" (a recording re-pointed at this batch's requests or moved tiers,
+        # then replayed) or "replayed"; None before the first step
+        self.last_step: str | None = None
         self._order = self._order_key = (
             None  # each caller's row, on the device, and as the list it was made from
         )
@@ -151,6 +155,7 @@ class RowsRunner:
         for b, cache in enumerate(caches):
             _check_row(cache, b)
         rows, order = self._layout(caches)
+        rebinds, self.last_step = self.rebinds, None
         if not self._same_batch(rows):
             if not self._rebind(rows) and not self._record_grown(rows):
                 self._new_batch(rows, caches)
@@ -166,6 +171,8 @@ class RowsRunner:
                 cache.step_context = context
             with fused:
                 self._run(step, caches, rows, contexts, tokens, positions)
+            if self.last_step == "replayed" and self.rebinds != rebinds:
+                self.last_step = "rebound"
         except BaseException as err:
             for cache in caches:
                 cache.mark_failed(err)  # part of the step may have run
@@ -447,18 +454,23 @@ class RowsRunner:
         self._ids.copy_(tokens)
         self._positions.copy_(positions)
         if self.use_graphs and self._steps_same > self.record_after:
+            kind = "replayed"
             generations = self._generations([cache for cache in rows if cache is not None])
             if step.segments and generations != step.generations and self._rebindable(rows):
                 self._serve(rows)  # host tiers moved: the hand-offs' calls and the recall tables follow
+                kind = "rebound"
             elif not step.segments or generations != step.generations:
                 step.capture(lambda: self._body(rows, contexts, step))
                 step.generations = generations
                 self.recordings += 1
                 self._bucket = self._recorded(rows, caches)
                 self._served = self._served_rows(rows) if self._bucket is not None else None
+                kind = "recorded"
             step.replay()
         else:
             self._body(rows, contexts, step)
+            kind = "eager"
+        self.last_step = kind
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -55,6 +55,16 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # the steps and their time by how they ran (`RowsRunner.last_step`) and by width (the batch's power of two
+        # at most), so a replayed step's time can be set against a static batch of that width
+        self.steps_by_kind = Counter(
+            "tandem_decode_steps", "Decode steps, by how they ran (eager, recorded, rebound, replayed) and by "
+            "rows_at_most (the batch rounded up to a power of two)", ["kind", "rows_at_most"], registry=r,
+        )  # fmt: skip
+        self.step_time_by_kind = Counter(
+            "tandem_decode_step_time_seconds", "Time in decode steps, by kind and rows_at_most as tandem_decode_steps",
+            ["kind", "rows_at_most"], registry=r,
+        )  # fmt: skip
         counts = scheduler.counts
         for name, key, doc in (
             ("tandem_requests_waiting", "waiting", "Requests queued for admission"),
@@ -82,10 +92,16 @@ class Metrics:
         budgets.labels("device").set(-1 if lim.device_bytes is None else lim.device_bytes)
         stats = scheduler.stats
         stats.on_prefill_chunk = self.prefill_chunk.observe
-        stats.on_decode_step = lambda seconds, batch: self.decode_step.observe(seconds)
+        stats.on_decode_step = self._decode_step
         stats.on_first_token = self.ttft.observe
         stats.on_token_gap = self.token_gap.observe
         stats.on_finish = self._finished
+
+    def _decode_step(self, seconds: float, batch: int, kind: str) -> None:
+        self.decode_step.observe(seconds)
+        labels = (kind, str(1 << (batch - 1).bit_length()))
+        self.steps_by_kind.labels(*labels).inc()
+        self.step_time_by_kind.labels(*labels).inc(seconds)
 
     def _finished(self, request, outcome: str) -> None:
         self.requests.labels(outcome).inc()

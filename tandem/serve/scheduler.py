@@ -135,7 +135,8 @@ class SchedulerStats:
 
     def __init__(self) -> None:
         self.on_prefill_chunk: Callable[[float], None] | None = None
-        self.on_decode_step: Callable[[float, int], None] | None = None
+        # (seconds, batch, how the step ran: `RowsRunner.last_step`)
+        self.on_decode_step: Callable[[float, int, str], None] | None = None
         self.on_first_token: Callable[[float], None] | None = None
         self.on_token_gap: Callable[[float], None] | None = None
         self.on_finish: Callable[[Request, str], None] | None = None
@@ -582,7 +583,7 @@ class Scheduler:
                     self._end(request, error=_describe(err))
             return
         if self.stats.on_decode_step is not None:
-            self.stats.on_decode_step(time.perf_counter() - start, len(batch))
+            self.stats.on_decode_step(time.perf_counter() - start, len(batch), self.runner.last_step)
         for request, token in zip(batch, tokens, strict=True):
             self._accept(request, token)
 

@@ -78,3 +78,40 @@ def test_the_report_names_the_ratio_to_the_static_batch(bench_serve):
                         "tpot_median_ms": 34.6, "decode_steps_over_static": 0.5}  # fmt: skip
     lines = [line for line in bench_serve.markdown(report).splitlines() if "Against the static batch" in line]
     assert len(lines) == 1 and "16 x 32768 tokens" in lines[0] and lines[0].endswith("**0.50x**.")
+
+
+def test_the_decode_steps_are_split_by_how_they_ran_and_their_width(bench_serve):
+    """`/metrics`'s steps and step time by kind and width, between two reads, and the report's lines on them: the
+    replayed steps of the static batch's width are set against its step."""
+
+    def sample(kind, rows, steps, seconds):
+        labels = f'{{kind="{kind}",rows_at_most="{rows}"}}'
+        return {
+            f"tandem_decode_steps_total{labels}": steps,
+            f"tandem_decode_step_time_seconds_total{labels}": seconds,
+        }
+
+    before = {**sample("replayed", 16, 10, 0.3), **sample("eager", 1, 2, 0.1)}
+    after = {
+        **sample("replayed", 16, 30, 0.9), **sample("replayed", 8, 4, 0.1), **sample("recorded", 16, 1, 0.7),
+        **sample("eager", 1, 2, 0.1),
+    }  # fmt: skip
+    kinds = bench_serve.steps_by_kind(before, after)
+    assert set(kinds) == {"replayed", "recorded"}  # no eager step between the reads
+    replayed = kinds["replayed"]
+    assert (replayed["count"], list(replayed["by_rows"])) == (24, ["8", "16"])
+    assert replayed["seconds"] == pytest.approx(0.7) and replayed["mean_s"] == pytest.approx(0.7 / 24)
+    assert replayed["by_rows"]["16"]["mean_s"] == pytest.approx(0.03)
+    line = bench_serve.kinds_line(kinds)
+    assert line.index("replayed 24") < line.index("recorded 1") and "20 of <= 16 at 30.0 ms" in line
+    saved = SCRIPT.parent / "results" / "2026-11-30_h200_host_stores_ahead" / "start1_ahead" / "serve.json"
+    report = json.loads(saved.read_text())
+    report["batched"]["server"]["decode_steps_by_kind"] = kinds
+    report["static"] = {"system": "tandem-quest", "context": 32768, "batch": 16, "tokens_per_s": 400.0,
+                        "tpot_median_ms": 34.6, "decode_steps_over_static": 0.5}  # fmt: skip
+    text = bench_serve.markdown(report)
+    assert "The replayed steps of 9-16 requests (no recording, no re-pointing): 20, mean 30.0 ms against the " \
+        "static batch's 34.6 ms at 16." in text  # fmt: skip
+    assert line in text
+    del report["batched"]["server"]["decode_steps_by_kind"]  # a report saved before the split
+    assert "Decode steps by how they ran: none." in bench_serve.markdown(report)

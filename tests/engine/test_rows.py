@@ -96,8 +96,8 @@ class _Row:
 
 def _grow(model, runner, prompts, policy, device):
     """A batch that grows by one request a step, as a server's fills (request t joins at step t), each request
-    decoding STEPS tokens: (the rows, the steps at which the runner made a recording)."""
-    rows, recorded_at = [], []
+    decoding STEPS tokens: (the rows, the steps at which the runner made a recording, how each step ran)."""
+    rows, recorded_at, kinds = [], [], []
     for t in range(STEPS + len(prompts)):
         if t < len(prompts):
             rows.append(_Row(model, prompts[t], policy, device, runner))
@@ -106,9 +106,10 @@ def _grow(model, runner, prompts, policy, device):
             break
         recordings = runner.recordings
         _step(runner, running)
+        kinds.append(runner.last_step)
         if runner.recordings > recordings:
             recorded_at.append(t)
-    return rows, recorded_at
+    return rows, recorded_at, kinds
 
 
 def _step(runner, rows) -> None:
@@ -149,7 +150,7 @@ def _check_joined_and_left(model, device, tolerance=None, policies=POLICIES, **r
 @torch.inference_mode()
 def test_rows_decode_alone_batched_and_joined_mid_stream(tiny):
     runner = _check_joined_and_left(tiny, torch.device("cpu"))
-    assert runner.recordings == 0  # no graphs on the CPU
+    assert runner.recordings == 0 and runner.last_step == "eager"  # no graphs on the CPU
 
 
 @torch.inference_mode()
@@ -442,10 +443,12 @@ def test_a_growing_batch_is_recorded_at_its_second_step_in_a_width(tiny, monkeyp
     alone = [_alone(tiny, p, "quest+share", STEPS, cpu) for p in prompts]
     runner = RowsRunner(tiny, config=_config("full"), slots=8)
     runner.use_graphs = True  # the recording's orchestration, with the stand-ins above
-    rows, recorded_at = _grow(tiny, runner, prompts, "quest+share", cpu)
+    rows, recorded_at, kinds = _grow(tiny, runner, prompts, "quest+share", cpu)
     # widths 1, 2, 4, 4, 8, 8: the second batch in 4 rows and in 8 rows is recorded; the batch of all six then
     # repeats its recording until the first request leaves
     assert recorded_at[:2] == [3, 5]
+    assert kinds[:7] == ["eager"] * 3 + ["recorded", "eager", "recorded", "replayed"]
+    assert [t for t, kind in enumerate(kinds) if kind == "recorded"] == recorded_at
     for row, (tokens, logits) in zip(rows, alone, strict=True):
         assert row.tokens == tokens[: len(row.tokens)]
         torch.testing.assert_close(
@@ -729,7 +732,7 @@ def test_a_request_joins_a_recorded_step(policy):
         model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=4
     )  # fmt: skip
     rows = [_Row(model, p, policy, cuda, runner) for p in prompts[:3]]  # rows 0-2 of a 4-row step
-    running, left, steps = list(rows), [], 0
+    running, left, steps, kinds = list(rows), [], 0, []
     for _ in range(3 * STEPS):
         for i, row in enumerate(running):
             if len(row.tokens) > (4 if row is rows[2] else STEPS):
@@ -744,9 +747,11 @@ def test_a_request_joins_a_recorded_step(policy):
             break
         gc.collect()
         _step(runner, running)
+        kinds.append(runner.last_step)
         steps += 1
     assert [len(row.tokens) for row in rows] == [STEPS + 1] * 2 + [5] + [STEPS + 1] * 2
     assert runner.rebinds >= 2 and runner.recordings <= runner.rebinds
+    assert kinds.count("recorded") == runner.recordings and kinds.count("rebound") >= runner.rebinds
     for row, (tokens, logits) in zip(rows, alone, strict=True):
         assert row.tokens == tokens[: len(row.tokens)]
         torch.testing.assert_close(
@@ -777,7 +782,7 @@ def test_a_batch_that_grows_at_every_step_is_recorded(policy):
         runner = RowsRunner(
             model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=8
         )  # fmt: skip
-        rows, recorded_at = _grow(model, runner, prompts, policy, cuda)
+        rows, recorded_at, _ = _grow(model, runner, prompts, policy, cuda)
         assert {3, 5} <= set(recorded_at)  # the second batch of 3-4 rows and of 5-8 rows: recorded, not eager
         assert runner.rebinds >= 2 and runner.recordings <= 4
         for row, (tokens, logits) in zip(rows, alone, strict=True):
@@ -812,7 +817,7 @@ def test_a_requests_first_step_in_a_recording_counts_as_alone():
     runner = RowsRunner(
         model, config=_config("full"), use_graphs=True, handoff="memops", record_after=1, slots=4
     )
-    rows, _ = _grow(model, runner, prompts, "certified", cuda)
+    rows, _, _ = _grow(model, runner, prompts, "certified", cuda)
     assert runner.recordings >= 2
     for row, prompt in zip(rows, prompts, strict=True):
         caches = []

@@ -157,7 +157,7 @@ def test_concurrent_requests_equal_their_solo_runs(api, monkeypatch):
     solo = [_complete(api, **r).choices[0].text for r in requests]
     stats = api.server.scheduler.stats
     batches, observe = [], stats.on_decode_step
-    monkeypatch.setattr(stats, "on_decode_step", lambda s, n: batches.append(n) or observe(s, n))
+    monkeypatch.setattr(stats, "on_decode_step", lambda s, n, kind: batches.append(n) or observe(s, n, kind))
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(lambda r: _complete(api, **r).choices[0].text, requests))
     assert together == solo
@@ -200,4 +200,15 @@ def test_metrics_count_requests_and_tokens(api):
     assert prompt == out.usage.prompt_tokens
     ttft = "tandem_time_to_first_token_seconds_count"
     assert after[ttft] == before[ttft] + 1
+    # the first token is the prefill's, the other four one decode step each, alone and eager on the CPU
+    steps, step_time = (
+        f'tandem_decode_{name}_total{{kind="eager",rows_at_most="1"}}'
+        for name in ("steps", "step_time_seconds")
+    )
+    assert after[steps] == before.get(steps, 0) + 4
+    step_seconds = "tandem_decode_step_seconds_sum"
+    spent = after[step_time] - before.get(step_time, 0)
+    assert spent > 0 and spent == pytest.approx(after[step_seconds] - before[step_seconds])
+    api.server.metrics._decode_step(0.25, 3, "replayed")  # a step of 3 requests counts among those of at most 4
+    assert live.metrics(api.base)['tandem_decode_steps_total{kind="replayed",rows_at_most="4"}'] == 1
     assert after['tandem_budget_bytes{memory="host"}'] == -1  # unbounded in this server

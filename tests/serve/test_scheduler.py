@@ -146,7 +146,7 @@ def _turns(model, jobs, **limits) -> list[str]:
     scheduler = _scheduler(model, **limits)
     events = []
     scheduler.stats.on_prefill_chunk = lambda seconds: events.append("p")
-    scheduler.stats.on_decode_step = lambda seconds, batch: events.append(f"d{batch}")
+    scheduler.stats.on_decode_step = lambda seconds, batch, kind: events.append(f"d{batch}")
     for job in jobs:  # admitted before the thread starts: every prompt waits at the first turn
         scheduler.submit(job.request)
     scheduler.start()
