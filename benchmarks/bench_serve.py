@@ -12,8 +12,9 @@ prefilled), completion tokens from the usage chunk, errors (any non-200, error c
 From the server's /metrics: resident memory before the load (`--settle` seconds after the warm-up), right after
 it and `--settle` seconds later (target: back to the baseline within 5%; the prompts' prefixes that the server
 keeps stay, by design: `-- --no-prefix-cache` leaves them out), the prefill chunks' time, the decode steps (also by
-how they ran: eager, recorded, rebound or replayed, and by width), and `tandem_live_caches` at the end (target 0). With `--shared-documents N`, the prompts are N documents each followed
-by a question of its own, and the server's prefix-cache counters give the hit rate.
+how they ran: eager, recorded, rebound or replayed, and by width), and `tandem_live_caches` at the end (target 0).
+With `--shared-documents N`, the prompts are N documents each followed by a question of its own, and the server's
+prefix-cache counters give the hit rate.
 
 `--compare-sequential` then sends `--sequential-requests` of the same requests one at a time to the same server:
 batched throughput / sequential throughput, the sequential side weighted to the load's mix of prompt lengths, and
@@ -32,8 +33,8 @@ prefill, however well decode batches: close to 1 where prefill dominates (the CP
 `--static-baseline` then runs `tandem bench`'s static batch at the load's shape in the same machine start, after
 the server has stopped: the longest prompt as the context, the server's batch (`--max-batch`, default 16, at most
 `--concurrency`), the same policy and weights (the default model's shape with random weights where the server runs
-the default model), one cache filled with random K/V; the batched pass's decode steps against its tokens/s, and its replayed
-steps of the static batch's width against its step (server flags after `--` are not passed on to it).
+the default model), one cache filled with random K/V; the batched pass's decode steps against its tokens/s, and
+its replayed steps of the static batch's width against its step (server flags after `--` are not passed on to it).
 
 Server flags not listed here go after `--` (e.g. `-- --budget 0.1 --host-dtype int8`). Prints and saves serve.json /
 .md, the server's log and a manifest into `--out` (default benchmarks/results/<date>_<machine>_serve/).
