@@ -62,6 +62,7 @@ from pathlib import Path
 import openai
 
 from tandem import manifest
+from tandem.serve.metrics import rows_at_most
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_IDS = (1000, 40000)  # valid in the default tokenizer's 49,152 ids, whatever the weights
@@ -573,7 +574,7 @@ def markdown(report: dict) -> str:
             f"({static['tpot_median_ms']:.1f} ms a step), "
             + (f"**{ratio:.2f}x**." if ratio is not None else "not computed (no decode step).")
         )
-        width = 1 << (static["batch"] - 1).bit_length()
+        width = rows_at_most(static["batch"])
         kinds = b["server"].get("decode_steps_by_kind", {})
         replayed = kinds.get("replayed", {}).get("by_rows", {}).get(str(width))
         if replayed is not None:

@@ -155,9 +155,10 @@ class RowsRunner:
         for b, cache in enumerate(caches):
             _check_row(cache, b)
         rows, order = self._layout(caches)
-        rebinds, self.last_step = self.rebinds, None
+        self.last_step, rebound = None, False
         if not self._same_batch(rows):
-            if not self._rebind(rows) and not self._record_grown(rows):
+            rebound = self._rebind(rows)
+            if not rebound and not self._record_grown(rows):
                 self._new_batch(rows, caches)
         else:
             self._steps_same += 1
@@ -170,9 +171,7 @@ class RowsRunner:
             for cache, context in zip(caches, contexts, strict=True):
                 cache.step_context = context
             with fused:
-                self._run(step, caches, rows, contexts, tokens, positions)
-            if self.last_step == "replayed" and self.rebinds != rebinds:
-                self.last_step = "rebound"
+                self._run(step, caches, rows, contexts, tokens, positions, rebound)
         except BaseException as err:
             for cache in caches:
                 cache.mark_failed(err)  # part of the step may have run
@@ -429,7 +428,8 @@ class RowsRunner:
             context = self._contexts[cache] = RowContext(step)
         return context
 
-    def _run(self, step: DecodeStep, caches, rows, contexts, tokens, positions) -> None:
+    def _run(self, step: DecodeStep, caches, rows, contexts, tokens, positions, rebound: bool) -> None:
+        """The step over `rows` (`rebound`: its recording was re-pointed at them by `_rebind`); sets `last_step`."""
         if self.decoder is not None:
             self.decoder.check_weights()
         slots = {}
@@ -454,7 +454,7 @@ class RowsRunner:
         self._ids.copy_(tokens)
         self._positions.copy_(positions)
         if self.use_graphs and self._steps_same > self.record_after:
-            kind = "replayed"
+            kind = "rebound" if rebound else "replayed"
             generations = self._generations([cache for cache in rows if cache is not None])
             if step.segments and generations != step.generations and self._rebindable(rows):
                 self._serve(rows)  # host tiers moved: the hand-offs' calls and the recall tables follow

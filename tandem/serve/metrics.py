@@ -99,7 +99,7 @@ class Metrics:
 
     def _decode_step(self, seconds: float, batch: int, kind: str) -> None:
         self.decode_step.observe(seconds)
-        labels = (kind, str(1 << (batch - 1).bit_length()))
+        labels = (kind, str(rows_at_most(batch)))
         self.steps_by_kind.labels(*labels).inc()
         self.step_time_by_kind.labels(*labels).inc(seconds)
 
@@ -109,6 +109,11 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def rows_at_most(batch: int) -> int:
+    """The `rows_at_most` label of a decode step of `batch` requests: the batch rounded up to a power of two."""
+    return 1 << (batch - 1).bit_length()
 
 
 class _StatsCollector:
