@@ -356,42 +356,30 @@ class HostTier:
             and not self.keep_sketch
         )
 
-    def stage_written(
-        self, keys, values, valid, digests=None, mirror=None, copies: list | None = None
-    ) -> None:
+    def stage_written(self, keys, values, valid, digests=None, mirror=None) -> None:
         """`stage` of rows that the caller moved into host memory and digested itself, with other requests' (a
         runner staging the evicted blocks of a batch of requests at once, `engine.slots`): keys / values
         [B, Hkv, n, D] and valid [B, n] in host memory go into the rows past the live ones; digests (key_min,
         key_max) [B, Hkv, n / block_size, D] in host memory as `block_minmax` gives them; mirror (key_min,
         key_max, block_valid) on the mirror device, the digests made finite and block_valid [B, n / block_size],
-        as `_write` and `_write_bounds` give them. Only where `takes_written_stage`.
-
-        copies: None (the rows are copied here), or a list that takes the (destination, source) pairs instead,
-        which the caller copies with other tiers' in one call before anything reads this tier (`copy_pairs`)."""
+        as `_write` and `_write_bounds` give them. Only where `takes_written_stage`."""
         if not self.takes_written_stage():
             raise RuntimeError("stage_written: a tier that stages its rows itself (`takes_written_stage`)")
         n, bs = keys.shape[2], self.block_size
         first = self.rows
         self.reserve(first + n)
         b0, b1 = first // bs, (first + n) // bs
-        pairs = [
-            (self.keys[:, :, first : first + n], keys),
-            (self.values[:, :, first : first + n], values),
-            (self.valid[:, first : first + n], valid),
-        ]
+        self.keys[:, :, first : first + n].copy_(keys)
+        self.values[:, :, first : first + n].copy_(values)
+        self.valid[:, first : first + n].copy_(valid)
         markers = {}
         if self.keep_digest:
-            pairs += [(self.key_min[:, :, b0:b1], digests[0]), (self.key_max[:, :, b0:b1], digests[1])]
+            self.key_min[:, :, b0:b1].copy_(digests[0])
+            self.key_max[:, :, b0:b1].copy_(digests[1])
             if self.mirror_device is not None:
-                pairs += [
-                    (self.key_min_dev[:, :, b0:b1], mirror[0]),
-                    (self.key_max_dev[:, :, b0:b1], mirror[1]),
-                ]
+                self.key_min_dev[:, :, b0:b1].copy_(mirror[0])
+                self.key_max_dev[:, :, b0:b1].copy_(mirror[1])
                 markers["block_valid_dev"] = mirror[2]
-        if copies is None:
-            copy_pairs(pairs)
-        else:
-            copies.extend(pairs)
         self._staged_markers = markers
         self.staged = n
 
@@ -650,20 +638,6 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> No
     src = src.expand(dst.shape)
     for index in itertools.product(*(range(n) for n in dst.shape[:lead])):
         dst[index].copy_(src[index], non_blocking=True)
-
-
-def copy_pairs(pairs) -> None:
-    """`dst.copy_(src)` for each (dst, src) of `pairs`, one call per device of the destinations
-    (`torch._foreach_copy_`): many small copies from Python, each a dispatch that releases and takes back the
-    interpreter lock, cost a decode step more than their bytes, and each far more beside a busy Python thread
-    (the server's prefill), which holds the lock for up to the switch interval every time it is asked back."""
-    by_device: dict[torch.device, tuple[list, list]] = {}
-    for dst, src in pairs:
-        dsts, srcs = by_device.setdefault(dst.device, ([], []))
-        dsts.append(dst)
-        srcs.append(src)
-    for dsts, srcs in by_device.values():
-        torch._foreach_copy_(dsts, srcs)
 
 
 def _contiguous_from(t: torch.Tensor) -> int:

@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from ..attention.rows import PooledRows
-from ..cache.host import block_minmax, copy_pairs
+from ..cache.host import block_minmax
 from ..cache.recall import RecallBudget, RecallCache, free_bytes
 from ..integrations.hf import layer_windows
 from ..models import attention_shape
@@ -260,9 +260,8 @@ class SlotPool:
         """Stage the evicted ring blocks of the pooled requests `caches` that are due at this step of the pool's
         block period (`LayerKV.staging_due`; their layers leave staging to the pool, `own_staging`), per layer for
         all requests at once: their blocks gathered and digested in one call each, one copy of each into host
-        memory and one wait for them, then each request's host tier takes its rows (`HostTier.stage_written`), all
-        of them copied in one call per device (`copy_pairs`). A tier that stages its rows itself (8-bit codes,
-        certified bounds) stages alone. Returns the blocks staged.
+        memory and one wait for them, then each request's host tier takes its rows (`HostTier.stage_written`). A
+        tier that stages its rows itself (8-bit codes, certified bounds) stages alone. Returns the blocks staged.
 
         Staged one request and layer at a time, the blocks of B requests cost a dozen small device operations
         each per layer every block_size steps; here a layer's block of every request costs about as much as one
@@ -285,7 +284,6 @@ class SlotPool:
             staged.append(self._stage_batch(kvs, block_size))
         if staged and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies into host memory have landed
-        copies = []  # every tier's rows, copied in one call per device
         for kvs, parts in staged:
             for i, kv in enumerate(kvs):
                 rows = slice(i, i + 1)
@@ -295,9 +293,8 @@ class SlotPool:
                     if kv.host.mirror_device is not None:
                         mirror = (parts["min_dev"][rows], parts["max_dev"][rows], parts["block_valid"][rows])
                 kv.host.stage_written(
-                    parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror, copies
+                    parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror
                 )
-        copy_pairs(copies)
         return sum(len(kvs) for kvs, _ in staged)
 
     def _staging_candidates(self, cache, step: int) -> list:
