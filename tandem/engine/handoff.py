@@ -20,12 +20,10 @@ finished by then (the decode loop waits for each step's end).
 If the host's part raises, every `done` flag is set so the graph can finish, and the error propagates.
 
 A CPU part that is one compiled call (quest's ranked attention, or nothing to attend) offers it as a
-`NativePart`: its Python bookkeeping lays the call out before its ready flag, while the GPU still computes; one
-call into the CPU library (`cpu.serve_handoffs`) spins on the flags, runs the calls and sets each `done`; the
+`NativePart`: its Python bookkeeping lays the call out before the ready flag, while the GPU still computes the
+query; one call into the CPU library (`cpu.serve_handoffs`) spins on the flag, runs the call and sets `done`; the
 statistics are recorded after, while the GPU merges. Served from Python, that bookkeeping sat between `ready` and
-`done`, on the step's critical path. After the first hand-off, a run of compiled parts is served by one call:
-between two calls this thread must take the interpreter lock back, and a busy Python thread beside it (the
-server's prefill) holds the lock for up to the switch interval each time. Other CPU parts run in Python as above.
+`done`, on the step's critical path. Other CPU parts run in Python as above.
 
 The launch is not instant, and not always short: the launch call submits the graph's nodes to a queue of bounded
 size while the GPU already runs the first ones, and the GPU soon stops at a `done` flag. A graph too large for the
@@ -183,37 +181,24 @@ class HostFlags:
         for i in range(self.count):
             self.set_done(i)
 
-    def serve(self, first: int, parts: list[NativePart], launcher: Launcher | None = None) -> None:
-        """Serve hand-offs first, first + 1, ... with the `NativePart`s `parts` in one call into the CPU library:
-        for each, wait for its ready flag, run its call and set its done flag, with no Python in between (Python
-        only resumes a wait every SERVE_SLICE seconds). Each hand-off gets the whole timeout. Raises the error of
-        the first call that failed (its done flag and the later ones unset), a `TimeoutError`, or, once
-        `launcher`'s launch has failed, its error, as `wait_ready` does."""
-        if first < 0 or first + len(parts) > self.count:
-            raise IndexError(
-                f"hand-offs {first}..{first + len(parts) - 1} out of range: this step has {self.count}"
-            )
+    def serve(self, i: int, part: NativePart, launcher: Launcher | None = None) -> None:
+        """Serve hand-off i with the `NativePart` `part` through the CPU library: wait for its ready flag, run the
+        call and set its done flag, with no Python in between (Python only resumes the wait every SERVE_SLICE
+        seconds). Raises the call's error (the done flag unset), a `TimeoutError`, or, once `launcher`'s launch
+        has failed, its error, as `wait_ready` does."""
         base = self.memory.data_ptr()
-        tasks = [part.task for part in parts]
+        ready, done = base + 4 * self._index(0, i), base + 4 * self._index(1, i)
         abort = launcher.abort_address if launcher is not None else None
-        served = 0  # parts of `parts` served so far
         deadline = time.perf_counter() + self.timeout
         while True:
             # waits of at most SERVE_SLICE seconds per call, so that Python handles signals (Ctrl-C) meanwhile
             wait = max(0.0, min(SERVE_SLICE, deadline - time.perf_counter()))
-            i = first + served
-            ready, done = base + 4 * self._index(0, i), base + 4 * self._index(1, i)
-            status, at = cpu.serve_handoffs(tasks[served:], ready, done, STRIDE, abort, wait)
-            if status == cpu.SERVED:
-                return
-            if at:  # a later hand-off is waited for now: it gets the whole timeout
-                served += at
-                deadline = time.perf_counter() + self.timeout
+            status, _ = cpu.serve_handoffs([part.task], ready, done, STRIDE, abort, wait)
             if status != cpu.TIMED_OUT or time.perf_counter() >= deadline:
                 break
-        i = first + served
+        if status == cpu.SERVED:
+            return
         if status == cpu.TASK_FAILED:
-            part = parts[served]
             part.finish()  # raises the call's error
             raise RuntimeError(f"hand-off {i}'s CPU part failed (code {part.task.result})")
         if status == cpu.ABORTED:
@@ -304,41 +289,25 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, c
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
     On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
 
-    An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out in
-    Python, served by the compiled library (`HostFlags.serve`: flags and calls without Python in between) and
-    finished (its statistics) after its done flag. The first hand-off's part is laid out and served alone, so
-    that it is ready when its q is; then each run of consecutive compiled parts is laid out while the GPU
-    merges the previous layer and computes the next query, and served in one call. A step of compiled parts
-    thus takes the interpreter lock twice while the GPU runs, not once or more per hand-off: a busy Python
-    thread (a prefill, the server's event loop) holds the lock for up to the switch interval each time this
-    thread asks for it back, and the GPU waits at the next done flag meanwhile. Other actions, and all of
-    them with `compiled` False, are called here between the flags.
+    An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out before
+    its ready flag, served by the compiled library (`HostFlags.serve`: the flag, the call and the done flag
+    without Python in between) and finished after its done flag. Other actions, and all of them with `compiled`
+    False, are called here between the flags.
 
     launcher: the `Launcher` that is launching the graph, or None (launched before this call). It is joined
     before this returns, and a launch that fails ends the wait for the next query with its error."""
     failed = launcher.failed if launcher is not None else None
     try:
-        i, known = 0, None  # known: (hand-off, its part) laid out ahead, whose run was cut before it
-        while i < len(actions):
-            part = known[1] if known is not None and known[0] == i else _native_part(actions[i], compiled)
+        for i, action in enumerate(actions):
+            # laid out while the GPU still computes hand-off i's query: off the path from ready to done
+            part = _native_part(action) if compiled else None
             if part is None:
                 flags.wait_ready(i, failed)
-                actions[i]()
+                action()
                 flags.set_done(i)
-                i += 1
-                continue
-            run = [part]
-            if i:
-                for j in range(i + 1, len(actions)):
-                    following = _native_part(actions[j], compiled)
-                    if following is None:
-                        known = (j, None)
-                        break
-                    run.append(following)
-            flags.serve(i, run, launcher)
-            for part in run:
+            else:
+                flags.serve(i, part, launcher)
                 part.finish()  # statistics, while the GPU merges and goes on
-            i += len(run)
     except BaseException:
         flags.set_all_done()
         if launcher is not None:
@@ -350,8 +319,8 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, c
         launcher.join()
 
 
-def _native_part(action, compiled: bool = True) -> NativePart | None:
+def _native_part(action) -> NativePart | None:
     native = getattr(action, "native", None)
-    if not compiled or native is None or not cpu.is_available():
+    if native is None or not cpu.is_available():
         return None
     return native()

@@ -4,10 +4,9 @@
 // `done[i] = 1` before it merges the layer's CPU result (tandem/engine/handoff.py). Served from Python, every
 // hand-off paid tens of microseconds of interpreter time between the flag and the kernel and again after it,
 // on the step's critical path: the GPU waits for `done`. Here one call serves consecutive hand-offs whose CPU
-// parts are compiled calls laid out beforehand (`HandoffTask`), spinning on the flags in C++, with the GIL
-// released. The engine serves a step's first hand-off alone, laid out while the GPU computes its query (laying
-// out all of a step's hand-offs first delayed it by that time: benchmarks/results/2026-11-26_h100_host_side_ab/),
-// then lays out the rest and serves them in one call, so that no Python runs between them.
+// parts are compiled calls laid out beforehand (`HandoffTask`), spinning on the flags in C++. The engine passes
+// one hand-off per call and lays out the next one while the GPU computes its query: laying out all of a step's
+// hand-offs first delayed the first one by that time (benchmarks/results/2026-11-26_h100_host_side_ab/).
 #include <chrono>
 #include <cmath>
 #include <cstdint>
