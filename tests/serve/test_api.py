@@ -209,6 +209,7 @@ def test_metrics_count_requests_and_tokens(api):
     step_seconds = "tandem_decode_step_seconds_sum"
     spent = after[step_time] - before.get(step_time, 0)
     assert spent > 0 and spent == pytest.approx(after[step_seconds] - before[step_seconds])
-    api.server.metrics._decode_step(0.25, 3, "replayed")  # a step of 3 requests counts among those of at most 4
+    # a step of 3 requests counts among those of at most 4
+    api.server.metrics._decode_step(0.25, 3, "replayed")
     assert live.metrics(api.base)['tandem_decode_steps_total{kind="replayed",rows_at_most="4"}'] == 1
     assert after['tandem_budget_bytes{memory="host"}'] == -1  # unbounded in this server
