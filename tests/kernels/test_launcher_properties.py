@@ -9,6 +9,7 @@ regression tests at the end."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from unittest import mock
@@ -60,6 +61,29 @@ LOWEST_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 
 def _randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@functools.cache
+def _kernel_rounding(dtype: torch.dtype):
+    """How a Triton kernel run here rounds float32 to `dtype` (`x.to(dtype)` in the kernel), as a function of
+    tensors: to nearest even, as torch and compiled kernels do, unless a probe on 1 + 3/512 (which the two modes
+    round apart) says otherwise: Triton 3.9's interpreter truncates float32 to bfloat16, whatever rounding the
+    kernel asks for. Keeps the reference of the kernels that round q to the digests' dtype exact under the
+    interpreter."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, out_ptr):
+        tl.store(out_ptr, tl.load(x_ptr).to(out_ptr.dtype.element_ty))
+
+    probe = torch.tensor([1 + 3 / 512], dtype=torch.float32)
+    out = torch.empty(1, dtype=dtype)
+    convert[(1,)](probe, out)
+    if dtype != torch.bfloat16 or out.item() == probe.to(dtype).item():
+        return lambda x: x.to(dtype)
+    assert out.item() == 1.0, f"Triton rounds 1 + 3/512 to {out.item()} in {dtype}: neither rounding mode"
+    return lambda x: (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)  # toward zero
 
 
 def _as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -473,8 +497,9 @@ def test_triton_block_scores_names_the_bad_argument_or_matches_the_reference(
         return
     assert q.shape[1] % kv_heads == 0
     # the kernel's contract: q rounded to the digests' dtype, products summed in float32 (the reference's own
-    # matmuls in bf16 would round each sum to bf16, off by more than the table allows at small scores)
-    rounded = q.to(digest_dtype).float()
+    # matmuls in bf16 would round each sum to bf16, off by more than the table allows at small scores); rounded
+    # as the Triton that runs the kernel rounds inside one
+    rounded = _kernel_rounding(digest_dtype)(q).float()
     expected = reference.block_scores_matmul(rounded, key_min.float(), key_max.float(), block_valid)
     lowest = next(d for d in LOWEST_PRECISION if d in (q_dtype, digest_dtype))
     assert_close(scores, expected, lowest, "scores")
@@ -597,3 +622,16 @@ def test_prepared_attention_refuses_strides_that_reach_past_the_storage():
     with pytest.raises(ValueError, match="indices"):
         cpu.PreparedAttention(*args)
     assert ops.prepared_attention_call(*args) is None  # the general launcher runs instead
+
+
+@triton_only
+def test_triton_block_scores_match_the_reference_where_rounding_modes_differ():
+    """q in float32, digests in bfloat16: a q whose entries round differently to nearest and toward zero (hypothesis
+    found it), compared with q rounded as the kernel's Triton rounds (`_kernel_rounding`)."""
+    q = _randn(1, 2, 8)
+    centre = _randn(1, 2, 52, 8, dtype=torch.bfloat16, seed=52)
+    valid = _bits(2, (1, 52))
+    scores = gpu.block_scores(q, centre - 1, centre + 1, valid)
+    rounded = _kernel_rounding(torch.bfloat16)(q).float()
+    expected = reference.block_scores_matmul(rounded, (centre - 1).float(), (centre + 1).float(), valid)
+    assert_close(scores, expected, torch.bfloat16, "scores")
