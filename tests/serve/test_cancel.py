@@ -38,6 +38,18 @@ def _idle(base) -> dict | None:
     return m if all(m[name] == 0 for name in IDLE) else None
 
 
+def _wait_cancelled(base, before: int) -> dict:
+    """The metrics once the server is idle with one more request cancelled than `before`."""
+
+    def cancelled_and_idle():
+        m = _idle(base)
+        return m if m is not None and m.get(CANCELLED, 0) == before + 1 else None
+
+    after = live.wait_for(cancelled_and_idle, timeout=IDLE_WAIT)
+    assert after is not None, {name: live.metrics(base).get(name) for name in (*IDLE, CANCELLED)}
+    return after
+
+
 def _stream_and_leave(base, chunks: int = 2, **fields) -> list[str]:
     body = {**BODY, "stream": True, **fields}
     with httpx2.Client(timeout=30) as http:
@@ -53,12 +65,7 @@ def test_leaving_mid_stream_cancels_and_frees_the_cache(base):
 
     # the request leaves the batch and frees its cache a moment before its outcome is counted (`Scheduler._end`):
     # wait for both, not for the first idle moment
-    def cancelled_and_idle():
-        m = _idle(base)
-        return m if m is not None and m.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1 else None
-
-    after = live.wait_for(cancelled_and_idle, timeout=IDLE_WAIT)
-    assert after is not None, {name: live.metrics(base).get(name) for name in (*IDLE, CANCELLED)}
+    after = _wait_cancelled(base, before.get(CANCELLED, 0))
     generated = after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"]
     assert 2 <= generated < 100  # stopped right after the client left, far from max_tokens 500
 
@@ -71,12 +78,7 @@ def test_leaving_a_whole_request_cancels_it(base):
 
     # A stalled server may not even have queued the request when the client leaves, and looks idle then:
     # wait for the cancellation itself, not for the first idle moment
-    def cancelled_and_idle():
-        m = _idle(base)
-        return m if m is not None and m.get(CANCELLED, 0) == before + 1 else None
-
-    after = live.wait_for(cancelled_and_idle, timeout=IDLE_WAIT)
-    assert after is not None, {name: live.metrics(base).get(name) for name in (*IDLE, CANCELLED)}
+    _wait_cancelled(base, before)
 
 
 def test_cancelled_requests_do_not_grow_memory(base, smollm, prose):
