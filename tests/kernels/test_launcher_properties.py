@@ -66,10 +66,12 @@ def _randn(*shape, dtype=torch.float32, seed=0):
 @functools.cache
 def _kernel_rounding(dtype: torch.dtype):
     """How a Triton kernel run here rounds float32 to `dtype` (`x.to(dtype)` in the kernel), as a function of
-    tensors: to nearest even, as torch and compiled kernels do, unless a probe on 1 + 3/512 (which the two modes
-    round apart) says otherwise: Triton 3.9's interpreter truncates float32 to bfloat16, whatever rounding the
-    kernel asks for. Keeps the reference of the kernels that round q to the digests' dtype exact under the
-    interpreter."""
+    tensors. To nearest even, as torch and compiled kernels do, except where a probe on 1 + 3/512 (which the two
+    modes round apart) says a bfloat16 conversion truncates: Triton 3.9's interpreter cuts the low bits, whatever
+    rounding the kernel asks for. Keeps the reference of the kernels that round q to the digests' dtype exact
+    under the interpreter."""
+    if dtype != torch.bfloat16:
+        return lambda x: x.to(dtype)
     import triton
     import triton.language as tl
 
@@ -80,9 +82,9 @@ def _kernel_rounding(dtype: torch.dtype):
     probe = torch.tensor([1 + 3 / 512], dtype=torch.float32)
     out = torch.empty(1, dtype=dtype)
     convert[(1,)](probe, out)
-    if dtype != torch.bfloat16 or out.item() == probe.to(dtype).item():
+    if out.item() == probe.to(dtype).item():
         return lambda x: x.to(dtype)
-    assert out.item() == 1.0, f"Triton rounds 1 + 3/512 to {out.item()} in {dtype}: neither rounding mode"
+    assert out.item() == 1.0, f"Triton rounds 1 + 3/512 to {out.item()} in bfloat16: neither rounding mode"
     return lambda x: (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)  # toward zero
 
 
