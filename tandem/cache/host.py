@@ -356,30 +356,42 @@ class HostTier:
             and not self.keep_sketch
         )
 
-    def stage_written(self, keys, values, valid, digests=None, mirror=None) -> None:
+    def stage_written(
+        self, keys, values, valid, digests=None, mirror=None, copies: list | None = None
+    ) -> None:
         """`stage` of rows that the caller moved into host memory and digested itself, with other requests' (a
         runner staging the evicted blocks of a batch of requests at once, `engine.slots`): keys / values
         [B, Hkv, n, D] and valid [B, n] in host memory go into the rows past the live ones; digests (key_min,
         key_max) [B, Hkv, n / block_size, D] in host memory as `block_minmax` gives them; mirror (key_min,
         key_max, block_valid) on the mirror device, the digests made finite and block_valid [B, n / block_size],
-        as `_write` and `_write_bounds` give them. Only where `takes_written_stage`."""
+        as `_write` and `_write_bounds` give them. Only where `takes_written_stage`.
+
+        copies: None (the host rows are copied here), or a list that takes their (destination, source) pairs
+        instead, for the caller to copy before the staged rows become live (the next eviction): until then no
+        reader looks past the live rows. The mirror's rows are copied here either way (on its device)."""
         if not self.takes_written_stage():
             raise RuntimeError("stage_written: a tier that stages its rows itself (`takes_written_stage`)")
         n, bs = keys.shape[2], self.block_size
         first = self.rows
         self.reserve(first + n)
         b0, b1 = first // bs, (first + n) // bs
-        self.keys[:, :, first : first + n].copy_(keys)
-        self.values[:, :, first : first + n].copy_(values)
-        self.valid[:, first : first + n].copy_(valid)
+        pairs = [
+            (self.keys[:, :, first : first + n], keys),
+            (self.values[:, :, first : first + n], values),
+            (self.valid[:, first : first + n], valid),
+        ]
         markers = {}
         if self.keep_digest:
-            self.key_min[:, :, b0:b1].copy_(digests[0])
-            self.key_max[:, :, b0:b1].copy_(digests[1])
+            pairs += [(self.key_min[:, :, b0:b1], digests[0]), (self.key_max[:, :, b0:b1], digests[1])]
             if self.mirror_device is not None:
                 self.key_min_dev[:, :, b0:b1].copy_(mirror[0])
                 self.key_max_dev[:, :, b0:b1].copy_(mirror[1])
                 markers["block_valid_dev"] = mirror[2]
+        if copies is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+        else:
+            copies.extend(pairs)
         self._staged_markers = markers
         self.staged = n
 

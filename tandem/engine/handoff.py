@@ -36,6 +36,7 @@ graph's size. (At the 8B shape the thread moved no step time: docs/engine.md § 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import threading
@@ -285,9 +286,15 @@ class Launcher:
                 self._finished.set()
 
 
-def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, compiled: bool = True) -> None:
+def run_host_side(
+    flags: HostFlags, actions, launcher: Launcher | None = None, compiled: bool = True, idle=()
+) -> None:
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
     On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
+
+    idle: short pieces of host work (callables) that make no CUDA call, run while the GPU has not yet reached the
+    next hand-off (one at a time, each after checking its ready flag), the rest after the last hand-off: work the
+    host would otherwise do before the launch, with the GPU idle.
 
     An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out before
     its ready flag, served by the compiled library (`HostFlags.serve`: the flag, the call and the done flag
@@ -297,10 +304,13 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, c
     launcher: the `Launcher` that is launching the graph, or None (launched before this call). It is joined
     before this returns, and a launch that fails ends the wait for the next query with its error."""
     failed = launcher.failed if launcher is not None else None
+    idle = collections.deque(idle)
     try:
         for i, action in enumerate(actions):
             # laid out while the GPU still computes hand-off i's query: off the path from ready to done
             part = _native_part(action) if compiled else None
+            while idle and not flags.ready(i):
+                idle.popleft()()
             if part is None:
                 flags.wait_ready(i, failed)
                 action()
@@ -315,6 +325,8 @@ def run_host_side(flags: HostFlags, actions, launcher: Launcher | None = None, c
             with contextlib.suppress(BaseException):
                 launcher.join()
         raise
+    while idle:
+        idle.popleft()()
     if launcher is not None:
         launcher.join()
 

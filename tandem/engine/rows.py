@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from functools import partial
 
 import torch
 
@@ -437,8 +438,9 @@ class RowsRunner:
             # the copies each cache queues into host memory run while the next cache is prepared: the step
             # waits for them after all of them, not once per cache
             slots[id(cache)] = step.prepare(cache.tandem_layers(), context, wait=False)
+        copies = []  # the staged rows' host copies: made during a replay while the GPU runs, else now
         if self._rows is not None:
-            self.pool.stage_evictions([rows[r] for r in self._rows[0]])
+            self.pool.stage_evictions([rows[r] for r in self._rows[0]], copies)
         if step.flags is not None:
             for cache in caches:
                 step.wait_for_copies(cache.tandem_layers())
@@ -466,8 +468,12 @@ class RowsRunner:
                 self._bucket = self._recorded(rows, caches)
                 self._served = self._served_rows(rows) if self._bucket is not None else None
                 kind = "recorded"
-            step.replay()
+            # `copies` holds the pinned staging buffers until the launch has returned: freeing pinned memory
+            # during it is a CUDA call on this thread (`DecodeStep.prepare`)
+            step.replay(_host_copies(copies))
         else:
+            for work in _host_copies(copies):
+                work()
             self._body(rows, contexts, step)
             kind = "eager"
         self.last_step = kind
@@ -488,6 +494,17 @@ class RowsRunner:
             **{self.cache_arg: RowsCache(caches)},
         )  # fmt: skip
         self._logits = out.logits[:, -1]
+
+
+def _host_copies(pairs, per_call: int = 5) -> list:
+    """(destination, source) pairs of host tensors as callables of `per_call` copies each (about one host tier's
+    staged rows and digests): pieces short enough to fit between a replayed step's hand-offs."""
+    return [partial(_copy, pairs[i : i + per_call]) for i in range(0, len(pairs), per_call)]
+
+
+def _copy(pairs) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def choose_tokens(logits: torch.Tensor, temperature, top_p, seed, step) -> list[int]:

@@ -256,12 +256,17 @@ class SlotPool:
                     kv.collect_statistics()
                     kv.recall_row = None
 
-    def stage_evictions(self, caches) -> int:
+    def stage_evictions(self, caches, copies: list | None = None) -> int:
         """Stage the evicted ring blocks of the pooled requests `caches` that are due at this step of the pool's
         block period (`LayerKV.staging_due`; their layers leave staging to the pool, `own_staging`), per layer for
         all requests at once: their blocks gathered and digested in one call each, one copy of each into host
         memory and one wait for them, then each request's host tier takes its rows (`HostTier.stage_written`). A
         tier that stages its rows itself (8-bit codes, certified bounds) stages alone. Returns the blocks staged.
+
+        copies: None, or a list that takes the host tiers' copies from the staging buffers as (destination, source)
+        pairs (`HostTier.stage_written`) for the caller to make before the staged rows become live (the evictions
+        of the step after this one): a replayed step makes them while the GPU runs (`DecodeStep.replay`'s idle
+        work), not before its launch.
 
         Staged one request and layer at a time, the blocks of B requests cost a dozen small device operations
         each per layer every block_size steps; here a layer's block of every request costs about as much as one
@@ -293,7 +298,7 @@ class SlotPool:
                     if kv.host.mirror_device is not None:
                         mirror = (parts["min_dev"][rows], parts["max_dev"][rows], parts["block_valid"][rows])
                 kv.host.stage_written(
-                    parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror
+                    parts["keys"][rows], parts["values"][rows], parts["valid"][rows], digests, mirror, copies
                 )
         return sum(len(kvs) for kvs, _ in staged)
 

@@ -237,7 +237,9 @@ class DecodeStep(StepContext):
         served (no GPU work waits for it): bookkeeping of layers with no CPU part."""
         self.after.append(action)
 
-    def replay(self) -> None:
+    def replay(self, idle=()) -> None:
+        """Run the recorded step. idle: host work (callables that make no CUDA call) done while the GPU runs,
+        between the hand-offs (`handoff.run_host_side`), else after the launches; all of it is done on return."""
         if self.flags is not None:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
@@ -247,7 +249,9 @@ class DecodeStep(StepContext):
             gc.disable()
             try:
                 self.launcher.start(lambda: _replay_on(graph, stream))
-                handoff_module.run_host_side(self.flags, self.actions, self.launcher, self.compiled_host_side)
+                handoff_module.run_host_side(
+                    self.flags, self.actions, self.launcher, self.compiled_host_side, idle
+                )
             finally:
                 if gc_was_on:
                     gc.enable()
@@ -256,6 +260,8 @@ class DecodeStep(StepContext):
                 graph.replay()
                 if after is not None:
                     after()
+            for work in idle:
+                work()
         for action in self.after:
             action()
 

@@ -52,6 +52,35 @@ def test_actions_run_in_order_between_ready_and_done():
     assert not any(flags.ready(i) or flags.done(i) for i in range(5))
 
 
+def test_idle_work_runs_while_the_gpu_has_not_reached_a_hand_off_and_all_of_it_by_the_end():
+    """Host work given to the replay (`idle`) runs in order, each piece once: before a hand-off while its query is
+    not ready, the rest after the last hand-off; an action still runs only after its ready flag."""
+    flags = HostFlags(3, None)
+    log = []
+
+    def publish(i):
+        time.sleep(0.05)  # the "GPU" reaches each hand-off 50 ms after the previous one
+        log.append(("ready", i))
+
+    gpu = fake_gpu(flags, log, publish=publish)
+    idle = [lambda k=k: log.append(("idle", k)) for k in range(4)]
+    run_host_side(flags, [lambda i=i: log.append(("cpu", i)) for i in range(3)], idle=idle)
+    gpu.join(10)
+    assert [event for event in log if event[0] == "idle"] == [("idle", k) for k in range(4)]
+    assert log.index(("idle", 0)) < log.index(("ready", 0))  # the GPU had not reached hand-off 0 yet
+    for i in range(3):
+        assert log.index(("ready", i)) < log.index(("cpu", i)) < log.index(("merge", i))
+
+    # the GPU already past every query: the hand-offs first, the idle work after them
+    flags = HostFlags(3, None)
+    for i in range(3):
+        flags.memory[flags._index(0, i)] = 1
+    log = []
+    idle = [lambda k=k: log.append(("idle", k)) for k in range(2)]
+    run_host_side(flags, [lambda i=i: log.append(("cpu", i)) for i in range(3)], idle=idle)
+    assert log == [("cpu", 0), ("cpu", 1), ("cpu", 2), ("idle", 0), ("idle", 1)]
+
+
 def test_a_failing_action_releases_every_wait_and_raises():
     flags = HostFlags(4, None)
     log = []

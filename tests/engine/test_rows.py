@@ -374,11 +374,13 @@ def test_pooled_quest_rows_plan_their_recall_caches_together(tiny, monkeypatch):
     assert all(p <= o for p, o in zip(device[0], device[2], strict=True))
 
 
+@pytest.mark.parametrize("replayed", [False, True])
 @torch.inference_mode()
-def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, monkeypatch):
+def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, monkeypatch, replayed):
     """Over 40 steps (evictions every 16), the pool stages its requests' evicted blocks one layer at a time for all
     of them (`SlotPool.stage_evictions`): the host tiers (rows, valid flags, digests and their device mirror) hold
-    what each request's own staging writes, and the tokens are the same."""
+    what each request's own staging writes, and the tokens are the same. Replayed (the CPU stand-ins of
+    `_cpu_recordings`), the staged rows' host copies are the replay's idle work."""
     from tandem.cache import host as host_module
 
     written = []
@@ -394,6 +396,9 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
     tiers = []
     for slots in (4, 0):
         runner = RowsRunner(tiny, config=_config("full"), slots=slots)
+        if replayed and slots:
+            _cpu_recordings(monkeypatch)
+            runner.use_graphs = True
         rows = [
             _Row(tiny, p, policy, torch.device("cpu"), runner)
             for p, policy in zip(prompts, policies, strict=True)
@@ -424,20 +429,31 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
                 )
 
 
-@torch.inference_mode()
-def test_a_growing_batch_is_recorded_at_its_second_step_in_a_width(tiny, monkeypatch):
-    """The runner's orchestration of recordings, on the CPU (where a "recording" here keeps the step's body and a
-    "replay" runs it): while a request joins at every step, each new width of rows runs one eager step and the
-    next batch in those rows is recorded at once (`RowsRunner._record_grown`), not only a batch that repeats;
-    every request still decodes as alone."""
+def _cpu_recordings(monkeypatch) -> None:
+    """Stand-ins for `DecodeStep`'s recording and replay on the CPU: a "recording" keeps the step's body and a
+    "replay" runs it, then the host work the replay is given to do while the GPU would run (`idle`)."""
     from tandem.engine.step import DecodeStep
 
     def capture(step, body):
         step.captures += 1
         step.segments = [(body, None)]
 
+    def replay(step, idle=()):
+        step.segments[0][0]()
+        for work in idle:
+            work()
+
     monkeypatch.setattr(DecodeStep, "capture", capture)
-    monkeypatch.setattr(DecodeStep, "replay", lambda step: step.segments[0][0]())
+    monkeypatch.setattr(DecodeStep, "replay", replay)
+
+
+@torch.inference_mode()
+def test_a_growing_batch_is_recorded_at_its_second_step_in_a_width(tiny, monkeypatch):
+    """The runner's orchestration of recordings, on the CPU (where a "recording" here keeps the step's body and a
+    "replay" runs it): while a request joins at every step, each new width of rows runs one eager step and the
+    next batch in those rows is recorded at once (`RowsRunner._record_grown`), not only a batch that repeats;
+    every request still decodes as alone."""
+    _cpu_recordings(monkeypatch)
     cpu = torch.device("cpu")
     prompts = [_prompt(tiny, 40 + 3 * i, i) for i in range(6)]
     alone = [_alone(tiny, p, "quest+share", STEPS, cpu) for p in prompts]
