@@ -292,9 +292,10 @@ def run_host_side(
     """The host's side of one replay: for each hand-off in order, wait for its q, run its action, release it.
     On an error every wait is released (the graph finishes with that layer's stale out / lse) and it is raised.
 
-    idle: short pieces of host work (callables) that make no CUDA call, run while the GPU has not yet reached the
-    next hand-off (one at a time, each after checking its ready flag), the rest after the last hand-off: work the
-    host would otherwise do before the launch, with the GPU idle.
+    idle: short pieces of host work (callables) that make no CUDA call, run from the first hand-off on (by then the
+    GPU has passed everything queued before the graph) while the GPU has not yet reached the next one, one at a
+    time, each after checking its ready flag; the rest after the last hand-off. Work the host would otherwise do
+    before the launch, with the GPU idle.
 
     An action with a `native()` method may return a `NativePart` for this step (or None): it is laid out before
     its ready flag, served by the compiled library (`HostFlags.serve`: the flag, the call and the done flag
@@ -309,7 +310,7 @@ def run_host_side(
         for i, action in enumerate(actions):
             # laid out while the GPU still computes hand-off i's query: off the path from ready to done
             part = _native_part(action) if compiled else None
-            while idle and not flags.ready(i):
+            while i and idle and not flags.ready(i):
                 idle.popleft()()
             if part is None:
                 flags.wait_ready(i, failed)

@@ -472,6 +472,8 @@ class RowsRunner:
             # during it is a CUDA call on this thread (`DecodeStep.prepare`)
             step.replay(_host_copies(copies))
         else:
+            if copies and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the staging buffers have landed
             for work in _host_copies(copies):
                 work()
             self._body(rows, contexts, step)

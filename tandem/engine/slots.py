@@ -264,9 +264,10 @@ class SlotPool:
         tier that stages its rows itself (8-bit codes, certified bounds) stages alone. Returns the blocks staged.
 
         copies: None, or a list that takes the host tiers' copies from the staging buffers as (destination, source)
-        pairs (`HostTier.stage_written`) for the caller to make before the staged rows become live (the evictions
-        of the step after this one): a replayed step makes them while the GPU runs (`DecodeStep.replay`'s idle
-        work), not before its launch.
+        pairs (`HostTier.stage_written`), for the caller to make once the stream has passed the copies into the
+        staging buffers queued here (nothing waits for them here), and before the staged rows become live (the
+        evictions of the step after this one): a replayed step makes them while the GPU runs
+        (`DecodeStep.replay`'s idle work), not before its launch.
 
         Staged one request and layer at a time, the blocks of B requests cost a dozen small device operations
         each per layer every block_size steps; here a layer's block of every request costs about as much as one
@@ -287,7 +288,7 @@ class SlotPool:
         staged = []
         for (_, block_size, _), kvs in due.items():
             staged.append(self._stage_batch(kvs, block_size))
-        if staged and self.device.type == "cuda":
+        if staged and copies is None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies into host memory have landed
         for kvs, parts in staged:
             for i, kv in enumerate(kvs):

@@ -238,8 +238,10 @@ class DecodeStep(StepContext):
         self.after.append(action)
 
     def replay(self, idle=()) -> None:
-        """Run the recorded step. idle: host work (callables that make no CUDA call) done while the GPU runs,
-        between the hand-offs (`handoff.run_host_side`), else after the launches; all of it is done on return."""
+        """Run the recorded step. idle: host work (callables that make no CUDA call) that reads what the stream
+        computed before the replay: done while the GPU runs, between the hand-offs (`handoff.run_host_side`),
+        else once the step has run; all of it is done on return."""
+        between = self.flags is not None and bool(self.actions)  # else no hand-off says how far the GPU is
         if self.flags is not None:
             self.flags.reset()
             graph, stream = self.segments[0][0], torch.cuda.current_stream(self.device)
@@ -250,7 +252,7 @@ class DecodeStep(StepContext):
             try:
                 self.launcher.start(lambda: _replay_on(graph, stream))
                 handoff_module.run_host_side(
-                    self.flags, self.actions, self.launcher, self.compiled_host_side, idle
+                    self.flags, self.actions, self.launcher, self.compiled_host_side, idle if between else ()
                 )
             finally:
                 if gc_was_on:
@@ -260,6 +262,8 @@ class DecodeStep(StepContext):
                 graph.replay()
                 if after is not None:
                     after()
+        if idle and not between:
+            torch.cuda.current_stream(self.device).synchronize()
             for work in idle:
                 work()
         for action in self.after:

@@ -53,8 +53,9 @@ def test_actions_run_in_order_between_ready_and_done():
 
 
 def test_idle_work_runs_while_the_gpu_has_not_reached_a_hand_off_and_all_of_it_by_the_end():
-    """Host work given to the replay (`idle`) runs in order, each piece once: before a hand-off while its query is
-    not ready, the rest after the last hand-off; an action still runs only after its ready flag."""
+    """Host work given to the replay (`idle`) runs in order, each piece once: from the first hand-off on (the GPU
+    has then passed what was queued before the graph), before a hand-off while its query is not ready, the rest
+    after the last hand-off; an action still runs only after its ready flag."""
     flags = HostFlags(3, None)
     log = []
 
@@ -67,7 +68,8 @@ def test_idle_work_runs_while_the_gpu_has_not_reached_a_hand_off_and_all_of_it_b
     run_host_side(flags, [lambda i=i: log.append(("cpu", i)) for i in range(3)], idle=idle)
     gpu.join(10)
     assert [event for event in log if event[0] == "idle"] == [("idle", k) for k in range(4)]
-    assert log.index(("idle", 0)) < log.index(("ready", 0))  # the GPU had not reached hand-off 0 yet
+    # after hand-off 0, and while the GPU had not reached hand-off 1
+    assert log.index(("cpu", 0)) < log.index(("idle", 0)) < log.index(("ready", 1))
     for i in range(3):
         assert log.index(("ready", i)) < log.index(("cpu", i)) < log.index(("merge", i))
 

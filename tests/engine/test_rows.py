@@ -381,6 +381,25 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
     of them (`SlotPool.stage_evictions`): the host tiers (rows, valid flags, digests and their device mirror) hold
     what each request's own staging writes, and the tokens are the same. Replayed (the CPU stand-ins of
     `_cpu_recordings`), the staged rows' host copies are the replay's idle work."""
+    if replayed:
+        _cpu_recordings(monkeypatch)
+    _check_pool_staging(tiny, torch.device("cpu"), monkeypatch, use_graphs=replayed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("handoff", ["memops", "launches"])
+@torch.inference_mode()
+def test_recorded_pooled_steps_stage_evictions_as_requests_stage_their_own(monkeypatch, handoff):
+    """The same on CUDA with recorded steps: the staged rows' host copies are made during each replay (between its
+    hand-offs with flags, after its launches without), from staging buffers nothing waited for before the launch."""
+    torch.manual_seed(0)
+    model = tiny_model("Llama").cuda()
+    _check_pool_staging(model, torch.device("cuda"), monkeypatch, use_graphs=True, handoff=handoff)
+
+
+def _check_pool_staging(model, device, monkeypatch, use_graphs: bool, **runner_args) -> None:
+    """Four requests over 40 steps in a pool of 4 rows and each staging its own evictions (no pool): the same
+    tokens, and host tiers that hold the same rows."""
     from tandem.cache import host as host_module
 
     written = []
@@ -392,19 +411,22 @@ def test_the_pool_stages_its_requests_evictions_as_they_stage_their_own(tiny, mo
 
     monkeypatch.setattr(host_module.HostTier, "stage_written", counted)
     policies = ("full", "quest+share", "streaming", "quest+share")
-    prompts = [_prompt(tiny, n, seed) for seed, n in enumerate((39, 71, 53, 46))]
+    prompts = [_prompt(model, n, seed) for seed, n in enumerate((39, 71, 53, 46))]
     tiers = []
     for slots in (4, 0):
-        runner = RowsRunner(tiny, config=_config("full"), slots=slots)
-        if replayed and slots:
-            _cpu_recordings(monkeypatch)
-            runner.use_graphs = True
-        rows = [
-            _Row(tiny, p, policy, torch.device("cpu"), runner)
-            for p, policy in zip(prompts, policies, strict=True)
-        ]
+        graphs = use_graphs and bool(slots)
+        if device.type == "cuda":
+            runner_args["use_graphs"] = graphs
+            if graphs:
+                runner_args["record_after"] = 1
+        runner = RowsRunner(model, config=_config("full"), slots=slots, **runner_args)
+        if device.type != "cuda":
+            runner.use_graphs = graphs  # the CPU stand-ins record and replay
+        rows = [_Row(model, p, policy, device, runner) for p, policy in zip(prompts, policies, strict=True)]
         for _ in range(40):
             _step(runner, rows)
+        if graphs:
+            assert runner.last_step == "replayed"
         tiers.append([[kv.host for kv in row.cache.tandem_layers()] for row in rows])
         tokens = [row.tokens for row in rows]
         if slots:
