@@ -23,6 +23,14 @@ from .rows import decode_attention
 from .tasks import TaskPool
 
 FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash-style exact append
+# A prefill chunk's host rows go through cuDNN's fused attention (`ops.fused_attention_lse`, 2.2x the Triton
+# kernel's rate on an H200) in calls of these row counts, the largest that fit first, with the chunk's queries
+# padded to a multiple of FUSED_QUERY_STEP: cuDNN plans each new shape or stride layout before it first runs it
+# (40-60 ms), so its calls keep to a few shapes. The rows left under the smallest, and chunks of fewer than
+# FUSED_MIN_QUERIES queries, run on the Triton kernel.
+FUSED_PIECES = (16384, 8192, 4096, 2048)
+FUSED_QUERY_STEP = 512
+FUSED_MIN_QUERIES = 1024
 
 
 def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool, context=None) -> torch.Tensor:
@@ -132,9 +140,57 @@ def _append_exact_flash(layer, q, k_new, v_new, valid_new, scale):
         q, hot.keys, hot.values, scale, key_valid=hot.valid, out=out, lse=lse, accumulate=True
     )
     if layer.host.rows:
+        q_fused = _fused_queries(layer, q)
         for keys, values, valid in _host_pieces(layer, q.device, FLASH_KEY_CHUNK):
-            gpu.prefill_attention(q, keys, values, scale, key_valid=valid, out=out, lse=lse, accumulate=True)
+            done = 0 if q_fused is None else _fused_rows(q_fused, keys, values, scale, out, lse)
+            if done < keys.shape[2]:
+                part = slice(done, None)
+                gpu.prefill_attention(
+                    q, keys[:, :, part], values[:, :, part], scale, key_valid=valid[:, part], out=out, lse=lse,
+                    accumulate=True,
+                )  # fmt: skip
     return out
+
+
+def _fused_queries(layer, q):
+    """`q` as the fused kernel takes it for the layer's host rows (contiguous, padded with zero queries to a
+    multiple of FUSED_QUERY_STEP, so that its shapes are few), or None where the Triton kernel attends them all:
+    fewer than FUSED_MIN_QUERIES queries, no fused kernel for q's device and dtype, a request split, or a host row
+    that is not a real token (padding needs the Triton kernel's key mask; read on the host tier's flags in host
+    memory, so nothing waits for the device)."""
+    host = layer.host
+    q_len = q.shape[2]
+    if (
+        q_len < FUSED_MIN_QUERIES
+        or layer.split is not None
+        or not ops.fused_attention_runs(q.device, q.dtype)
+    ):
+        return None
+    if host.valid.is_cuda or not bool(host.valid[:, : host.rows].all()):
+        return None
+    padded = -(-q_len // FUSED_QUERY_STEP) * FUSED_QUERY_STEP
+    q_fused = q.new_zeros(q.shape[0], q.shape[1], padded, q.shape[3])
+    q_fused[:, :, :q_len] = q
+    return q_fused
+
+
+def _fused_rows(q_fused, keys, values, scale: float, out, lse) -> int:
+    """The leading rows of one host piece (keys / values [B, Hkv, n, D]) attended by the fused kernel in calls of
+    FUSED_PIECES rows, each copied to a dense layout (a view's strides would be a new layout to plan) and merged
+    into (out, lse) in place. Returns the rows done: the rest lie under the smallest piece, or the kernel
+    declined."""
+    q_len, done, total = out.shape[2], 0, keys.shape[2]
+    for size in FUSED_PIECES:
+        while total - done >= size:
+            rows = slice(done, done + size)
+            part = ops.fused_attention_lse(
+                q_fused, keys[:, :, rows].contiguous(), values[:, :, rows].contiguous(), scale
+            )
+            if part is None:
+                return done
+            ops.merge_lse_(out, lse, part[0][:, :, :q_len].float(), part[1][:, :, :q_len])
+            done += size
+    return done
 
 
 def _host_pieces(layer, device, key_chunk: int = KEY_CHUNK):

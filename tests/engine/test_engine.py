@@ -143,15 +143,39 @@ def test_chunked_prefill_logits_equal_one_shot(device):
 
 
 @pytest.mark.skipif(not gpu_kernels.triton_available("cpu"), reason="no Triton interpreter")
-def test_flash_append_matches_the_reference_append(monkeypatch):
+@pytest.mark.parametrize("fused", ["all", "declines", "off"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     """The exact append with `gpu.prefill_attention` (what CUDA runs) gives the reference path's logits; here
-    under Triton's interpreter on CPU tensors, with a ragged batch and host rows from earlier chunks."""
-    from tandem.attention import hybrid
+    under Triton's interpreter on CPU tensors, with host rows from earlier chunks, a ragged batch or not.
 
+    Host rows that are all real tokens go through the fused kernel (cuDNN on CUDA; here a plain-torch stand-in)
+    in calls of FUSED_PIECES rows, the queries padded, and the rest through the Triton kernel; a padding row
+    needs the Triton kernel's key mask, so the fused kernel is not asked. Where it declines a call midway, the
+    Triton kernel takes the rows left."""
+    from tandem.attention import hybrid
+    from tandem.kernels import ops
+
+    asked = []
+
+    def stand_in(q, keys, values, scale):
+        assert q.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
+        asked.append((q.shape[2], keys.shape[2]))
+        if fused == "declines" and len(asked) == 2:
+            return None
+        out, lse = ops.attention_lse(q, keys, values, scale)
+        return out.to(q.dtype), lse
+
+    monkeypatch.setattr(ops, "fused_attention_runs", lambda device, dtype: fused != "off")
+    monkeypatch.setattr(ops, "fused_attention_lse", stand_in)
+    monkeypatch.setattr(hybrid, "FUSED_PIECES", (8, 4))
+    monkeypatch.setattr(hybrid, "FUSED_QUERY_STEP", 8)
+    monkeypatch.setattr(hybrid, "FUSED_MIN_QUERIES", 1)
     model = _tiny()
     ids = torch.randint(0, 128, (2, 75), generator=torch.Generator().manual_seed(8))
     mask = torch.ones_like(ids)
-    mask[1, :11] = 0
+    if padded:
+        mask[1, :11] = 0
     config = TandemConfig(policy="full", sink_tokens=4, window_tokens=16, block_size=4)
     logits = []
     for flash in (False, True):
@@ -160,6 +184,54 @@ def test_flash_append_matches_the_reference_append(monkeypatch):
         logits.append(runner.prefill(ids, mask, chunk_tokens=20))
         assert runner.cache.tandem_layers()[0].host.rows > 0
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    if fused == "off":
+        assert not asked
+        return
+    # 20-query chunks padded to 24, the last (15) to 16; pieces of 8 rows, then of 4
+    assert {q_len for q_len, _ in asked} == {24, 16} and {rows for _, rows in asked} == {8, 4}
+    # a host row that is padding: the Triton kernel attends every row, that one left out
+    layer = runner.cache.tandem_layers()[0]
+    q = torch.randn(2, layer.num_q_heads, 3, layer.head_dim)
+    k_new = torch.randn(2, layer.num_kv_heads, 3, layer.head_dim)
+    valid_new = torch.ones(2, 3, dtype=torch.bool)
+    with torch.inference_mode():
+        before = len(asked)
+        expected = hybrid._append_exact_flash(layer, q, k_new, k_new, valid_new, 0.3)
+        assert len(asked) > before
+        layer.host.valid[1, 0] = False
+        before = len(asked)
+        masked = hybrid._append_exact_flash(layer, q, k_new, k_new, valid_new, 0.3)
+    assert len(asked) == before
+    assert not torch.allclose(masked[1], expected[1])
+    torch.testing.assert_close(masked[0], expected[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_fused_host_rows_match_the_triton_kernel_on_cuda(monkeypatch):
+    """On CUDA a long chunk's host rows go through cuDNN's fused attention (`hybrid._fused_rows`) where it runs:
+    the chunked prefill's logits match those of the Triton kernel alone."""
+    from tandem.kernels import ops
+
+    model = tiny_model("Llama", hidden_size=256, max_position_embeddings=8192).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 6144), generator=torch.Generator().manual_seed(3)).cuda()
+    config = TandemConfig(policy="full", sink_tokens=4, window_tokens=256, block_size=16)
+    fused_calls, fused = [], ops.fused_attention_lse
+
+    def counted(*args):
+        result = fused(*args)
+        fused_calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ops, "fused_attention_lse", counted)
+    logits = []
+    for runs in (ops.fused_attention_runs, lambda device, dtype: False):
+        monkeypatch.setattr(ops, "fused_attention_runs", runs)
+        runner = TandemRunner(model, TandemCache.for_model(model, config))
+        logits.append(runner.prefill(ids, chunk_tokens=2048).float())
+    if not any(fused_calls):
+        pytest.skip("this torch's cuDNN declines the layout: the Triton kernel runs instead")
+    torch.testing.assert_close(logits[0], logits[1], atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -192,9 +192,9 @@ def prefill_attention(
         return out, lse
     valid = key_valid.view(torch.uint8) if key_valid is not None else lse  # a placeholder when absent
     valid_strides = key_valid.stride() if key_valid is not None else (0, 0)
-    block_m = _tile_rows(64 if q_len > 32 else 16, q.dtype, _block_d(head_dim))
+    tiles = _prefill_tiles(device, q.dtype, head_dim, q_len)
     with _guard(device):
-        _kernels.prefill_attention_kernel[(triton.cdiv(q_len, block_m), batch * num_q_heads)](
+        _kernels.prefill_attention_kernel[(triton.cdiv(q_len, tiles["BLOCK_M"]), batch * num_q_heads)](
             q, keys, values, valid, out, lse,
             q_len, num_keys, num_q_heads, num_q_heads // num_kv_heads,
             0 if causal_offset is None else int(causal_offset), float(scale),
@@ -202,16 +202,25 @@ def prefill_attention(
             *out.stride()[:3], *lse.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
-            BLOCK_M=block_m,
-            BLOCK_N=_tile_rows(64, keys.dtype, _block_d(head_dim)),
             HAS_VALID=key_valid is not None,
             CAUSAL=causal_offset is not None,
             ACCUMULATE=bool(accumulate),
             **_dot_options(q.dtype),
-            num_warps=4,
-            num_stages=2,
+            **tiles,
         )  # fmt: skip
     return out, lse
+
+
+def _prefill_tiles(device: torch.device, dtype: torch.dtype, head_dim: int, q_len: int) -> dict:
+    """`prefill_attention_kernel`'s tiles and launch: BLOCK_M queries by BLOCK_N keys a step, num_warps,
+    num_stages (K / V tiles in flight)."""
+    block_d = _block_d(head_dim)
+    return {
+        "BLOCK_M": _tile_rows(64 if q_len > 32 else 16, dtype, block_d),
+        "BLOCK_N": _tile_rows(64, dtype, block_d),
+        "num_warps": 4,
+        "num_stages": 2,
+    }
 
 
 def _pick_splits(device: torch.device, programs: int, width: int, block_size: int) -> int:
