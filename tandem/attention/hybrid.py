@@ -27,10 +27,13 @@ FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash
 # kernel's rate on an H200) in calls of these row counts, the largest that fit first, with the chunk's queries
 # padded to a multiple of FUSED_QUERY_STEP: cuDNN plans each new shape or stride layout before it first runs it
 # (40-60 ms), so its calls keep to a few shapes. The rows left under the smallest, and chunks of fewer than
-# FUSED_MIN_QUERIES queries, run on the Triton kernel.
+# FUSED_MIN_QUERIES queries, run on the Triton kernel. A process's first call loads cuDNN's engine (0.8 s), more
+# than a 32K prompt gains (about 0.15 s of 2 s): it is made once the host rows reach FUSED_MIN_HOST_ROWS, and
+# from then on for any chunk (a server's later prompts).
 FUSED_PIECES = (16384, 8192, 4096, 2048)
 FUSED_QUERY_STEP = 512
 FUSED_MIN_QUERIES = 1024
+FUSED_MIN_HOST_ROWS = 32768
 
 
 def attend(layer, q, k_new, v_new, valid_new, scale: float, pool: TaskPool, context=None) -> torch.Tensor:
@@ -159,9 +162,10 @@ def _append_exact_flash(layer, q, k_new, v_new, valid_new, scale):
 def _fused_queries(layer, q):
     """`q` as the fused kernel takes it for the layer's host rows (contiguous, padded with zero queries to a
     multiple of FUSED_QUERY_STEP, so that its shapes are few), or None where the Triton kernel attends them all:
-    fewer than FUSED_MIN_QUERIES queries, no fused kernel for q's device and dtype, a request split, or a host row
-    that is not a real token (padding needs the Triton kernel's key mask; read on the host tier's flags in host
-    memory, so nothing waits for the device)."""
+    fewer than FUSED_MIN_QUERIES queries, no fused kernel for q's device and dtype, a request split, fewer than
+    FUSED_MIN_HOST_ROWS host rows while the kernel has not run in this process, or a host row that is not a real
+    token (padding needs the Triton kernel's key mask; read on the host tier's flags in host memory, so nothing
+    waits for the device)."""
     host = layer.host
     q_len = q.shape[2]
     if (
@@ -169,6 +173,8 @@ def _fused_queries(layer, q):
         or layer.split is not None
         or not ops.fused_attention_runs(q.device, q.dtype)
     ):
+        return None
+    if host.rows < FUSED_MIN_HOST_ROWS and not ops.fused_attention_ran(q.device, q.dtype):
         return None
     if host.valid.is_cuda or not bool(host.valid[:, : host.rows].all()):
         return None

@@ -243,15 +243,21 @@ def fused_attention_lse(q, k, v, scale: float):
         )
     except torch.OutOfMemoryError:
         raise
-    except (
-        RuntimeError
-    ):  # this build's cuDNN refuses it (head dim, heads, strides, GPU): the caller's kernel runs
+    except (RuntimeError, TypeError):  # this build refuses it (head dim, heads, GPU; another signature)
         _FUSED_REFUSED.add((q.dtype, q.device))
         return None
+    _FUSED_RAN.add((q.dtype, q.device))
     return result[0], result[1].reshape(q.shape[:3])
 
 
+def fused_attention_ran(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `fused_attention_lse` has run in this process on `device` and `dtype`: its first call there loads
+    and builds cuDNN's engine (0.8 s on an H200), which a caller may not want to pay for a small gain."""
+    return (dtype, device) in _FUSED_RAN
+
+
 _FUSED_REFUSED: set = set()  # (dtype, device) that `fused_attention_lse` was refused on
+_FUSED_RAN: set = set()  # (dtype, device) where it has run
 
 
 def merge_lse(out_a, lse_a, out_b, lse_b):

@@ -143,7 +143,7 @@ def test_chunked_prefill_logits_equal_one_shot(device):
 
 
 @pytest.mark.skipif(not gpu_kernels.triton_available("cpu"), reason="no Triton interpreter")
-@pytest.mark.parametrize("fused", ["all", "declines", "off"])
+@pytest.mark.parametrize("fused", ["all", "declines", "off", "not yet"])
 @pytest.mark.parametrize("padded", [True, False])
 def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     """The exact append with `gpu.prefill_attention` (what CUDA runs) gives the reference path's logits; here
@@ -152,7 +152,8 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     Host rows that are all real tokens go through the fused kernel (cuDNN on CUDA; here a plain-torch stand-in)
     in calls of FUSED_PIECES rows, the queries padded, and the rest through the Triton kernel; a padding row
     needs the Triton kernel's key mask, so the fused kernel is not asked. Where it declines a call midway, the
-    Triton kernel takes the rows left."""
+    Triton kernel takes the rows left. Before the kernel has run in the process, host rows under
+    FUSED_MIN_HOST_ROWS do not ask it ("not yet")."""
     from tandem.attention import hybrid
     from tandem.kernels import ops
 
@@ -171,6 +172,8 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     monkeypatch.setattr(hybrid, "FUSED_PIECES", (8, 4))
     monkeypatch.setattr(hybrid, "FUSED_QUERY_STEP", 8)
     monkeypatch.setattr(hybrid, "FUSED_MIN_QUERIES", 1)
+    monkeypatch.setattr(hybrid, "FUSED_MIN_HOST_ROWS", 1 << 30 if fused == "not yet" else 0)
+    monkeypatch.setattr(ops, "fused_attention_ran", lambda device, dtype: False)
     model = _tiny()
     ids = torch.randint(0, 128, (2, 75), generator=torch.Generator().manual_seed(8))
     mask = torch.ones_like(ids)
@@ -184,7 +187,7 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
         logits.append(runner.prefill(ids, mask, chunk_tokens=20))
         assert runner.cache.tandem_layers()[0].host.rows > 0
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
-    if fused == "off":
+    if fused in ("off", "not yet"):
         assert not asked
         return
     # 20-query chunks padded to 24, the last (15) to 16; pieces of 8 rows, then of 4
@@ -211,6 +214,7 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
 def test_fused_host_rows_match_the_triton_kernel_on_cuda(monkeypatch):
     """On CUDA a long chunk's host rows go through cuDNN's fused attention (`hybrid._fused_rows`) where it runs:
     the chunked prefill's logits match those of the Triton kernel alone."""
+    from tandem.attention import hybrid
     from tandem.kernels import ops
 
     model = tiny_model("Llama", hidden_size=256, max_position_embeddings=8192).to("cuda", torch.bfloat16)
@@ -224,6 +228,7 @@ def test_fused_host_rows_match_the_triton_kernel_on_cuda(monkeypatch):
         return result
 
     monkeypatch.setattr(ops, "fused_attention_lse", counted)
+    monkeypatch.setattr(hybrid, "FUSED_MIN_HOST_ROWS", 0)  # a 6K prompt's rows ask the kernel
     logits = []
     for runs in (ops.fused_attention_runs, lambda device, dtype: False):
         monkeypatch.setattr(ops, "fused_attention_runs", runs)
