@@ -192,7 +192,7 @@ def prefill_attention(
         return out, lse
     valid = key_valid.view(torch.uint8) if key_valid is not None else lse  # a placeholder when absent
     valid_strides = key_valid.stride() if key_valid is not None else (0, 0)
-    tiles = _prefill_tiles(device, q.dtype, head_dim, q_len)
+    tiles = _prefill_tiles(q.dtype, head_dim, q_len)
     with _guard(device):
         _kernels.prefill_attention_kernel[(triton.cdiv(q_len, tiles["BLOCK_M"]), batch * num_q_heads)](
             q, keys, values, valid, out, lse,
@@ -211,7 +211,7 @@ def prefill_attention(
     return out, lse
 
 
-def _prefill_tiles(device: torch.device, dtype: torch.dtype, head_dim: int, q_len: int) -> dict:
+def _prefill_tiles(dtype: torch.dtype, head_dim: int, q_len: int) -> dict:
     """`prefill_attention_kernel`'s tiles and launch: BLOCK_M queries by BLOCK_N keys a step, num_warps,
     num_stages (K / V tiles in flight)."""
     block_d = _block_d(head_dim)
