@@ -28,7 +28,7 @@ FLASH_KEY_CHUNK = 16384  # host rows per piece streamed to the GPU for the flash
 # padded to a multiple of FUSED_QUERY_STEP: cuDNN plans each new shape or stride layout before it first runs it
 # (40-60 ms), so its calls keep to a few shapes. The rows left under the smallest, and chunks of fewer than
 # FUSED_MIN_QUERIES queries, run on the Triton kernel. A process's first call loads cuDNN's engine (0.8 s), more
-# than a 32K prompt gains (about 0.15 s of 2 s): it is made once the host rows reach FUSED_MIN_HOST_ROWS, and
+# than a 32K prompt can gain (at most 0.15 s of 2 s): it is made once the host rows reach FUSED_MIN_HOST_ROWS, and
 # from then on for any chunk (a server's later prompts).
 FUSED_PIECES = (16384, 8192, 4096, 2048)
 FUSED_QUERY_STEP = 512
