@@ -152,8 +152,8 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     Host rows that are all real tokens go through the fused kernel (cuDNN on CUDA; here a plain-torch stand-in)
     in calls of FUSED_PIECES rows, the queries padded, and the rest through the Triton kernel; a padding row
     needs the Triton kernel's key mask, so the fused kernel is not asked. Where it declines a call midway, the
-    Triton kernel takes the rows left. Before the kernel has run in the process, host rows under
-    FUSED_MIN_HOST_ROWS do not ask it ("not yet")."""
+    Triton kernel takes the rows left. Host rows under FUSED_MIN_HOST_ROWS ask it only once it has run in the
+    process (else "not yet")."""
     from tandem.attention import hybrid
     from tandem.kernels import ops
 
@@ -172,8 +172,9 @@ def test_flash_append_matches_the_reference_append(monkeypatch, padded, fused):
     monkeypatch.setattr(hybrid, "FUSED_PIECES", (8, 4))
     monkeypatch.setattr(hybrid, "FUSED_QUERY_STEP", 8)
     monkeypatch.setattr(hybrid, "FUSED_MIN_QUERIES", 1)
-    monkeypatch.setattr(hybrid, "FUSED_MIN_HOST_ROWS", 1 << 30 if fused == "not yet" else 0)
-    monkeypatch.setattr(ops, "fused_attention_ran", lambda device, dtype: False)
+    # fewer host rows than FUSED_MIN_HOST_ROWS: asked only once the kernel has run in the process
+    monkeypatch.setattr(hybrid, "FUSED_MIN_HOST_ROWS", 1 << 30)
+    monkeypatch.setattr(ops, "fused_attention_ran", lambda device, dtype: fused != "not yet")
     model = _tiny()
     ids = torch.randint(0, 128, (2, 75), generator=torch.Generator().manual_seed(8))
     mask = torch.ones_like(ids)
