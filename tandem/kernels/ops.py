@@ -167,8 +167,7 @@ def causal_attention_lse(q, k, v, scale: float):
         q.shape[2] == k.shape[2], f"q and k must hold one length of tokens, got {q.shape[2]} and {k.shape[2]}"
     )
     if _cpu_flash_runs(q, k):
-        q, k, v = (t if t.dtype == torch.float32 else t.float() for t in (q, k, v))
-        return _CPU_FLASH(q, k, v, 0.0, True, scale=scale)
+        return _cpu_flash_lse(q, k, v, scale, None, causal=True)
     mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     return reference.attention_lse(q, k, v, scale, mask.expand(q.shape[0], -1, -1))
 
@@ -190,17 +189,18 @@ def _cpu_flash_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
-def _cpu_flash_lse(q, k, v, scale: float, key_mask):
+def _cpu_flash_lse(q, k, v, scale: float, key_mask, causal: bool = False):
     """`reference.attention_lse` by torch's flash attention for the CPU: in float32 (as the reference), the key
-    mask as an additive one, grouped-query heads in place. That kernel gives a query with no key to attend out 0
-    and lse 0: here lse -inf, as the reference and every merge expect."""
+    mask as an additive one, grouped-query heads in place; `causal`: query i over keys 0 .. i (no mask). That
+    kernel gives a query with no key to attend out 0 and lse 0: here lse -inf, as the reference and every merge
+    expect."""
     q, k, v = (t if t.dtype == torch.float32 else t.float() for t in (q, k, v))
     mask = empty = None
     if key_mask is not None:
         attend = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
         mask = torch.zeros(attend.shape, dtype=torch.float32).masked_fill_(~attend, float("-inf"))
         empty = ~key_mask.any(dim=-1)  # [B] or [B, Lq]
-    out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    out, lse = _CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     if empty is not None and bool(empty.any()):
         rows = (empty[:, None, None] if empty.dim() == 1 else empty[:, None, :]).expand(lse.shape)
         lse = lse.masked_fill(rows, float("-inf"))
